@@ -1,0 +1,38 @@
+# Everything a fresh clone needs is one command away: `make run` or `make test` install first.
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+export HOOKLINE_AMQP_URL ?= amqp://guest:guest@localhost:5672/
+
+.PHONY: install run test lint unit bench clean
+
+install: $(STAMP)
+
+# Reinstall when the dependencies change, or when a module is added or removed (the editable install
+# links each file, so a directory's mtime is what tells).
+$(STAMP): pyproject.toml constraints.txt $(shell find shared services -type d -not -name __pycache__)
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q -c constraints.txt -e '.[dev]' --config-settings editable_mode=strict
+	@touch $(STAMP)
+
+run: $(STAMP)
+	@scripts/run-local.sh
+
+lint: $(STAMP)
+	$(BIN)/ruff check shared services tests bench
+	$(BIN)/ruff format --check shared services tests bench
+	$(BIN)/mypy -p hookline.shared -p hookline.ingest -p hookline.dispatcher -p hookline.health_monitor
+
+unit: $(STAMP)
+	$(BIN)/pytest tests/unit -q
+
+test: lint
+	$(BIN)/pytest -q
+
+bench: $(STAMP)
+	$(BIN)/python -m bench.run
+
+clean:
+	rm -rf $(VENV) build *.egg-info .mypy_cache .pytest_cache .ruff_cache

@@ -1,0 +1,1 @@
+"""The dispatcher service: consumes endpoint queues, signs, POSTs, and settles every message exactly once."""

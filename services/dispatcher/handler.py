@@ -1,0 +1,200 @@
+"""One message from an endpoint queue, handled to exactly one settlement.
+
+Every message ends in one of: acked after a 2xx; acked after its dead letter was confirmed; or handed
+back to the broker (requeued) to be tried again. A handler that is cancelled (shutdown) leaves its
+message unacked, so the broker redelivers it; nothing is acked before its outcome is recorded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from datetime import UTC, datetime
+
+import structlog
+from aio_pika.abc import AbstractExchange, AbstractIncomingMessage
+from hookline.dispatcher import inbound, metrics
+from hookline.dispatcher.delivery import AttemptResult, DeliveryClient
+from hookline.dispatcher.outcome import Outcome, classify
+from hookline.shared import __version__, signing
+from hookline.shared.amqp import BROKER_ERRORS
+from hookline.shared.deadletters import dead_letter_message
+from hookline.shared.models import DeadLetterReason, StoredEndpoint
+from hookline.shared.registry import EndpointRegistry
+from hookline.shared.settings import DispatcherSettings
+
+log = structlog.get_logger(__name__)
+
+USER_AGENT = f"hookline/{__version__}"
+
+# Until retries go through the delay queues, a failed attempt is handed back to the broker after this
+# pause, so a failing endpoint is not hammered in a tight loop. The delivery limit bounds the loop.
+REQUEUE_PAUSE_S = 1.0
+
+
+class Handler:
+    def __init__(
+        self,
+        settings: DispatcherSettings,
+        registry: EndpointRegistry,
+        client: DeliveryClient,
+        dead_letters: AbstractExchange,
+    ) -> None:
+        self._settings = settings
+        self._registry = registry
+        self._client = client
+        self._dead_letters = dead_letters
+        self._signing_keys: dict[str, tuple[str, list[bytes]]] = {}
+
+    async def handle(self, endpoint_id: str, message: AbstractIncomingMessage) -> None:
+        endpoint = self._registry.get(endpoint_id)
+        if endpoint is None:
+            # Deleted while this message was on its way: the ingest moves the queue's rest to dead letters.
+            await message.reject(requeue=True)
+            return
+        parsed = inbound.parse(
+            message.body,
+            message_id=message.message_id,
+            content_type=message.content_type,
+            exchange=message.exchange,
+            routing_key=message.routing_key,
+            headers=message.headers,
+            endpoint_tenant=endpoint.tenant,
+            max_bytes=self._settings.max_payload_bytes,
+        )
+        if isinstance(parsed, inbound.Invalid):
+            await self._dead_letter(
+                message,
+                endpoint,
+                DeadLetterReason.INVALID_EVENT,
+                event_id=parsed.event_id,
+                attempts=0,
+                last_status=None,
+                last_error=parsed.reason,
+            )
+            await message.ack()
+            log.warning(
+                "event_invalid",
+                endpoint_id=endpoint.id,
+                tenant=endpoint.tenant,
+                event_id=parsed.event_id,
+                reason=parsed.reason,
+            )
+            return
+
+        event = parsed.event
+        result = await self._attempt(endpoint, event.id, message.body)
+        outcome = classify(result.status, result.error)
+        metrics.ATTEMPTS.labels(outcome.value).inc()
+        metrics.ATTEMPT_SECONDS.observe(result.timings.total_ms / 1000)
+        log.info(
+            "delivery_attempt",
+            event_id=event.id,
+            endpoint_id=endpoint.id,
+            tenant=event.tenant,
+            type=event.type,
+            attempt=parsed.attempt,
+            status=result.status,
+            outcome=outcome.value,
+            error=result.error,
+            duration_ms=result.timings.total_ms,
+            dns_ms=result.timings.dns_ms,
+            connect_ms=result.timings.connect_ms,
+            first_byte_ms=result.timings.first_byte_ms,
+        )
+        await self._settle(message, endpoint, event.id, parsed.attempt, outcome, result)
+
+    async def _attempt(self, endpoint: StoredEndpoint, event_id: str, body: bytes) -> AttemptResult:
+        timestamp_s = int(time.time())
+        headers = {
+            "content-type": "application/json",
+            "webhook-id": event_id,
+            "webhook-timestamp": str(timestamp_s),
+            "webhook-signature": signing.signature_header(self._keys(endpoint), event_id, timestamp_s, body),
+        }
+        return await self._client.post(endpoint.url, body, headers, timeout_s=endpoint.timeout_s)
+
+    def _keys(self, endpoint: StoredEndpoint) -> list[bytes]:
+        # Decoding the secrets once per endpoint version keeps base64 off the hot path.
+        cached = self._signing_keys.get(endpoint.id)
+        version = endpoint.updated_at.isoformat()
+        if cached is None or cached[0] != version:
+            cached = (version, [signing.secret_key(secret.value) for secret in endpoint.secrets])
+            self._signing_keys[endpoint.id] = cached
+        return cached[1]
+
+    async def _settle(
+        self,
+        message: AbstractIncomingMessage,
+        endpoint: StoredEndpoint,
+        event_id: str,
+        attempt: int,
+        outcome: Outcome,
+        result: AttemptResult,
+    ) -> None:
+        if outcome is Outcome.SUCCESS:
+            await message.ack()
+        elif outcome is Outcome.RETRY:
+            await asyncio.sleep(REQUEUE_PAUSE_S)
+            await message.nack(requeue=True)
+        else:
+            await self._dead_letter(
+                message,
+                endpoint,
+                DeadLetterReason.PERMANENT_STATUS,
+                event_id=event_id,
+                attempts=attempt,
+                last_status=result.status,
+                last_error=result.detail,
+            )
+            await message.ack()
+
+    async def _dead_letter(
+        self,
+        message: AbstractIncomingMessage,
+        endpoint: StoredEndpoint,
+        reason: DeadLetterReason,
+        *,
+        event_id: str | None,
+        attempts: int,
+        last_status: int | None,
+        last_error: str,
+    ) -> None:
+        """Publish the dead letter and wait for the broker's confirm; the caller acks only after this."""
+        await self._dead_letters.publish(
+            dead_letter_message(
+                message.body,
+                reason=reason,
+                endpoint_id=endpoint.id,
+                tenant=endpoint.tenant,
+                event_id=event_id,
+                attempts=attempts,
+                last_status=last_status,
+                last_error=last_error,
+                now=datetime.now(UTC),
+                content_type=message.content_type,
+            ),
+            routing_key="",
+        )
+        metrics.DEAD_LETTERS.labels(reason.value).inc()
+
+
+async def handle_safely(handler: Handler, endpoint_id: str, message: AbstractIncomingMessage) -> None:
+    """The consumer callback: a crash requeues the message (counted toward the poison limit), and a
+    lost channel leaves it to the broker to redeliver; neither stops the dispatcher."""
+    metrics.IN_FLIGHT.inc()
+    try:
+        await handler.handle(endpoint_id, message)
+    except BROKER_ERRORS as exc:
+        # The channel went away mid-settlement: the broker redelivers what was not acked.
+        log.warning("settle_failed", endpoint_id=endpoint_id, error=type(exc).__name__)
+    except Exception as exc:
+        log.error("handler_crashed", endpoint_id=endpoint_id, error=type(exc).__name__, exc_info=exc)
+        # reject (not nack) counts toward x-delivery-limit on every RabbitMQ version, so a message that
+        # keeps crashing the handler is dead-lettered by the broker instead of looping for ever.
+        await asyncio.sleep(REQUEUE_PAUSE_S)
+        with contextlib.suppress(*BROKER_ERRORS):
+            await message.reject(requeue=True)
+    finally:
+        metrics.IN_FLIGHT.dec()

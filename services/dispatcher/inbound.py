@@ -1,0 +1,85 @@
+"""Reading a message off an endpoint queue: the event inside it, or the reason it is not one.
+
+Upstreams may publish anything to ``events``; whatever fails these checks is dead-lettered as
+``invalid_event`` with the reason, never retried and never dropped.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from hookline.shared import topology
+from hookline.shared.headers import Header
+from hookline.shared.models import Event
+from pydantic import ValidationError
+
+_MAX_REASONS = 3
+
+
+@dataclass(frozen=True, slots=True)
+class Inbound:
+    event: Event
+    attempt: int  # the attempt this delivery is, starting at 1
+    first_attempt_at_s: float | None  # unix seconds of attempt 1, when this is a retry
+
+
+@dataclass(frozen=True, slots=True)
+class Invalid:
+    reason: str
+    event_id: str | None
+
+
+def parse(
+    body: bytes,
+    *,
+    message_id: str | None,
+    content_type: str | None,
+    exchange: str | None,
+    routing_key: str | None,
+    headers: Mapping[str, Any] | None,
+    endpoint_tenant: str,
+    max_bytes: int,
+) -> Inbound | Invalid:
+    """Check a message against the event contract (DESIGN.md, "The event")."""
+    if len(body) > max_bytes:
+        return Invalid(f"body is {len(body)} bytes, over the limit of {max_bytes}", message_id)
+    if (content_type or "").split(";")[0].strip().lower() != "application/json":
+        return Invalid(f"content_type must be application/json, not {content_type!r}", message_id)
+    if not message_id:
+        return Invalid("message_id property is missing (it must be the event id)", None)
+    try:
+        event = Event.model_validate_json(body)
+    except ValidationError as exc:
+        return Invalid(_describe(exc), message_id)
+    if event.id != message_id:
+        return Invalid(f"message_id {message_id!r} differs from the body's id", message_id)
+    if exchange == topology.EVENTS_EXCHANGE and routing_key != topology.event_routing_key(
+        event.tenant, event.type
+    ):
+        return Invalid(f"routing key {routing_key!r} does not match the body's tenant and type", event.id)
+    if event.tenant != endpoint_tenant:
+        return Invalid("the event's tenant is not the endpoint's tenant", event.id)
+    headers = headers or {}
+    return Inbound(
+        event=event,
+        attempt=_positive_int(headers.get(Header.ATTEMPT), default=1),
+        first_attempt_at_s=_float(headers.get(Header.FIRST_ATTEMPT_AT)),
+    )
+
+
+def _describe(exc: ValidationError) -> str:
+    parts = []
+    for error in exc.errors()[:_MAX_REASONS]:
+        field = ".".join(str(part) for part in error["loc"]) or "body"
+        parts.append(f"{field}: {error['msg']}")
+    return "; ".join(parts)
+
+
+def _positive_int(value: object, *, default: int) -> int:
+    return value if isinstance(value, int) and value >= 1 else default
+
+
+def _float(value: object) -> float | None:
+    return float(value) if isinstance(value, int | float) else None

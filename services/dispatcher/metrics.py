@@ -1,0 +1,64 @@
+"""The dispatcher's Prometheus metrics and the small HTTP server that exposes them with its probes."""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+
+import prometheus_client
+import structlog
+from aiohttp import web
+
+log = structlog.get_logger(__name__)
+
+ATTEMPTS = prometheus_client.Counter(
+    "hookline_delivery_attempts", "Delivery attempts by outcome.", ["outcome"]
+)
+ATTEMPT_SECONDS = prometheus_client.Histogram(
+    "hookline_delivery_attempt_seconds",
+    "Duration of delivery attempts (request start to response headers, or the error).",
+    buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 15, 30),
+)
+DEAD_LETTERS = prometheus_client.Counter(
+    "hookline_dead_letters", "Messages dead-lettered, by reason.", ["reason"]
+)
+IN_FLIGHT = prometheus_client.Gauge("hookline_dispatcher_in_flight", "Deliveries being handled now.")
+CONSUMERS = prometheus_client.Gauge(
+    "hookline_dispatcher_consumers", "Endpoint queues this dispatcher consumes."
+)
+
+
+@asynccontextmanager
+async def probe_server(host: str, port: int, *, is_ready: Callable[[], bool]) -> AsyncIterator[int]:
+    """Serve ``/metrics``, ``/healthz`` and ``/readyz``; yields the bound port (``port=0`` picks one)."""
+
+    async def metrics(_: web.Request) -> web.Response:
+        return web.Response(
+            body=prometheus_client.generate_latest(),
+            headers={"Content-Type": prometheus_client.CONTENT_TYPE_LATEST},
+        )
+
+    async def healthz(_: web.Request) -> web.Response:
+        return web.json_response({"status": "ok"})
+
+    async def readyz(_: web.Request) -> web.Response:
+        if is_ready():
+            return web.json_response({"status": "ready"})
+        return web.json_response(
+            {"error": "not_ready", "message": "not consuming yet", "details": []}, status=503
+        )
+
+    app = web.Application()
+    app.add_routes([web.get("/metrics", metrics), web.get("/healthz", healthz), web.get("/readyz", readyz)])
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    sock = socket.create_server((host, port), reuse_port=False)
+    site = web.SockSite(runner, sock)
+    await site.start()
+    bound_port: int = sock.getsockname()[1]
+    log.info("probe_server_listening", host=host, port=bound_port)
+    try:
+        yield bound_port
+    finally:
+        await runner.cleanup()

@@ -1,0 +1,173 @@
+"""The dispatcher process: follows the endpoint log, consumes every active endpoint's queue, and stops cleanly.
+
+Any number of replicas run side by side; each consumes every endpoint queue (competing consumers),
+with a per-endpoint prefetch so that one slow endpoint can hold at most that many of a replica's
+deliveries.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from functools import partial
+
+import structlog
+from aio_pika.abc import AbstractRobustChannel, AbstractRobustConnection, AbstractRobustQueue
+from hookline.dispatcher import metrics
+from hookline.dispatcher.delivery import DeliveryClient
+from hookline.dispatcher.handler import USER_AGENT, Handler, handle_safely
+from hookline.shared import amqp, lifecycle, registry, topology
+from hookline.shared import logging as hookline_logging
+from hookline.shared.models import EndpointStatus, StoredEndpoint
+from hookline.shared.registry import EndpointRegistry
+from hookline.shared.settings import DispatcherSettings, load
+
+log = structlog.get_logger(__name__)
+
+
+class Consumers:
+    """Keeps one consumer per active endpoint, following the registry. Changes are applied one at a
+    time by a single task, so a quick create-then-delete can never leave a consumer behind."""
+
+    def __init__(self, channel: AbstractRobustChannel, registry: EndpointRegistry, handler: Handler) -> None:
+        self._channel = channel
+        self._registry = registry
+        self._handler = handler
+        self._active: dict[str, tuple[AbstractRobustQueue, str]] = {}
+        self._changed: asyncio.Queue[str | None] = asyncio.Queue()
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._stopping = False
+
+    def on_change(self, before: StoredEndpoint | None, after: StoredEndpoint | None) -> None:
+        endpoint_id = (after or before).id  # type: ignore[union-attr]
+        self._changed.put_nowait(endpoint_id)
+
+    async def run(self) -> None:
+        """Apply changes until :meth:`stop_intake`. Never cancelled mid-way: aiormq closes a channel
+        whose RPC is cancelled."""
+        for endpoint in self._registry.all():
+            await self._reconcile(endpoint.id)
+        while (endpoint_id := await self._changed.get()) is not None:
+            await self._reconcile(endpoint_id)
+
+    async def _reconcile(self, endpoint_id: str) -> None:
+        endpoint = self._registry.get(endpoint_id)
+        wanted = endpoint is not None and endpoint.status is EndpointStatus.ACTIVE and not self._stopping
+        if wanted and endpoint_id not in self._active:
+            assert endpoint is not None
+            queue = await topology.endpoint_queue_declare(
+                self._channel, endpoint_id, ordered=endpoint.ordered
+            )
+            tag = await queue.consume(partial(self._on_message, endpoint_id))
+            self._active[endpoint_id] = (queue, tag)
+        elif not wanted and endpoint_id in self._active:
+            queue, tag = self._active.pop(endpoint_id)
+            await queue.cancel(tag)
+        metrics.CONSUMERS.set(len(self._active))
+
+    async def _on_message(self, endpoint_id: str, message: object) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self._tasks.add(task)
+        try:
+            await handle_safely(self._handler, endpoint_id, message)  # type: ignore[arg-type]
+        finally:
+            self._tasks.discard(task)
+
+    @property
+    def consuming(self) -> int:
+        return len(self._active)
+
+    async def stop_intake(self, reconciler: asyncio.Task[None]) -> None:
+        """Cancel every consumer: the broker sends nothing more; what was delivered is still ours."""
+        self._stopping = True
+        self._changed.put_nowait(None)
+        await reconciler
+        for queue, tag in self._active.values():
+            # A channel already gone has stopped delivering anyway.
+            with contextlib.suppress(*amqp.BROKER_ERRORS):
+                await queue.cancel(tag)
+        self._active.clear()
+
+    async def drain(self, grace_s: float) -> int:
+        """Wait up to ``grace_s`` for in-flight deliveries; cancel the rest. Returns how many were cancelled.
+
+        A cancelled delivery's message stays unacked, so the broker redelivers it when the channel closes.
+        """
+        if self._tasks:
+            await asyncio.wait(set(self._tasks), timeout=grace_s)
+        leftovers = set(self._tasks)
+        for task in leftovers:
+            task.cancel()
+        if leftovers:
+            await asyncio.wait(leftovers, timeout=5)
+        return len(leftovers)
+
+
+@asynccontextmanager
+async def dispatching(
+    settings: DispatcherSettings,
+    connection: AbstractRobustConnection,
+    endpoint_registry: EndpointRegistry,
+    client: DeliveryClient,
+) -> AsyncIterator[Consumers]:
+    publisher = await connection.channel(publisher_confirms=True, on_return_raises=True)
+    consumer_channel = await connection.channel()
+    # Per consumer (global_=False): each endpoint gets its own window of unacked deliveries.
+    await consumer_channel.set_qos(prefetch_count=settings.prefetch_per_endpoint)
+    handler = Handler(settings, endpoint_registry, client, await topology.dead_letter_exchange(publisher))
+    consumers = Consumers(consumer_channel, endpoint_registry, handler)
+    endpoint_registry.subscribe(consumers.on_change)
+    reconciler = asyncio.create_task(consumers.run(), name="consumers")
+    try:
+        yield consumers
+    finally:
+        # Shutdown, in order:
+        # 1. stop taking work, so the drain below can finish;
+        await consumers.stop_intake(reconciler)
+        # 2. let in-flight deliveries finish and settle within the grace period;
+        cancelled = await consumers.drain(settings.shutdown_grace_s)
+        log.info("dispatcher_drained", cancelled=cancelled)
+        # 3. close the channels: whatever is still unacked goes back to its queue.
+        for channel in (consumer_channel, publisher):
+            with contextlib.suppress(*amqp.BROKER_ERRORS):
+                await channel.close()
+
+
+def main() -> None:
+    settings = load(DispatcherSettings)
+    hookline_logging.configure(service="dispatcher", level=settings.log_level)
+
+    async def run() -> None:
+        await serve(settings, lifecycle.stop_event())
+
+    lifecycle.run(run)
+
+
+async def serve(settings: DispatcherSettings, stopping: asyncio.Event) -> None:
+    """Run one dispatcher until ``stopping`` is set, then shut down in order (see :func:`dispatching`)."""
+    endpoint_registry = EndpointRegistry()
+    async with (
+        amqp.connection(
+            settings.amqp_url, name="hookline-dispatcher", connect_timeout_s=settings.connect_timeout_s
+        ) as connection,
+        DeliveryClient(max_connections=settings.http_max_connections, user_agent=USER_AGENT) as client,
+    ):
+        setup = await connection.channel()
+        await topology.declare_core(setup)
+        await setup.close()
+        async with (
+            registry.follow(connection, endpoint_registry, sync_timeout_s=settings.connect_timeout_s),
+            dispatching(settings, connection, endpoint_registry, client) as consumers,
+            metrics.probe_server(
+                settings.dispatcher_metrics_host,
+                settings.dispatcher_metrics_port,
+                is_ready=lambda: not connection.is_closed,
+            ),
+        ):
+            log.info("dispatcher_ready", endpoints=len(endpoint_registry))
+            await stopping.wait()
+            log.info("dispatcher_stopping", consuming=consumers.consuming)
+    log.info("dispatcher_stopped")

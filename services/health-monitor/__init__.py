@@ -1,0 +1,1 @@
+"""The health-monitor service: latency percentiles, circuit breakers, alerts, status."""

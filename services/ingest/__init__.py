@@ -1,0 +1,1 @@
+"""The ingest service: the HTTP API for events and endpoints."""

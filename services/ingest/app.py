@@ -1,0 +1,78 @@
+"""The ingest HTTP application and its lifespan: one broker connection, the endpoint log, the routes."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import structlog
+from fastapi import Depends, FastAPI
+from hookline.ingest import endpoints, events
+from hookline.ingest.state import IngestState
+from hookline.shared import __version__, amqp, lifecycle, registry, topology
+from hookline.shared import logging as hookline_logging
+from hookline.shared.api import BodyLimit, bearer_token_guard, install_error_handlers, probes_router, serve
+from hookline.shared.settings import IngestSettings, load
+
+log = structlog.get_logger(__name__)
+
+# Enough for an event at the payload limit plus its envelope (ids, type, timestamps).
+_ENVELOPE_SLACK_BYTES = 8192
+
+
+def create_app(settings: IngestSettings) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        async with amqp.connection(
+            settings.amqp_url, name="hookline-ingest", connect_timeout_s=settings.connect_timeout_s
+        ) as connection:
+            setup = await connection.channel()
+            await topology.declare_core(setup)
+            await setup.close()
+            publisher = await connection.channel(publisher_confirms=True, on_return_raises=True)
+            admin = await connection.channel(publisher_confirms=True, on_return_raises=True)
+            endpoint_registry = registry.EndpointRegistry()
+            async with registry.follow(
+                connection, endpoint_registry, sync_timeout_s=settings.connect_timeout_s
+            ) as change_log:
+                app.state.ingest = IngestState(
+                    settings=settings,
+                    connection=connection,
+                    change_log=change_log,
+                    registry=endpoint_registry,
+                    publisher=publisher,
+                    events=await topology.events_exchange(publisher),
+                    dead_letters=await topology.dead_letter_exchange(admin),
+                    admin=admin,
+                )
+                log.info("ingest_ready", endpoints=len(endpoint_registry))
+                yield
+
+    app = FastAPI(title="hookline ingest", version=__version__, lifespan=lifespan)
+    install_error_handlers(app)
+    app.add_middleware(BodyLimit, max_bytes=settings.max_payload_bytes + _ENVELOPE_SLACK_BYTES)
+    guard = Depends(bearer_token_guard(settings.api_token.get_secret_value()))
+    app.include_router(events.router, dependencies=[guard])
+    app.include_router(endpoints.router, dependencies=[guard])
+    app.include_router(probes_router(lambda: _ready(app)))
+    return app
+
+
+def _ready(app: FastAPI) -> bool:
+    state: IngestState | None = getattr(app.state, "ingest", None)
+    return state is not None and state.is_ready()
+
+
+def main() -> None:
+    settings = load(IngestSettings)
+    hookline_logging.configure(service="ingest", level=settings.log_level)
+
+    async def run() -> None:
+        await serve(
+            create_app(settings),
+            host=settings.ingest_host,
+            port=settings.ingest_port,
+            grace_s=settings.shutdown_grace_s,
+        )
+
+    lifecycle.run(run)

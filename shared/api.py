@@ -1,0 +1,193 @@
+"""Conventions every hookline HTTP API shares: bearer tokens, error bodies, body limits, probes, metrics.
+
+Errors always have the shape ``{"error": <code>, "message": <text>, "details": [{"field", "message"}]}``,
+so a client can show which field was wrong; no stack trace or secret ever reaches a response.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+from collections.abc import Callable, Generator, Sequence
+from typing import Any
+
+import prometheus_client
+import structlog
+import uvicorn
+from fastapi import APIRouter, FastAPI, Request, Response
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from hookline.shared import lifecycle
+from hookline.shared.models import ErrorBody, ErrorDetail
+from pydantic import ValidationError
+from pydantic_core import ErrorDetails
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+log = structlog.get_logger(__name__)
+
+
+class ApiError(Exception):
+    """An error with a status, a stable code and a message safe to show the caller."""
+
+    def __init__(self, status: int, code: str, message: str, details: Sequence[ErrorDetail] = ()) -> None:
+        super().__init__(message)
+        self.status = status
+        self.code = code
+        self.message = message
+        self.details = list(details)
+
+
+def error_response(status: int, code: str, message: str, details: Sequence[ErrorDetail] = ()) -> JSONResponse:
+    body = ErrorBody(error=code, message=message, details=list(details))
+    headers = {"WWW-Authenticate": "Bearer"} if status == 401 else None
+    return JSONResponse(body.model_dump(mode="json"), status_code=status, headers=headers)
+
+
+def _field_name(location: Sequence[int | str]) -> str | None:
+    parts = [str(part) for part in location if part != "body"]
+    return ".".join(parts) or None
+
+
+def invalid_input(errors: Sequence[ErrorDetails] | Sequence[Any]) -> ApiError:
+    """Turn pydantic errors into a 400 (body is not JSON) or a 422 naming every bad field."""
+    details = [ErrorDetail(field=_field_name(error["loc"]), message=error["msg"]) for error in errors]
+    if any(error["type"] == "json_invalid" for error in errors):
+        return ApiError(400, "malformed_json", "the request body is not valid JSON", details)
+    fields = ", ".join(sorted({detail.field for detail in details if detail.field})) or "body"
+    return ApiError(422, "invalid_fields", f"invalid value for: {fields}", details)
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    async def on_api_error(_: Request, exc: Exception) -> Response:
+        assert isinstance(exc, ApiError)
+        return error_response(exc.status, exc.code, exc.message, exc.details)
+
+    async def on_request_validation(_: Request, exc: Exception) -> Response:
+        assert isinstance(exc, RequestValidationError)
+        return await on_api_error(_, invalid_input(exc.errors()))
+
+    async def on_pydantic_validation(_: Request, exc: Exception) -> Response:
+        assert isinstance(exc, ValidationError)
+        return await on_api_error(_, invalid_input(exc.errors()))
+
+    async def on_http_error(_: Request, exc: Exception) -> Response:
+        assert isinstance(exc, StarletteHTTPException)
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
+        return error_response(exc.status_code, code, str(exc.detail))
+
+    async def on_unexpected(request: Request, exc: Exception) -> Response:
+        log.error("unhandled_error", path=request.url.path, error=type(exc).__name__, exc_info=exc)
+        return error_response(500, "internal_error", "internal error; see the service log")
+
+    app.add_exception_handler(ApiError, on_api_error)
+    app.add_exception_handler(RequestValidationError, on_request_validation)
+    app.add_exception_handler(ValidationError, on_pydantic_validation)
+    app.add_exception_handler(StarletteHTTPException, on_http_error)
+    app.add_exception_handler(Exception, on_unexpected)
+
+
+def bearer_token_guard(token: str) -> Callable[[Request], None]:
+    """A dependency that admits only requests carrying ``Authorization: Bearer <token>``."""
+    expected = token.encode()
+
+    def guard(request: Request) -> None:
+        scheme, _, presented = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(presented.strip().encode(), expected):
+            raise ApiError(401, "unauthorized", "a valid bearer token is required")
+
+    return guard
+
+
+class BodyLimit:
+    """Answer 413 before reading more than ``max_bytes`` of a request body (declared or streamed)."""
+
+    def __init__(self, app: ASGIApp, *, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope["headers"]).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
+            await self._too_large(scope, receive, send)
+            return
+        seen = 0
+
+        async def limited_receive() -> Message:
+            nonlocal seen
+            message = await receive()
+            seen += len(message.get("body", b""))
+            if seen > self.max_bytes:
+                raise ApiError(413, "payload_too_large", self._message())
+            return message
+
+        await self.app(scope, limited_receive, send)
+
+    def _message(self) -> str:
+        return f"the request body exceeds the limit of {self.max_bytes} bytes (HOOKLINE_MAX_PAYLOAD_BYTES)"
+
+    async def _too_large(self, scope: Scope, receive: Receive, send: Send) -> None:
+        response = error_response(413, "payload_too_large", self._message())
+        await response(scope, receive, send)
+
+
+def probes_router(is_ready: Callable[[], bool]) -> APIRouter:
+    """``/healthz`` (the process answers), ``/readyz`` (it can do its work) and ``/metrics``."""
+    router = APIRouter(include_in_schema=False)
+
+    @router.get("/healthz")
+    async def healthz() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @router.get("/readyz")
+    async def readyz() -> Response:
+        if is_ready():
+            return JSONResponse({"status": "ready"})
+        return error_response(503, "not_ready", "not connected to the broker or the endpoint log yet")
+
+    @router.get("/metrics")
+    async def metrics() -> Response:
+        return Response(prometheus_client.generate_latest(), media_type=prometheus_client.CONTENT_TYPE_LATEST)
+
+    return router
+
+
+class _Server(uvicorn.Server):
+    # uvicorn re-raises the signal it caught once it has stopped, which makes the process die "by
+    # SIGTERM" instead of exiting 0; the service's own stop event drives the shutdown instead.
+    @contextlib.contextmanager
+    def capture_signals(self) -> Generator[None, None, None]:
+        yield
+
+
+async def serve(app: FastAPI, *, host: str, port: int, grace_s: float) -> None:
+    """Serve ``app`` until SIGTERM or SIGINT: stop accepting, finish requests within ``grace_s``, then
+    run the lifespan's exit (which closes the broker resources in order)."""
+    server = _Server(
+        uvicorn.Config(
+            app,
+            host=host,
+            port=port,
+            log_config=None,
+            access_log=False,
+            lifespan="on",
+            timeout_graceful_shutdown=max(1, int(grace_s)),
+        )
+    )
+    stopping = lifecycle.stop_event()
+
+    async def stop_on_signal() -> None:
+        await stopping.wait()
+        server.should_exit = True
+
+    watcher = asyncio.create_task(stop_on_signal())
+    try:
+        await server.serve()
+    finally:
+        watcher.cancel()
+    if not server.started:
+        raise SystemExit(1)

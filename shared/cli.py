@@ -1,0 +1,198 @@
+"""``hookline``: start a service, or administer a running system through its HTTP APIs.
+
+    hookline ingest | dispatcher | health-monitor
+    hookline endpoints add|list|show|update|delete|secret ...
+    hookline events publish ...
+
+Admin commands read HOOKLINE_INGEST_URL and HOOKLINE_API_TOKEN, print the API's JSON answer on stdout,
+and exit 1 with the API's error message on stderr when a request fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import httpx
+from hookline.shared import __version__
+from hookline.shared.settings import ClientSettings
+
+
+def _start_ingest(_: argparse.Namespace) -> int:
+    from hookline.ingest.app import main
+
+    main()
+    return 0
+
+
+def _start_dispatcher(_: argparse.Namespace) -> int:
+    from hookline.dispatcher.service import main
+
+    main()
+    return 0
+
+
+def _start_monitor(_: argparse.Namespace) -> int:
+    from hookline.health_monitor.app import main
+
+    main()
+    return 0
+
+
+class ApiClient:
+    def __init__(self, settings: ClientSettings) -> None:
+        headers = {"user-agent": f"hookline-cli/{__version__}"}
+        if settings.api_token is not None:
+            headers["authorization"] = f"Bearer {settings.api_token.get_secret_value()}"
+        self._http = httpx.Client(base_url=settings.ingest_url, headers=headers, timeout=30.0)
+
+    def call(self, method: str, path: str, **kwargs: Any) -> Any:
+        try:
+            response = self._http.request(method, path, **kwargs)
+        except httpx.HTTPError as exc:
+            raise CliError(f"cannot reach {self._http.base_url}: {exc}") from None
+        if response.status_code >= 400:
+            try:
+                body = response.json()
+                message = body.get("message", response.text)
+                details = "; ".join(
+                    f"{d.get('field') or 'body'}: {d['message']}" for d in body.get("details", [])
+                )
+            except ValueError:
+                message, details = response.text, ""
+            raise CliError(f"{response.status_code} {message}" + (f" ({details})" if details else ""))
+        return response.json() if response.content else None
+
+
+class CliError(Exception):
+    pass
+
+
+def _print(value: Any) -> None:
+    if value is not None:
+        print(json.dumps(value, indent=2, ensure_ascii=False))
+
+
+def _endpoint_fields(args: argparse.Namespace) -> dict[str, Any]:
+    fields = {
+        "url": args.url,
+        "event_types": args.event_types,
+        "description": args.description,
+        "timeout_s": args.timeout_s,
+        "rate_limit_per_s": args.rate_limit_per_s,
+        "max_in_flight": args.max_in_flight,
+    }
+    return {name: value for name, value in fields.items() if value is not None}
+
+
+def _endpoints(args: argparse.Namespace) -> Any:
+    api = ApiClient(ClientSettings())
+    match args.action:
+        case "add":
+            body = {"tenant": args.tenant, **_endpoint_fields(args), "ordered": args.ordered}
+            return api.call("POST", "/v1/endpoints", json=body)
+        case "list":
+            params = {"tenant": args.tenant} if args.tenant else {}
+            return api.call("GET", "/v1/endpoints", params=params)
+        case "show":
+            return api.call("GET", f"/v1/endpoints/{args.id}")
+        case "secret":
+            return api.call("GET", f"/v1/endpoints/{args.id}/secret")
+        case "update":
+            return api.call("PATCH", f"/v1/endpoints/{args.id}", json=_endpoint_fields(args))
+        case "delete":
+            api.call("DELETE", f"/v1/endpoints/{args.id}")
+            return {"deleted": args.id}
+    raise AssertionError(args.action)
+
+
+def _events(args: argparse.Namespace) -> Any:
+    api = ApiClient(ClientSettings())
+    try:
+        data = json.loads(args.data)
+    except json.JSONDecodeError as exc:
+        raise CliError(f"--data is not JSON: {exc}") from None
+    body = {"tenant": args.tenant, "type": args.type, "data": data}
+    if args.id:
+        body["id"] = args.id
+    if args.subject:
+        body["subject"] = args.subject
+    return api.call("POST", "/v1/events", json=body)
+
+
+def _add_endpoint_options(parser: argparse.ArgumentParser, *, creating: bool) -> None:
+    parser.add_argument("--url", required=creating, help="where the webhooks are POSTed")
+    parser.add_argument(
+        "--event-type",
+        dest="event_types",
+        action="append",
+        required=creating,
+        metavar="PATTERN",
+        help="event type pattern (repeatable): order.created, order.*, #",
+    )
+    parser.add_argument("--description")
+    parser.add_argument("--timeout-s", type=float, help="per-attempt timeout, 1-30 s (default 15)")
+    parser.add_argument("--rate-limit-per-s", type=float)
+    parser.add_argument("--max-in-flight", type=int)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="hookline", description="Webhook delivery over RabbitMQ.")
+    parser.add_argument("--version", action="version", version=f"hookline {__version__}")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    commands.add_parser("ingest", help="run the HTTP API").set_defaults(run=_start_ingest)
+    commands.add_parser("dispatcher", help="run a dispatcher replica").set_defaults(run=_start_dispatcher)
+    commands.add_parser("health-monitor", help="run the health monitor").set_defaults(run=_start_monitor)
+
+    endpoints = commands.add_parser("endpoints", help="manage endpoints").add_subparsers(
+        dest="action", required=True, metavar="ACTION"
+    )
+    add = endpoints.add_parser("add", help="register an endpoint (prints its secret)")
+    add.add_argument("--tenant", required=True)
+    _add_endpoint_options(add, creating=True)
+    add.add_argument("--ordered", action="store_true", help="deliver each subject's events in order")
+    endpoints.add_parser("list", help="list endpoints").add_argument("--tenant")
+    for action, text in (
+        ("show", "show one endpoint"),
+        ("secret", "show its signing secret"),
+        ("delete", "delete it (queued events become dead letters)"),
+    ):
+        endpoints.add_parser(action, help=text).add_argument("id")
+    update = endpoints.add_parser("update", help="change url, patterns, description or timeout")
+    update.add_argument("id")
+    _add_endpoint_options(update, creating=False)
+    for sub in endpoints.choices.values():
+        sub.set_defaults(run=_admin(_endpoints))
+
+    events = commands.add_parser("events", help="publish events").add_subparsers(
+        dest="action", required=True, metavar="ACTION"
+    )
+    publish = events.add_parser("publish", help="publish one event through the ingest API")
+    publish.add_argument("--tenant", required=True)
+    publish.add_argument("--type", required=True)
+    publish.add_argument("--data", default="{}", help="the event's data, a JSON object")
+    publish.add_argument("--id", help="event id (assigned when absent)")
+    publish.add_argument("--subject")
+    publish.set_defaults(run=_admin(_events))
+    return parser
+
+
+def _admin(command: Callable[[argparse.Namespace], Any]) -> Callable[[argparse.Namespace], int]:
+    def run(args: argparse.Namespace) -> int:
+        try:
+            _print(command(args))
+        except CliError as exc:
+            print(f"hookline: {exc}", file=sys.stderr)
+            return 1
+        return 0
+
+    return run
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    raise SystemExit(args.run(args))

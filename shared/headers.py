@@ -1,0 +1,18 @@
+"""The AMQP headers hookline adds to messages. Never ``x-death``: that belongs to the broker."""
+
+from __future__ import annotations
+
+import enum
+
+
+class Header(enum.StrEnum):
+    ATTEMPT = "x-hookline-attempt"  # the attempt this delivery will be, starting at 1
+    FIRST_ATTEMPT_AT = "x-hookline-first-attempt-at"  # unix seconds of attempt 1
+    EVENT_ID = "x-hookline-event-id"
+    ENDPOINT_ID = "x-hookline-endpoint-id"
+    TENANT = "x-hookline-tenant"
+    REASON = "x-hookline-reason"
+    ATTEMPTS = "x-hookline-attempts"
+    LAST_STATUS = "x-hookline-last-status"
+    LAST_ERROR = "x-hookline-last-error"
+    DEAD_AT = "x-hookline-dead-at"

@@ -1,0 +1,29 @@
+"""Identifiers: a prefix plus a ULID (time-ordered, 26 Crockford base32 characters).
+
+Time-ordered ids keep ``GET /v1/endpoints`` and the logs readable in creation order. The clock and the
+random bytes are parameters so the encoding can be tested exactly.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+_CROCKFORD = "0123456789ABCDEFGHJKMNPQRSTVWXYZ"
+
+
+def encode_ulid(timestamp_ms: int, randomness: bytes) -> str:
+    """Encode 48 bits of milliseconds and 80 bits of randomness as a 26-character ULID."""
+    if len(randomness) != 10:
+        raise ValueError("a ULID needs exactly 10 random bytes")
+    value = (timestamp_ms & ((1 << 48) - 1)) << 80 | int.from_bytes(randomness, "big")
+    chars = []
+    for _ in range(26):
+        chars.append(_CROCKFORD[value & 31])
+        value >>= 5
+    return "".join(reversed(chars))
+
+
+def new_id(prefix: str) -> str:
+    """A fresh id such as ``evt_01JD…`` or ``ep_01JD…``."""
+    return f"{prefix}_{encode_ulid(time.time_ns() // 1_000_000, os.urandom(10))}"

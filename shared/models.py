@@ -1,0 +1,216 @@
+"""Typed models for everything that crosses a boundary: events, endpoints, change-log and dead-letter records.
+
+Every model forbids unknown fields, so a typo in a request or a message is an error that names the
+field instead of a value silently ignored.
+"""
+
+from __future__ import annotations
+
+import enum
+from datetime import datetime
+from typing import Annotated, Any, Literal
+from urllib.parse import urlsplit
+
+from pydantic import AfterValidator, AwareDatetime, BaseModel, ConfigDict, Field, StringConstraints
+
+EventId = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_.:\-]{1,128}$")]
+# A routing key is at most 255 bytes: the tenant (64) and a dot leave 190 for the type.
+EventType = Annotated[str, StringConstraints(pattern=r"^[a-z0-9_]+(\.[a-z0-9_]+)*$", max_length=190)]
+Tenant = Annotated[str, StringConstraints(pattern=r"^[a-z0-9_-]{1,64}$")]
+TypePattern = Annotated[
+    str, StringConstraints(pattern=r"^([a-z0-9_]+|\*|#)(\.([a-z0-9_]+|\*|#))*$", max_length=190)
+]
+EndpointId = Annotated[str, StringConstraints(pattern=r"^ep_[0-9A-Z]{26}$")]
+
+
+class Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+# --- events -------------------------------------------------------------------------------------
+
+
+class Event(Model):
+    """An event as upstreams publish it to the ``events`` exchange and receivers get it."""
+
+    id: EventId
+    type: EventType
+    tenant: Tenant
+    occurred_at: AwareDatetime
+    subject: str | None = Field(None, min_length=1, max_length=256)
+    schema_version: int = Field(1, ge=1)
+    data: dict[str, Any]
+
+
+class EventIn(Model):
+    """``POST /v1/events``: like :class:`Event`, but the API fills in ``id`` and ``occurred_at`` when absent."""
+
+    id: EventId | None = None
+    type: EventType
+    tenant: Tenant
+    occurred_at: AwareDatetime | None = None
+    subject: str | None = Field(None, min_length=1, max_length=256)
+    schema_version: int = Field(1, ge=1)
+    data: dict[str, Any]
+
+    def complete(self, *, event_id: str, now: datetime) -> Event:
+        return Event(
+            id=self.id or event_id,
+            type=self.type,
+            tenant=self.tenant,
+            occurred_at=self.occurred_at or now,
+            subject=self.subject,
+            schema_version=self.schema_version,
+            data=self.data,
+        )
+
+
+class EventAccepted(Model):
+    id: EventId
+    tenant: Tenant
+    type: EventType
+
+
+# --- endpoints ----------------------------------------------------------------------------------
+
+
+def _check_url(value: str) -> str:
+    parts = urlsplit(value)
+    if parts.scheme not in ("http", "https"):
+        raise ValueError("must be an http or https URL")
+    if not parts.hostname:
+        raise ValueError("must name a host")
+    if parts.fragment:
+        raise ValueError("must not have a #fragment")
+    return value
+
+
+Url = Annotated[str, StringConstraints(min_length=1, max_length=2048), AfterValidator(_check_url)]
+Patterns = Annotated[list[TypePattern], Field(min_length=1, max_length=64)]
+TimeoutS = Annotated[float, Field(ge=1, le=30)]
+
+
+class EndpointStatus(enum.StrEnum):
+    ACTIVE = "active"
+    PAUSED = "paused"
+    DISABLED = "disabled"
+
+
+class EndpointCreate(Model):
+    tenant: Tenant
+    url: Url
+    event_types: Patterns
+    description: str = Field("", max_length=1000)
+    rate_limit_per_s: float | None = Field(None, gt=0, le=100_000)
+    max_in_flight: int | None = Field(None, ge=1, le=1000)
+    timeout_s: TimeoutS = 15.0
+    ordered: bool = False
+
+
+class EndpointUpdate(Model):
+    """``PATCH``: only the fields present change. ``ordered`` is fixed at creation (it shapes the queue)."""
+
+    url: Url | None = None
+    event_types: Patterns | None = None
+    description: str | None = Field(None, max_length=1000)
+    rate_limit_per_s: float | None = Field(None, gt=0, le=100_000)
+    max_in_flight: int | None = Field(None, ge=1, le=1000)
+    timeout_s: TimeoutS | None = None
+
+
+class Endpoint(Model):
+    """An endpoint as the API shows it: everything but its secrets."""
+
+    id: EndpointId
+    tenant: Tenant
+    url: Url
+    event_types: Patterns
+    description: str = ""
+    rate_limit_per_s: float | None = None
+    max_in_flight: int | None = None
+    timeout_s: TimeoutS = 15.0
+    ordered: bool = False
+    status: EndpointStatus = EndpointStatus.ACTIVE
+    created_at: AwareDatetime
+    updated_at: AwareDatetime
+
+
+class SigningSecret(Model):
+    value: str = Field(pattern=r"^whsec_[A-Za-z0-9+/=]{24,128}$")
+    created_at: AwareDatetime
+    expires_at: AwareDatetime | None = None
+
+
+class StoredEndpoint(Endpoint):
+    """An endpoint as the change log keeps it: with its signing secrets, newest first."""
+
+    secrets: list[SigningSecret] = Field(min_length=1)
+
+    def public(self) -> Endpoint:
+        return Endpoint.model_validate(self.model_dump(exclude={"secrets"}))
+
+
+class EndpointCreated(Endpoint):
+    """The answer to ``POST /v1/endpoints``: the only time the secret is shown unasked."""
+
+    secret: str
+
+
+class EndpointSecret(Model):
+    secret: str
+
+
+class EndpointList(Model):
+    data: list[Endpoint]
+    next_after: str | None = Field(None, description="pass as ?after= for the next page; null on the last")
+
+
+# --- the endpoint change log --------------------------------------------------------------------
+
+
+class EndpointUpserted(Model):
+    kind: Literal["endpoint.upserted"] = "endpoint.upserted"
+    change_id: str
+    at: AwareDatetime
+    endpoint: StoredEndpoint
+
+
+class EndpointDeleted(Model):
+    kind: Literal["endpoint.deleted"] = "endpoint.deleted"
+    change_id: str
+    at: AwareDatetime
+    endpoint_id: EndpointId
+
+
+class SyncMarker(Model):
+    """Written by a reader that wants to know when it has read everything written before it."""
+
+    kind: Literal["sync"] = "sync"
+    change_id: str
+
+
+ChangeRecord = Annotated[EndpointUpserted | EndpointDeleted | SyncMarker, Field(discriminator="kind")]
+
+
+# --- dead letters -------------------------------------------------------------------------------
+
+
+class DeadLetterReason(enum.StrEnum):
+    MAX_ATTEMPTS = "max_attempts"
+    RETENTION_EXPIRED = "retention_expired"
+    PERMANENT_STATUS = "permanent_status"
+    ENDPOINT_GONE = "endpoint_gone"
+    INVALID_EVENT = "invalid_event"
+    UNROUTABLE = "unroutable"
+    DELIVERY_LIMIT = "delivery_limit"
+
+
+class ErrorDetail(Model):
+    field: str | None = None
+    message: str
+
+
+class ErrorBody(Model):
+    error: str
+    message: str
+    details: list[ErrorDetail] = []

@@ -1,0 +1,126 @@
+"""Settings, read once from ``HOOKLINE_*`` environment variables at a service's start and passed down.
+
+Each service has its own class so that a dispatcher never needs the API token and the ingest never
+needs a metrics port; the fields they share live in :class:`CommonSettings`. A bad value stops the
+service with one line naming the variable (:func:`load`).
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Annotated, Literal, TypeVar
+
+from pydantic import Field, SecretStr, ValidationError, field_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+LogLevel = Literal["debug", "info", "warning", "error"]
+
+
+class CommonSettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="HOOKLINE_", extra="ignore", frozen=True)
+
+    amqp_url: str = Field("amqp://guest:guest@localhost:5672/", description="RabbitMQ URL, vhost included.")
+    log_level: LogLevel = "info"
+    connect_timeout_s: float = Field(
+        30.0, gt=0, description="How long a service waits for the broker at start."
+    )
+    shutdown_grace_s: float = Field(20.0, gt=0, description="Time in-flight work gets to finish on SIGTERM.")
+
+    @field_validator("amqp_url")
+    @classmethod
+    def _amqp_scheme(cls, value: str) -> str:
+        if not value.startswith(("amqp://", "amqps://")):
+            raise ValueError("must start with amqp:// or amqps://")
+        return value
+
+
+class DeliveryPolicySettings(CommonSettings):
+    """Settings that decide where and how an endpoint may be called (ingest and dispatcher both apply them)."""
+
+    allow_http: bool = Field(False, description="Accept http:// endpoint URLs (development only).")
+    allow_private_targets: bool = Field(
+        False, description="Accept endpoints that resolve to private, loopback or reserved addresses."
+    )
+
+
+class IngestSettings(DeliveryPolicySettings):
+    api_token: SecretStr = Field(description="Admin bearer token for the HTTP API (at least 16 characters).")
+    ingest_host: str = "127.0.0.1"
+    ingest_port: int = Field(8000, ge=0, le=65535)
+    max_payload_bytes: int = Field(262_144, ge=1024, le=16 * 1024 * 1024)
+    registry_wait_s: float = Field(
+        10.0, gt=0, description="How long a write waits to be read back from the log."
+    )
+
+    @field_validator("api_token")
+    @classmethod
+    def _token_length(cls, value: SecretStr) -> SecretStr:
+        if len(value.get_secret_value()) < 16:
+            raise ValueError("must be at least 16 characters")
+        return value
+
+
+class DispatcherSettings(DeliveryPolicySettings):
+    dispatcher_metrics_host: str = "127.0.0.1"
+    dispatcher_metrics_port: int = Field(8002, ge=0, le=65535, description="0 picks a free port.")
+    prefetch_per_endpoint: int = Field(
+        32, ge=1, le=1000, description="Unacked deliveries one dispatcher holds per endpoint."
+    )
+    http_max_connections: int = Field(
+        512, ge=1, description="Outbound connections one dispatcher keeps open."
+    )
+    retry_schedule_s: Annotated[tuple[float, ...], NoDecode] = Field(
+        (30.0, 120.0, 600.0, 1800.0, 7200.0, 21600.0),
+        description="Retry step lengths in seconds; the last one repeats.",
+    )
+    retention_s: float = Field(259_200.0, gt=0, description="How long an event is retried before it is dead.")
+    max_payload_bytes: int = Field(262_144, ge=1024, le=16 * 1024 * 1024)
+
+    @field_validator("retry_schedule_s", mode="before")
+    @classmethod
+    def _parse_schedule(cls, value: object) -> object:
+        if isinstance(value, str):
+            try:
+                return tuple(float(part) for part in value.split(",") if part.strip())
+            except ValueError:
+                raise ValueError("must be comma-separated numbers of seconds") from None
+        return value
+
+    @field_validator("retry_schedule_s")
+    @classmethod
+    def _schedule_positive(cls, value: tuple[float, ...]) -> tuple[float, ...]:
+        if not value or any(step <= 0 for step in value):
+            raise ValueError("must list at least one positive step")
+        return value
+
+
+class MonitorSettings(CommonSettings):
+    monitor_host: str = "127.0.0.1"
+    monitor_port: int = Field(8001, ge=0, le=65535)
+    breaker_failure_threshold: int = Field(10, ge=1)
+    breaker_cooldown_s: float = Field(300.0, gt=0)
+
+
+class ClientSettings(BaseSettings):
+    """What the ``hookline`` admin commands need to reach the APIs."""
+
+    model_config = SettingsConfigDict(env_prefix="HOOKLINE_", extra="ignore", frozen=True)
+
+    api_token: SecretStr | None = None
+    ingest_url: str = "http://127.0.0.1:8000"
+    monitor_url: str = "http://127.0.0.1:8001"
+
+
+SettingsT = TypeVar("SettingsT", bound=BaseSettings)
+
+
+def load(cls: type[SettingsT]) -> SettingsT:
+    """Build settings from the environment, or exit with one line naming each bad variable."""
+    try:
+        return cls()
+    except ValidationError as exc:
+        prefix = cls.model_config.get("env_prefix", "")
+        for error in exc.errors():
+            name = prefix + "_".join(str(part) for part in error["loc"][:1]).upper()
+            print(f"hookline: invalid setting {name}: {error['msg']}", file=sys.stderr)
+        raise SystemExit(2) from None

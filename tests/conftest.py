@@ -1,0 +1,30 @@
+"""Fixtures shared by every test: the broker, a fresh vhost per test, a real HTTP receiver."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import AsyncIterator, Iterator
+
+import pytest
+from support.broker import Broker, broker
+from support.receiver import Receiver
+
+
+@pytest.fixture(scope="session")
+def rabbitmq() -> Iterator[Broker]:
+    with broker() as running:
+        yield running
+
+
+@pytest.fixture
+def amqp_url(rabbitmq: Broker, request: pytest.FixtureRequest) -> Iterator[str]:
+    """The URL of a vhost of this test's own: no test sees another's endpoints, queues or logs."""
+    label = re.sub(r"[^a-z0-9]+", "-", request.node.name.lower()).strip("-")
+    with rabbitmq.vhost(label) as url:
+        yield url
+
+
+@pytest.fixture
+async def receiver() -> AsyncIterator[Receiver]:
+    async with Receiver() as running:
+        yield running

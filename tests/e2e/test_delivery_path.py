@@ -1,0 +1,122 @@
+"""An event's whole path: ingest or AMQP → ``events`` → endpoint queue → dispatcher → signed POST."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from datetime import UTC, datetime
+
+import pytest
+from conftest import System, tenant
+from standardwebhooks.webhooks import Webhook
+from support.amqp import publish_event
+from support.receiver import Receiver
+
+pytestmark = pytest.mark.e2e
+
+
+def event(tenant_name: str, event_type: str, event_id: str, **data: object) -> dict[str, object]:
+    return {
+        "id": event_id,
+        "type": event_type,
+        "tenant": tenant_name,
+        "occurred_at": datetime.now(UTC).isoformat().replace("+00:00", "Z"),
+        "data": data,
+    }
+
+
+async def test_events_reach_exactly_the_subscribed_endpoints_signed(
+    system: System, receiver: Receiver
+) -> None:
+    acme, other = tenant(), tenant()
+    orders = system.add_endpoint(acme, receiver.url("/orders"), ["order.*"])
+    system.add_endpoint(acme, receiver.url("/invoices"), ["invoice.#"])
+    system.add_endpoint(other, receiver.url("/foreign"), ["order.*"])
+
+    # Published straight to AMQP, as an upstream system would.
+    direct = event(acme, "order.created", "evt_direct_1", order_id="o_1", total=4200)
+    direct_body = json.dumps(direct).encode()
+    await publish_event(system.amqp_url, direct_body, f"{acme}.order.created", message_id="evt_direct_1")
+    # Published through the API: the id is assigned, and 202 comes after the broker's confirm.
+    with system.api() as api:
+        answer = api.post(
+            "/v1/events", json={"tenant": acme, "type": "order.updated", "data": {"order_id": "o_1"}}
+        )
+    assert answer.status_code == 202, answer.text
+    api_id = answer.json()["id"]
+    assert api_id.startswith("evt_")
+    # Nobody subscribes to these: another tenant's invoice, and our tenant's shipment.
+    await publish_event(system.amqp_url, event(other, "invoice.paid", "evt_x1"), f"{other}.invoice.paid")
+    await publish_event(system.amqp_url, event(acme, "shipment.sent", "evt_x2"), f"{acme}.shipment.sent")
+    # Sentinel for the other tenant, published last: once it arrives, anything misrouted would have too.
+    await publish_event(
+        system.amqp_url, event(other, "order.created", "evt_sentinel"), f"{other}.order.created"
+    )
+
+    delivered = await receiver.wait_for(2, path="/orders")
+    await receiver.wait_for(1, path="/foreign")
+    await asyncio.sleep(0.5)
+
+    by_id = {request.headers["webhook-id"]: request for request in delivered}
+    assert set(by_id) == {"evt_direct_1", api_id}
+    assert by_id["evt_direct_1"].body == direct_body, "the body is delivered byte for byte"
+    assert json.loads(by_id[api_id].body)["data"] == {"order_id": "o_1"}
+    for request in delivered:
+        # A receiver using the standardwebhooks library verifies the delivery unchanged.
+        Webhook(orders["secret"]).verify(request.body, request.headers)
+        assert request.headers["content-type"] == "application/json"
+        assert request.headers["user-agent"].startswith("hookline/")
+    assert [r.headers["webhook-id"] for r in receiver.requests if r.path == "/foreign"] == ["evt_sentinel"]
+    assert [r for r in receiver.requests if r.path == "/invoices"] == []
+    assert len(receiver.requests) == 3
+
+
+async def test_each_attempt_logs_one_canonical_line_without_payload(
+    system: System, receiver: Receiver
+) -> None:
+    acme = tenant()
+    endpoint = system.add_endpoint(acme, receiver.url("/logged"), ["order.created"])
+    secret_marker = "PAYLOAD-MARKER-93f1"
+    await publish_event(
+        system.amqp_url,
+        event(acme, "order.created", "evt_logged_1", note=secret_marker),
+        f"{acme}.order.created",
+    )
+    await receiver.wait_for(1, path="/logged")
+    await asyncio.sleep(0.3)  # the log line is written after the response
+
+    lines = [json.loads(line) for line in system.logs().splitlines() if line.startswith("{")]
+    attempts = [
+        line
+        for line in lines
+        if line.get("event") == "delivery_attempt" and line.get("event_id") == "evt_logged_1"
+    ]
+    assert len(attempts) == 1
+    line = attempts[0]
+    assert line["endpoint_id"] == endpoint["id"]
+    assert (line["tenant"], line["type"], line["attempt"], line["status"], line["outcome"]) == (
+        acme,
+        "order.created",
+        1,
+        204,
+        "success",
+    )
+    assert line["duration_ms"] > 0
+    assert {"dns_ms", "connect_ms", "first_byte_ms"} <= set(line)
+    assert secret_marker not in system.logs()
+    assert endpoint["secret"] not in system.logs()
+
+
+async def test_a_dispatcher_started_later_knows_every_endpoint(system: System, receiver: Receiver) -> None:
+    acme = tenant()
+    system.add_endpoint(acme, receiver.url("/late"), ["#"])
+    # Stop both replicas; events wait in the endpoint's queue.
+    for dispatcher in system.dispatchers:
+        assert dispatcher.stop() == 0
+    await publish_event(system.amqp_url, event(acme, "a.b", "evt_late_1"), f"{acme}.a.b")
+    await asyncio.sleep(0.5)
+    assert receiver.requests == []
+    # A new replica replays the endpoint log, finds the endpoint and delivers what waited.
+    system.start_dispatcher("dispatcher-late")
+    delivered = await receiver.wait_for(1, path="/late")
+    assert delivered[0].headers["webhook-id"] == "evt_late_1"

@@ -1,0 +1,56 @@
+"""Test-side AMQP helpers: publish as an upstream would, read a stream from its first offset."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import aio_pika
+
+
+async def publish_event(
+    amqp_url: str, event: dict[str, Any] | bytes, routing_key: str, **properties: Any
+) -> None:
+    """Publish to ``events`` exactly as an upstream system would: persistent, confirmed."""
+    body = event if isinstance(event, bytes) else json.dumps(event).encode()
+    defaults: dict[str, Any] = {
+        "content_type": "application/json",
+        "delivery_mode": aio_pika.DeliveryMode.PERSISTENT,
+    }
+    if isinstance(event, dict):
+        defaults["message_id"] = event.get("id")
+    defaults.update(properties)
+    connection = await aio_pika.connect(amqp_url)
+    async with connection:
+        channel = await connection.channel(publisher_confirms=True)
+        exchange = await channel.get_exchange("events", ensure=False)
+        await exchange.publish(aio_pika.Message(body, **defaults), routing_key=routing_key)
+
+
+async def read_stream(
+    amqp_url: str, stream: str, *, at_least: int = 0, idle_s: float = 1.0, timeout_s: float = 20.0
+) -> list[aio_pika.abc.AbstractIncomingMessage]:
+    """Every message in ``stream`` from the first offset, once ``at_least`` arrived and ``idle_s`` passed quietly."""
+    messages: list[aio_pika.abc.AbstractIncomingMessage] = []
+    arrived = asyncio.Event()
+    connection = await aio_pika.connect(amqp_url)
+    async with connection:
+        channel = await connection.channel()
+        await channel.set_qos(prefetch_count=100)
+        queue = await channel.declare_queue(stream, passive=True)
+
+        async def on_message(message: aio_pika.abc.AbstractIncomingMessage) -> None:
+            messages.append(message)
+            arrived.set()
+            await message.ack()
+
+        await queue.consume(on_message, arguments={"x-stream-offset": "first"})
+        async with asyncio.timeout(timeout_s):
+            while True:
+                arrived.clear()
+                try:
+                    await asyncio.wait_for(arrived.wait(), idle_s)
+                except TimeoutError:
+                    if len(messages) >= at_least:
+                        return messages

@@ -1,0 +1,79 @@
+"""The RabbitMQ the tests use, and a fresh vhost per test so that runs never see each other's state.
+
+``HOOKLINE_TEST_AMQP_URL`` names a broker (the one on this machine in CI); without it, a testcontainers
+RabbitMQ is started where a Docker engine answers, else the local default broker is used. A broker
+that cannot be reached is a test failure, never a skip.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import uuid
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from urllib.parse import quote, urlsplit, urlunsplit
+
+LOCAL_DEFAULT_URL = "amqp://guest:guest@127.0.0.1:5672/"
+
+Run = Callable[[list[str]], None]
+
+
+class Broker:
+    def __init__(self, base_url: str, run_ctl: Run) -> None:
+        self.base_url = base_url
+        self._run_ctl = run_ctl
+
+    def url_for(self, vhost: str) -> str:
+        parts = urlsplit(self.base_url)
+        return urlunsplit((parts.scheme, parts.netloc, "/" + quote(vhost, safe=""), parts.query, ""))
+
+    @contextmanager
+    def vhost(self, label: str) -> Iterator[str]:
+        """A new vhost (its URL yielded), deleted afterwards with everything in it."""
+        name = f"hookline-test-{label[:40]}-{uuid.uuid4().hex[:8]}"
+        user = urlsplit(self.base_url).username or "guest"
+        self._run_ctl(["add_vhost", name])
+        self._run_ctl(["set_permissions", "-p", name, user, ".*", ".*", ".*"])
+        try:
+            yield self.url_for(name)
+        finally:
+            self._run_ctl(["delete_vhost", name])
+
+
+def _local_ctl(arguments: list[str]) -> None:
+    ctl = shutil.which("rabbitmqctl")
+    if ctl is None:
+        raise RuntimeError("rabbitmqctl is needed to create test vhosts on the local broker")
+    subprocess.run([ctl, "-q", *arguments], check=True, capture_output=True, timeout=60)
+
+
+def _docker_available() -> bool:
+    try:
+        import docker  # type: ignore[import-untyped]
+
+        docker.from_env().ping()
+    except Exception:
+        return False
+    return True
+
+
+@contextmanager
+def broker() -> Iterator[Broker]:
+    url = os.environ.get("HOOKLINE_TEST_AMQP_URL")
+    if url or not _docker_available():
+        yield Broker(url or LOCAL_DEFAULT_URL, _local_ctl)
+        return
+    from testcontainers.rabbitmq import RabbitMqContainer
+
+    with RabbitMqContainer("rabbitmq:3.13") as container:
+        host = container.get_container_host_ip()
+        port = container.get_exposed_port(5672)
+
+        def container_ctl(arguments: list[str]) -> None:
+            code, output = container.exec(["rabbitmqctl", "-q", *arguments])
+            if code != 0:
+                raise RuntimeError(output.decode(errors="replace"))
+
+        yield Broker(f"amqp://guest:guest@{host}:{port}/", container_ctl)

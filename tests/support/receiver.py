@@ -1,0 +1,86 @@
+"""A real HTTP receiver on 127.0.0.1 that records every request and answers as a test tells it to."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from aiohttp import web
+
+
+@dataclass(frozen=True)
+class Received:
+    path: str
+    headers: dict[str, str]
+    body: bytes
+    at: float  # time.time() when it arrived
+
+
+@dataclass(frozen=True)
+class Reply:
+    status: int = 204
+    headers: dict[str, str] | None = None
+    delay_s: float = 0.0
+    close: bool = False  # drop the connection without answering
+
+
+Responder = Callable[[Received], Reply]
+
+
+class Receiver:
+    def __init__(self, responder: Responder | None = None) -> None:
+        self.requests: list[Received] = []
+        self.responder: Responder = responder or (lambda _: Reply())
+        self._arrived = asyncio.Condition()
+        self._runner: web.AppRunner | None = None
+        self.port = 0
+
+    def url(self, path: str = "/hook") -> str:
+        return f"http://127.0.0.1:{self.port}{path}"
+
+    async def __aenter__(self) -> Receiver:
+        app = web.Application(client_max_size=64 * 1024 * 1024)
+        app.router.add_route("*", "/{tail:.*}", self._handle)
+        self._runner = web.AppRunner(app, access_log=None)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, "127.0.0.1", 0)
+        await site.start()
+        self.port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        return self
+
+    async def __aexit__(self, *_: object) -> None:
+        assert self._runner is not None
+        await self._runner.cleanup()
+
+    async def _handle(self, request: web.Request) -> web.StreamResponse:
+        received = Received(
+            path=request.path,
+            headers={key.lower(): value for key, value in request.headers.items()},
+            body=await request.read(),
+            at=time.time(),
+        )
+        reply = self.responder(received)
+        async with self._arrived:
+            self.requests.append(received)
+            self._arrived.notify_all()
+        if reply.delay_s:
+            await asyncio.sleep(reply.delay_s)
+        if reply.close:
+            assert request.transport is not None
+            request.transport.close()
+            return web.Response(status=500)
+        return web.Response(status=reply.status, headers=reply.headers)
+
+    async def wait_for(
+        self, count: int, *, timeout_s: float = 20.0, path: str | None = None
+    ) -> list[Received]:
+        """Wait until ``count`` requests (to ``path``, if given) have arrived; return them."""
+
+        def matching() -> list[Received]:
+            return [r for r in self.requests if path is None or r.path == path]
+
+        async with asyncio.timeout(timeout_s), self._arrived:
+            await self._arrived.wait_for(lambda: len(matching()) >= count)
+        return matching()

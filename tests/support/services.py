@@ -1,0 +1,101 @@
+"""The real services, started as ``hookline <service>`` subprocesses with their own environment."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Mapping
+from pathlib import Path
+
+import httpx
+
+HOOKLINE = str(Path(sys.executable).with_name("hookline"))
+TOKEN = "test-token-0123456789abcdef"
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def base_env(amqp_url: str, **overrides: str) -> dict[str, str]:
+    env = {key: value for key, value in os.environ.items() if not key.startswith("HOOKLINE_")}
+    env.update(
+        HOOKLINE_AMQP_URL=amqp_url,
+        HOOKLINE_API_TOKEN=TOKEN,
+        HOOKLINE_ALLOW_HTTP="true",
+        HOOKLINE_ALLOW_PRIVATE_TARGETS="true",
+        HOOKLINE_CONNECT_TIMEOUT_S="15",
+        HOOKLINE_SHUTDOWN_GRACE_S="5",
+    )
+    env.update(overrides)
+    return env
+
+
+class Service:
+    """One service process; its JSON log goes to a file the test can read."""
+
+    def __init__(self, command: str, env: Mapping[str, str], log_dir: Path, *, port: int, name: str) -> None:
+        self.command = command
+        self.port = port
+        self.name = name
+        self.log_path = log_dir / f"{name}.log"
+        self._log = self.log_path.open("wb")
+        self.process = subprocess.Popen(
+            [HOOKLINE, command], env=dict(env), stdout=self._log, stderr=subprocess.STDOUT
+        )
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def wait_ready(self, timeout_s: float = 30.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise AssertionError(f"{self.name} exited with {self.process.returncode}:\n{self.log()}")
+            try:
+                if httpx.get(f"{self.base_url}/readyz", timeout=1).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.1)
+        raise AssertionError(f"{self.name} not ready after {timeout_s}s:\n{self.log()}")
+
+    def log(self) -> str:
+        if not self._log.closed:
+            self._log.flush()
+        return self.log_path.read_text(errors="replace")
+
+    def stop(self, timeout_s: float = 30.0) -> int:
+        """SIGTERM, wait; returns the exit code (SIGKILL after the timeout is a failure for the caller)."""
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        self._log.close()
+        return self.process.returncode
+
+    def kill(self) -> None:
+        self.process.kill()
+        self.process.wait()
+        self._log.close()
+
+
+def start(command: str, env: Mapping[str, str], log_dir: Path, *, name: str | None = None) -> Service:
+    port = free_port()
+    port_variable = {
+        "ingest": "HOOKLINE_INGEST_PORT",
+        "dispatcher": "HOOKLINE_DISPATCHER_METRICS_PORT",
+        "health-monitor": "HOOKLINE_MONITOR_PORT",
+    }[command]
+    return Service(command, {**env, port_variable: str(port)}, log_dir, port=port, name=name or command)

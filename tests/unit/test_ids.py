@@ -1,0 +1,25 @@
+from __future__ import annotations
+
+import re
+
+import pytest
+from hookline.shared.ids import encode_ulid, new_id
+
+
+def test_ulid_encoding_of_known_values() -> None:
+    assert encode_ulid(0, bytes(10)) == "0" * 26
+    assert encode_ulid((1 << 48) - 1, b"\xff" * 10) == "7" + "Z" * 25
+    assert encode_ulid(1, bytes(10)) == "0000000001" + "0" * 16
+
+
+def test_ulids_sort_by_time() -> None:
+    assert encode_ulid(1_700_000_000_000, b"\xff" * 10) < encode_ulid(1_700_000_000_001, bytes(10))
+
+
+def test_new_id_has_prefix_and_ulid() -> None:
+    assert re.fullmatch(r"evt_[0-9A-HJKMNP-TV-Z]{26}", new_id("evt"))
+
+
+def test_ulid_needs_ten_random_bytes() -> None:
+    with pytest.raises(ValueError, match="10 random bytes"):
+        encode_ulid(0, b"short")

@@ -1,0 +1,118 @@
+"""The event and endpoint contracts of DESIGN.md, as tables of accepted and refused values."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import Any
+
+import pytest
+from hookline.shared.models import EndpointCreate, EndpointUpdate, Event, EventIn
+from pydantic import ValidationError
+
+BASE = {
+    "id": "evt_1",
+    "type": "order.created",
+    "tenant": "acme",
+    "occurred_at": "2026-11-29T18:00:00Z",
+    "data": {},
+}
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("id", "evt_01JD.x:y-z_"),
+        ("id", "a" * 128),
+        ("type", "order"),
+        ("type", "order.created.v2_beta"),
+        ("tenant", "acme-eu_1"),
+        ("tenant", "a" * 64),
+        ("subject", "order_123"),
+        ("schema_version", 3),
+        ("data", {"nested": {"list": [1, None, "x"]}}),
+        ("occurred_at", "2026-11-29T19:00:00+01:00"),
+    ],
+)
+def test_event_accepts(field: str, value: Any) -> None:
+    assert getattr(Event.model_validate({**BASE, field: value}), field) is not None
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("id", ""),
+        ("id", "a" * 129),
+        ("id", "evt 1"),
+        ("id", "evt/1"),
+        ("type", ""),
+        ("type", "Order.created"),
+        ("type", "order..created"),
+        ("type", "order.*"),
+        ("type", "a" * 191),
+        ("tenant", ""),
+        ("tenant", "acme.eu"),
+        ("tenant", "ACME"),
+        ("tenant", "a" * 65),
+        ("subject", ""),
+        ("schema_version", 0),
+        ("data", "string"),
+        ("data", None),
+        ("occurred_at", "2026-11-29T18:00:00"),
+        ("occurred_at", "not a time"),
+    ],
+)
+def test_event_refuses(field: str, value: Any) -> None:
+    with pytest.raises(ValidationError) as caught:
+        Event.model_validate({**BASE, field: value})
+    assert caught.value.errors()[0]["loc"][0] == field
+
+
+def test_event_in_fills_id_and_time_only_when_absent() -> None:
+    now = datetime(2026, 11, 29, 18, 0, tzinfo=UTC)
+    filled = EventIn(type="a.b", tenant="t", data={}).complete(event_id="evt_new", now=now)
+    assert (filled.id, filled.occurred_at, filled.schema_version) == ("evt_new", now, 1)
+    kept = EventIn.model_validate(BASE).complete(event_id="evt_new", now=now)
+    assert kept.id == "evt_1"
+    assert kept.occurred_at == datetime(2026, 11, 29, 18, 0, tzinfo=UTC)
+
+
+ENDPOINT = {"tenant": "acme", "url": "https://example.com/hook", "event_types": ["order.*"]}
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("url", "ftp://example.com/"),
+        ("url", "example.com/hook"),
+        ("url", "https:///nohost"),
+        ("url", "https://example.com/#frag"),
+        ("url", "https://example.com/" + "a" * 2048),
+        ("event_types", []),
+        ("event_types", ["Order.*"]),
+        ("event_types", ["order.**"]),
+        ("event_types", ["order."]),
+        ("timeout_s", 0.5),
+        ("timeout_s", 31),
+        ("max_in_flight", 0),
+        ("rate_limit_per_s", 0),
+        ("tenant", "a.b"),
+        ("unknown", 1),
+    ],
+)
+def test_endpoint_create_refuses(field: str, value: Any) -> None:
+    with pytest.raises(ValidationError) as caught:
+        EndpointCreate.model_validate({**ENDPOINT, field: value})
+    assert caught.value.errors()[0]["loc"][0] == field
+
+
+@pytest.mark.parametrize(
+    "patterns", [["order.created"], ["order.*"], ["#"], ["order.#", "*.created"], ["a.*.c"]]
+)
+def test_endpoint_create_accepts_topic_patterns(patterns: list[str]) -> None:
+    assert EndpointCreate.model_validate({**ENDPOINT, "event_types": patterns}).event_types == patterns
+
+
+def test_endpoint_update_cannot_change_ordering_or_tenant() -> None:
+    for field, value in (("ordered", True), ("tenant", "other")):
+        with pytest.raises(ValidationError):
+            EndpointUpdate.model_validate({field: value})

@@ -1,0 +1,54 @@
+"""Settings come from HOOKLINE_* variables; a bad one stops the service with one line naming it."""
+
+from __future__ import annotations
+
+import pytest
+from hookline.shared.settings import DispatcherSettings, IngestSettings, load
+
+
+def test_defaults_match_the_design(monkeypatch: pytest.MonkeyPatch) -> None:
+    settings = DispatcherSettings()
+    assert settings.retry_schedule_s == (30, 120, 600, 1800, 7200, 21600)
+    assert settings.retention_s == 259200
+    assert settings.dispatcher_metrics_port == 8002
+    assert settings.amqp_url == "amqp://guest:guest@localhost:5672/"
+    assert settings.allow_http is False
+    assert settings.allow_private_targets is False
+
+
+def test_retry_schedule_is_comma_separated_seconds(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HOOKLINE_RETRY_SCHEDULE_S", "1, 2,3.5")
+    assert DispatcherSettings().retry_schedule_s == (1.0, 2.0, 3.5)
+
+
+@pytest.mark.parametrize(
+    ("variable", "value", "cls"),
+    [
+        ("HOOKLINE_RETRY_SCHEDULE_S", "1,x", DispatcherSettings),
+        ("HOOKLINE_RETRY_SCHEDULE_S", "0,5", DispatcherSettings),
+        ("HOOKLINE_DISPATCHER_METRICS_PORT", "70000", DispatcherSettings),
+        ("HOOKLINE_AMQP_URL", "http://localhost", DispatcherSettings),
+        ("HOOKLINE_API_TOKEN", "short", IngestSettings),
+        ("HOOKLINE_INGEST_PORT", "eighty", IngestSettings),
+    ],
+)
+def test_a_bad_setting_exits_with_one_line_naming_it(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], variable: str, value: str, cls: type
+) -> None:
+    monkeypatch.setenv("HOOKLINE_API_TOKEN", "x" * 20)
+    monkeypatch.setenv(variable, value)
+    with pytest.raises(SystemExit) as exited:
+        load(cls)
+    assert exited.value.code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1
+    assert lines[0].startswith(f"hookline: invalid setting {variable}: ")
+
+
+def test_the_ingest_needs_a_token(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.delenv("HOOKLINE_API_TOKEN", raising=False)
+    with pytest.raises(SystemExit):
+        load(IngestSettings)
+    assert "HOOKLINE_API_TOKEN: Field required" in capsys.readouterr().err
