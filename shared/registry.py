@@ -48,11 +48,17 @@ class EndpointRegistry:
 
     def __init__(self) -> None:
         self._endpoints: dict[str, StoredEndpoint] = {}
+        # Deleted endpoints' last definitions: messages still on their way can be dead-lettered by tenant.
+        self._deleted: dict[str, StoredEndpoint] = {}
         self._waiting: dict[str, asyncio.Future[None]] = {}
         self._listeners: list[Listener] = []
 
     def get(self, endpoint_id: str) -> StoredEndpoint | None:
         return self._endpoints.get(endpoint_id)
+
+    def last_known(self, endpoint_id: str) -> StoredEndpoint | None:
+        """The endpoint, or its definition when it was deleted."""
+        return self._endpoints.get(endpoint_id) or self._deleted.get(endpoint_id)
 
     def all(self) -> list[StoredEndpoint]:
         return list(self._endpoints.values())
@@ -80,6 +86,7 @@ class EndpointRegistry:
         elif isinstance(record, EndpointDeleted):
             before = self._endpoints.pop(record.endpoint_id, None)
             if before is not None:
+                self._deleted[before.id] = before
                 self._notify(before, None)
         waiter = self._waiting.pop(record.change_id, None)
         if waiter is not None and not waiter.done():

@@ -50,8 +50,19 @@ class Handler:
     async def handle(self, endpoint_id: str, message: AbstractIncomingMessage) -> None:
         endpoint = self._registry.get(endpoint_id)
         if endpoint is None:
-            # Deleted while this message was on its way: the ingest moves the queue's rest to dead letters.
-            await message.reject(requeue=True)
+            # Deleted while this message was on its way (the ingest moves the rest of the queue).
+            gone = self._registry.last_known(endpoint_id)
+            await self._dead_letter(
+                message,
+                endpoint_id,
+                gone.tenant if gone else None,
+                DeadLetterReason.ENDPOINT_GONE,
+                event_id=message.message_id,
+                attempts=0,
+                last_status=None,
+                last_error="the endpoint was deleted",
+            )
+            await message.ack()
             return
         parsed = inbound.parse(
             message.body,
@@ -66,7 +77,8 @@ class Handler:
         if isinstance(parsed, inbound.Invalid):
             await self._dead_letter(
                 message,
-                endpoint,
+                endpoint.id,
+                endpoint.tenant,
                 DeadLetterReason.INVALID_EVENT,
                 event_id=parsed.event_id,
                 attempts=0,
@@ -141,7 +153,8 @@ class Handler:
         else:
             await self._dead_letter(
                 message,
-                endpoint,
+                endpoint.id,
+                endpoint.tenant,
                 DeadLetterReason.PERMANENT_STATUS,
                 event_id=event_id,
                 attempts=attempt,
@@ -153,7 +166,8 @@ class Handler:
     async def _dead_letter(
         self,
         message: AbstractIncomingMessage,
-        endpoint: StoredEndpoint,
+        endpoint_id: str,
+        tenant: str | None,
         reason: DeadLetterReason,
         *,
         event_id: str | None,
@@ -166,8 +180,8 @@ class Handler:
             dead_letter_message(
                 message.body,
                 reason=reason,
-                endpoint_id=endpoint.id,
-                tenant=endpoint.tenant,
+                endpoint_id=endpoint_id,
+                tenant=tenant,
                 event_id=event_id,
                 attempts=attempts,
                 last_status=last_status,

@@ -17,7 +17,6 @@ from aio_pika.abc import AbstractRobustQueue
 from fastapi import APIRouter, Depends, Query, Response
 from hookline.ingest.state import IngestState, ingest_state
 from hookline.shared import topology
-from hookline.shared.amqp import BROKER_ERRORS
 from hookline.shared.api import ApiError
 from hookline.shared.deadletters import dead_letter_message
 from hookline.shared.ids import new_id
@@ -172,9 +171,11 @@ async def delete_endpoint(endpoint_id: str, state: State) -> Response:
         EndpointDeleted(change_id=f"chg_{uuid.uuid4().hex}", at=now, endpoint_id=endpoint_id),
         timeout_s=state.settings.registry_wait_s,
     )
-    # 3. What is still queued is kept as dead letters, never dropped with the queue.
+    # 3. What is still queued is kept as dead letters, never dropped with the queue. Deliveries that
+    #    dispatchers hold right now finish on their own: delivered, or dead-lettered as endpoint_gone.
+    #    (Quorum queues refuse queue.delete with if-empty, and unacked messages are invisible here.)
     moved = await _drain_to_dead_letters(state, queue, endpoint, now)
-    await _delete_queue_if_empty(queue, endpoint_id)
+    await queue.delete(if_unused=False, if_empty=False)
     log.info("endpoint_deleted", endpoint_id=endpoint_id, tenant=endpoint.tenant, dead_lettered=moved)
     return Response(status_code=204)
 
@@ -201,10 +202,3 @@ async def _drain_to_dead_letters(
         await message.ack()
         moved += 1
     return moved
-
-
-async def _delete_queue_if_empty(queue: AbstractRobustQueue, endpoint_id: str) -> None:
-    try:
-        await queue.delete(if_unused=False, if_empty=True)
-    except BROKER_ERRORS as exc:  # a queue left behind is safe; it is logged for the operator
-        log.warning("endpoint_queue_kept", endpoint_id=endpoint_id, reason=type(exc).__name__)

@@ -1,0 +1,146 @@
+"""Endpoints through the API and the ``hookline`` command: create, read, change, delete, and their effect."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+from typing import Any
+
+import pytest
+from conftest import System, tenant
+from support import services
+from support.amqp import publish_event, read_stream
+from support.receiver import Receiver, Reply
+from test_delivery_path import event
+
+pytestmark = pytest.mark.e2e
+
+
+def hookline(system: System, *arguments: str) -> Any:
+    env = {**system.env, "HOOKLINE_INGEST_URL": system.ingest.base_url}
+    done = subprocess.run(
+        [services.HOOKLINE, *arguments], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout)
+
+
+def test_the_cli_manages_endpoints(system: System) -> None:
+    acme = tenant()
+    created = hookline(
+        system,
+        "endpoints",
+        "add",
+        "--tenant",
+        acme,
+        "--url",
+        "http://127.0.0.1:9/a",
+        "--event-type",
+        "order.*",
+        "--event-type",
+        "invoice.paid",
+        "--description",
+        "orders",
+    )
+    assert created["secret"].startswith("whsec_")
+    assert created["event_types"] == ["order.*", "invoice.paid"]
+    endpoint_id = created["id"]
+
+    listed = hookline(system, "endpoints", "list", "--tenant", acme)["data"]
+    assert [e["id"] for e in listed] == [endpoint_id]
+    assert "secret" not in listed[0]
+    shown = hookline(system, "endpoints", "show", endpoint_id)
+    assert shown["description"] == "orders"
+    assert "secret" not in shown
+    assert hookline(system, "endpoints", "secret", endpoint_id) == {"secret": created["secret"]}
+
+    updated = hookline(
+        system, "endpoints", "update", endpoint_id, "--url", "http://127.0.0.1:9/b", "--timeout-s", "5"
+    )
+    assert (updated["url"], updated["timeout_s"], updated["event_types"]) == (
+        "http://127.0.0.1:9/b",
+        5.0,
+        ["order.*", "invoice.paid"],
+    )
+    assert hookline(system, "endpoints", "delete", endpoint_id) == {"deleted": endpoint_id}
+
+    env = {**system.env, "HOOKLINE_INGEST_URL": system.ingest.base_url}
+    missing = subprocess.run(
+        [services.HOOKLINE, "endpoints", "show", endpoint_id],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert missing.returncode == 1
+    assert f"404 no endpoint {endpoint_id}" in missing.stderr
+
+
+def test_the_cli_publishes_events(system: System) -> None:
+    accepted = hookline(
+        system,
+        "events",
+        "publish",
+        "--tenant",
+        tenant(),
+        "--type",
+        "order.created",
+        "--data",
+        '{"order_id": "o_1"}',
+        "--id",
+        "evt_cli_1",
+    )
+    assert accepted["id"] == "evt_cli_1"
+
+
+async def test_changes_take_effect_on_delivery(system: System, receiver: Receiver) -> None:
+    acme = tenant()
+    endpoint = system.add_endpoint(acme, receiver.url("/before"), ["order.created"])
+    with system.api() as api:
+        patched = api.patch(
+            f"/v1/endpoints/{endpoint['id']}",
+            json={"url": receiver.url("/after"), "event_types": ["invoice.*"]},
+        )
+        assert patched.status_code == 200, patched.text
+    # The old pattern no longer routes; the new one does, to the new URL.
+    await publish_event(
+        system.amqp_url, event(acme, "order.created", "evt_old_pattern"), f"{acme}.order.created"
+    )
+    await publish_event(
+        system.amqp_url, event(acme, "invoice.paid", "evt_new_pattern"), f"{acme}.invoice.paid"
+    )
+    delivered = await receiver.wait_for(1, path="/after")
+    await asyncio.sleep(0.5)
+    assert [r.headers["webhook-id"] for r in delivered] == ["evt_new_pattern"]
+    assert [r for r in receiver.requests if r.path == "/before"] == []
+
+
+async def test_deleting_an_endpoint_keeps_its_queued_events_as_dead_letters(
+    system: System, receiver: Receiver
+) -> None:
+    acme = tenant()
+    receiver.responder = lambda _: Reply(status=204, delay_s=1.0)
+    endpoint = system.add_endpoint(acme, receiver.url("/deleted"), ["#"])
+    published = [f"evt_del_{n}" for n in range(150)]
+    for event_id in published:
+        await publish_event(system.amqp_url, event(acme, "a.b", event_id), f"{acme}.a.b")
+    await receiver.wait_for(1, path="/deleted")
+    with system.api() as api:
+        assert (await asyncio.to_thread(api.delete, f"/v1/endpoints/{endpoint['id']}")).status_code == 204
+        assert api.get(f"/v1/endpoints/{endpoint['id']}").status_code == 404
+    # More events for the tenant reach nobody now.
+    await publish_event(system.amqp_url, event(acme, "a.b", "evt_after_delete"), f"{acme}.a.b")
+    await asyncio.sleep(3)
+
+    delivered = {r.headers["webhook-id"] for r in receiver.requests if r.path == "/deleted"}
+    dead = await read_stream(system.amqp_url, "hookline.dead-letters")
+    gone = {
+        m.message_id and (m.headers or {}).get("x-hookline-event-id")
+        for m in dead
+        if (m.headers or {}).get("x-hookline-endpoint-id") == endpoint["id"]
+        and (m.headers or {}).get("x-hookline-reason") == "endpoint_gone"
+    }
+    assert gone, "some events were still queued when the endpoint was deleted"
+    assert delivered | gone >= set(published), "every event was either delivered or kept as a dead letter"
+    assert "evt_after_delete" not in delivered | gone
