@@ -13,8 +13,10 @@ install: $(STAMP)
 # links each file, so a directory's mtime is what tells).
 $(STAMP): pyproject.toml constraints.txt $(shell find shared services -type d -not -name __pycache__)
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -c constraints.txt -e '.[dev]' --config-settings editable_mode=strict
+	@echo "installing into $(VENV) (log: $(VENV)/install.log)"
+	@$(BIN)/python -m pip install --upgrade pip > $(VENV)/install.log 2>&1 || { cat $(VENV)/install.log; exit 1; }
+	@$(BIN)/python -m pip install -c constraints.txt -e '.[dev]' --config-settings editable_mode=strict \
+		>> $(VENV)/install.log 2>&1 || { cat $(VENV)/install.log; exit 1; }
 	@touch $(STAMP)
 
 run: $(STAMP)

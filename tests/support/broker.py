@@ -25,6 +25,10 @@ class Broker:
         self.base_url = base_url
         self._run_ctl = run_ctl
 
+    def ctl(self, arguments: list[str]) -> None:
+        """Run ``rabbitmqctl`` against this broker (locally, or inside its container)."""
+        self._run_ctl(arguments)
+
     def url_for(self, vhost: str) -> str:
         parts = urlsplit(self.base_url)
         return urlunsplit((parts.scheme, parts.netloc, "/" + quote(vhost, safe=""), parts.query, ""))

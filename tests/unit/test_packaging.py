@@ -1,0 +1,59 @@
+"""compose.yaml describes the same system as `make run`, with commands the real CLI accepts."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import yaml
+from hookline.shared.cli import build_parser
+from hookline.shared.settings import DispatcherSettings, IngestSettings, MonitorSettings
+
+ROOT = Path(__file__).resolve().parents[2]
+HOOKLINE = str(Path(sys.executable).with_name("hookline"))
+
+
+def _compose() -> dict:  # type: ignore[type-arg]
+    return yaml.safe_load((ROOT / "compose.yaml").read_text())
+
+
+def test_compose_runs_ingest_two_dispatchers_and_the_monitor_against_rabbitmq() -> None:
+    services = _compose()["services"]
+    assert set(services) == {"rabbitmq", "ingest", "dispatcher", "health-monitor"}
+    assert services["dispatcher"]["deploy"]["replicas"] == 2
+    assert services["rabbitmq"]["image"].startswith("rabbitmq:")
+    for name in ("ingest", "dispatcher", "health-monitor"):
+        service = services[name]
+        assert service["command"] == ["hookline", name]
+        assert service["environment"]["HOOKLINE_AMQP_URL"].startswith("amqp://guest:guest@rabbitmq:5672")
+        assert service["depends_on"]["rabbitmq"]["condition"] == "service_healthy"
+
+
+def test_every_compose_command_is_a_real_cli_command() -> None:
+    for name, service in _compose()["services"].items():
+        if "command" not in service:
+            continue
+        program, *arguments = service["command"]
+        assert program == "hookline", name
+        done = subprocess.run([HOOKLINE, *arguments, "--help"], capture_output=True, text=True, timeout=30)
+        assert done.returncode == 0, done.stderr
+        assert build_parser().parse_args(arguments).command == name
+
+
+def test_every_compose_setting_is_a_real_setting() -> None:
+    known = {
+        f"HOOKLINE_{field.upper()}"
+        for cls in (IngestSettings, DispatcherSettings, MonitorSettings)
+        for field in cls.model_fields
+    }
+    for name, service in _compose()["services"].items():
+        for variable in service.get("environment", {}):
+            if variable.startswith("HOOKLINE_"):
+                assert variable in known, (name, variable)
+
+
+def test_the_image_installs_from_the_repo_files() -> None:
+    dockerfile = (ROOT / "Dockerfile").read_text()
+    for copied in ("pyproject.toml", "constraints.txt", "shared", "services"):
+        assert copied in dockerfile
