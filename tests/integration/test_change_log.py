@@ -97,11 +97,7 @@ async def test_a_follower_resumes_after_a_lost_connection_without_replaying(
             reconnected = asyncio.Event()
             follower_connection.reconnect_callbacks.add(lambda *_: reconnected.set())
             # The broker drops every connection of this vhost, the writer's too; both reconnect.
-            await asyncio.to_thread(
-                subprocess.run,
-                ["rabbitmqctl", "-q", "close_all_connections", "-p", vhost, "test"],
-                check=True,
-            )
+            await asyncio.to_thread(rabbitmq.ctl, ["close_all_connections", "-p", vhost, "test"])
             await asyncio.wait_for(reconnected.wait(), 30)
             await writer_connection.connected.wait()
             await asyncio.sleep(0.5)
