@@ -1,0 +1,1 @@
+"""``make bench``: hookline's throughput, latency and memory, beside baselines measured in the same run."""

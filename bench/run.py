@@ -1,0 +1,518 @@
+"""``make bench``: the real system under load, with the ceilings and peers measured in the same run.
+
+1. client micro-benchmark: httpx, httpx over the aiohttp transport, aiohttp (same receiver);
+2. the bare consume → sign → POST → ack loop (the ceiling of one process);
+3. hookline end to end with 1 and 2 dispatcher replicas: N events published to ``events`` over AMQP
+   while the queues are consumed, deliveries/s measured at the receiver;
+4. publish-to-delivery latency at a paced 500 events/s (p50/p95/p99);
+5. dispatcher memory with 1,000 registered endpoints, idle and after traffic to all of them.
+
+Everything runs in a vhost of its own, deleted afterwards. Results: bench/results/latest.{json,md}.
+Numbers drift on a shared 2-core machine: compare ratios within one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aio_pika
+import httpx
+import uvloop
+
+ROOT = Path(__file__).resolve().parents[1]
+HOOKLINE = str(Path(sys.executable).with_name("hookline"))
+TOKEN = "bench-token-0123456789abcdef"  # noqa: S105 - a throwaway token for a throwaway vhost
+TENANT = "bench"
+RESULTS = ROOT / "bench" / "results"
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def rabbitmqctl(*arguments: str) -> None:
+    subprocess.run(["rabbitmqctl", "-q", *arguments], check=True, capture_output=True, timeout=120)
+
+
+@contextlib.contextmanager
+def vhost(base_url: str) -> Iterator[str]:
+    name = f"hookline-bench-{uuid.uuid4().hex[:8]}"
+    rabbitmqctl("add_vhost", name)
+    rabbitmqctl("set_permissions", "-p", name, "guest", ".*", ".*", ".*")
+    try:
+        yield base_url.rstrip("/") + "/" + name
+    finally:
+        rabbitmqctl("delete_vhost", name)
+
+
+@dataclass
+class Sink:
+    port: int
+    out: Path
+    process: subprocess.Popen[bytes]
+
+    def finish(self) -> dict[str, Any]:
+        self.process.send_signal(signal.SIGTERM)
+        self.process.wait(30)
+        result: dict[str, Any] = json.loads(self.out.read_text())
+        return result
+
+
+def start_sink(work: Path) -> Sink:
+    port = free_port()
+    out = work / f"sink-{port}.json"
+    process = subprocess.Popen(
+        [sys.executable, "-m", "bench.sink", str(port), str(out)], stdout=subprocess.PIPE
+    )
+    assert process.stdout is not None
+    process.stdout.readline()  # "ready"
+    return Sink(port, out, process)
+
+
+@dataclass
+class Services:
+    amqp_url: str
+    work: Path
+    processes: list[subprocess.Popen[bytes]] = field(default_factory=list)
+    dispatchers: list[subprocess.Popen[bytes]] = field(default_factory=list)
+    ingest_port: int = 0
+
+    def env(self, **extra: str) -> dict[str, str]:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("HOOKLINE_")}
+        env.update(
+            HOOKLINE_AMQP_URL=self.amqp_url,
+            HOOKLINE_API_TOKEN=TOKEN,
+            HOOKLINE_ALLOW_HTTP="true",
+            HOOKLINE_ALLOW_PRIVATE_TARGETS="true",
+            **extra,
+        )
+        return env
+
+    def _spawn(self, command: str, port_variable: str, port: int, name: str) -> subprocess.Popen[bytes]:
+        log = (self.work / f"{name}.log").open("wb")
+        process = subprocess.Popen(
+            [HOOKLINE, command],
+            env=self.env(**{port_variable: str(port)}),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+        wait_ready(port, process)
+        self.processes.append(process)
+        return process
+
+    def start_ingest(self) -> None:
+        self.ingest_port = free_port()
+        self._spawn("ingest", "HOOKLINE_INGEST_PORT", self.ingest_port, "ingest")
+
+    def start_dispatchers(self, count: int) -> None:
+        for n in range(count):
+            port = free_port()
+            self.dispatchers.append(
+                self._spawn("dispatcher", "HOOKLINE_DISPATCHER_METRICS_PORT", port, f"dispatcher-{n}")
+            )
+
+    def stop_dispatchers(self) -> None:
+        for process in self.dispatchers:
+            stop(process)
+            self.processes.remove(process)
+        self.dispatchers.clear()
+
+    def stop_all(self) -> None:
+        for process in self.processes:
+            stop(process)
+        self.processes.clear()
+        self.dispatchers.clear()
+
+    def api(self) -> httpx.AsyncClient:
+        return httpx.AsyncClient(
+            base_url=f"http://127.0.0.1:{self.ingest_port}",
+            headers={"authorization": f"Bearer {TOKEN}"},
+            timeout=60,
+        )
+
+
+def wait_ready(port: int, process: subprocess.Popen[bytes], timeout_s: float = 60) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"a service exited with {process.returncode}")
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=1).status_code == 200:
+                return
+        time.sleep(0.1)
+    raise RuntimeError("a service did not become ready")
+
+
+def stop(process: subprocess.Popen[bytes]) -> None:
+    if process.poll() is None:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(60)
+        except subprocess.TimeoutExpired:
+            process.kill()
+
+
+def rss_mib(process: subprocess.Popen[bytes]) -> float:
+    for line in Path(f"/proc/{process.pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise RuntimeError("no VmRSS")
+
+
+async def register(services: Services, count: int, url: str, *, first: int = 0) -> None:
+    async with services.api() as api:
+        semaphore = asyncio.Semaphore(8)
+
+        async def one(n: int) -> None:
+            async with semaphore:
+                response = await api.post(
+                    "/v1/endpoints",
+                    json={"tenant": TENANT, "url": url, "event_types": [f"load.e{n}"]},
+                )
+                response.raise_for_status()
+
+        await asyncio.gather(*(one(n) for n in range(first, first + count)))
+
+
+def event_body(event_id: str, endpoint_n: int) -> bytes:
+    return json.dumps(
+        {
+            "id": event_id,
+            "type": f"load.e{endpoint_n}",
+            "tenant": TENANT,
+            "occurred_at": "2026-11-29T18:00:00Z",
+            "data": {"x": "a" * 1000},
+        }
+    ).encode()
+
+
+@contextlib.asynccontextmanager
+async def events_exchange(amqp_url: str) -> AsyncIterator[aio_pika.abc.AbstractExchange]:
+    connection = await aio_pika.connect_robust(amqp_url)
+    async with connection:
+        channel = await connection.channel(publisher_confirms=True)
+        yield await channel.get_exchange("events")
+
+
+def message(event_id: str, endpoint_n: int) -> aio_pika.Message:
+    return aio_pika.Message(
+        event_body(event_id, endpoint_n),
+        content_type="application/json",
+        delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
+        message_id=event_id,
+    )
+
+
+async def publish_burst(amqp_url: str, count: int, endpoints: int, prefix: str) -> dict[str, float]:
+    """Publish ``count`` events as fast as confirms allow (window 500); returns id → publish time."""
+    sent: dict[str, float] = {}
+    async with events_exchange(amqp_url) as exchange:
+        pending = []
+        for n in range(count):
+            event_id = f"{prefix}{n}"
+            sent[event_id] = time.time()
+            pending.append(
+                exchange.publish(message(event_id, n % endpoints), f"{TENANT}.load.e{n % endpoints}")
+            )
+            if len(pending) >= 500:
+                await asyncio.gather(*pending)
+                pending = []
+        await asyncio.gather(*pending)
+    return sent
+
+
+async def publish_paced(
+    amqp_url: str, rate_per_s: int, duration_s: float, endpoints: int
+) -> dict[str, float]:
+    sent: dict[str, float] = {}
+    tick_s = 0.01
+    per_tick = max(1, round(rate_per_s * tick_s))
+    async with events_exchange(amqp_url) as exchange:
+        tasks = []
+        started = time.monotonic()
+        n = 0
+        while (elapsed := time.monotonic() - started) < duration_s:
+            due = int(elapsed * rate_per_s) + per_tick
+            while n < due:
+                event_id = f"paced{n}"
+                sent[event_id] = time.time()
+                endpoint_n = n % endpoints
+                tasks.append(
+                    asyncio.ensure_future(
+                        exchange.publish(message(event_id, endpoint_n), f"{TENANT}.load.e{endpoint_n}")
+                    )
+                )
+                n += 1
+            await asyncio.sleep(tick_s)
+        await asyncio.gather(*tasks)
+    return sent
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+async def throughput(
+    services: Services, work: Path, dispatchers: int, count: int, endpoints: int, *, backlog: bool
+) -> dict[str, Any]:
+    """Deliveries/s at the receiver. ``backlog``: the events wait in the queues before the dispatchers
+    start (what the bare loop measures); otherwise they are published while being delivered."""
+    sink = start_sink(work)
+    try:
+        await register_for(services, sink, endpoints)
+        if backlog:
+            sent = await publish_burst(services.amqp_url, count, endpoints, f"tpb{dispatchers}_")
+            services.start_dispatchers(dispatchers)
+        else:
+            services.start_dispatchers(dispatchers)
+            sent = await publish_burst(services.amqp_url, count, endpoints, f"tpl{dispatchers}_")
+        await drain(sink, count)
+    finally:
+        result = sink.finish()
+        services.stop_dispatchers()
+        await delete_endpoints(services)
+    arrivals = [result["arrivals"][event_id] for event_id in sent if event_id in result["arrivals"]]
+    first = min(arrivals) if backlog else min(sent.values())
+    return {
+        "mode": "backlog" if backlog else "live",
+        "dispatchers": dispatchers,
+        "events": count,
+        "delivered": len(arrivals),
+        "deliveries_per_s": len(arrivals) / (max(arrivals) - first),
+        "requests_at_receiver": result["count"],
+    }
+
+
+async def register_for(services: Services, sink: Sink, endpoints: int) -> None:
+    await register(services, endpoints, f"http://127.0.0.1:{sink.port}/hook")
+
+
+async def delete_endpoints(services: Services) -> None:
+    async with services.api() as api:
+        listed = (await api.get("/v1/endpoints", params={"limit": 1000})).json()["data"]
+        for endpoint in listed:
+            (await api.delete(f"/v1/endpoints/{endpoint['id']}")).raise_for_status()
+
+
+async def drain(sink: Sink, expected: int, timeout_s: float = 600) -> None:
+    """Wait until the receiver has had ``expected`` requests since it started."""
+    deadline = time.monotonic() + timeout_s
+    async with httpx.AsyncClient() as http:
+        while time.monotonic() < deadline:
+            if int((await http.get(f"http://127.0.0.1:{sink.port}/__count")).text) >= expected:
+                return
+            await asyncio.sleep(0.1)
+    raise RuntimeError(f"the receiver did not get {expected} requests in {timeout_s}s")
+
+
+async def latency(
+    services: Services, work: Path, rate_per_s: int, duration_s: float, endpoints: int
+) -> dict[str, Any]:
+    sink = start_sink(work)
+    try:
+        await register_for(services, sink, endpoints)
+        services.start_dispatchers(2)
+        sent = await publish_paced(services.amqp_url, rate_per_s, duration_s, endpoints)
+        await drain(sink, len(sent))
+        await asyncio.sleep(1)
+    finally:
+        result = sink.finish()
+        services.stop_dispatchers()
+        await delete_endpoints(services)
+    delays_ms = [(result["arrivals"][i] - t) * 1000 for i, t in sent.items() if i in result["arrivals"]]
+    return {
+        "offered_per_s": rate_per_s,
+        "events": len(sent),
+        "delivered": len(delays_ms),
+        "p50_ms": percentile(delays_ms, 0.50),
+        "p95_ms": percentile(delays_ms, 0.95),
+        "p99_ms": percentile(delays_ms, 0.99),
+        "max_ms": max(delays_ms),
+        "mean_ms": statistics.fmean(delays_ms),
+    }
+
+
+async def memory(services: Services, work: Path, endpoints: int) -> dict[str, Any]:
+    sink = start_sink(work)
+    try:
+        await register(services, endpoints, f"http://127.0.0.1:{sink.port}/hook")
+        services.start_dispatchers(1)
+        await asyncio.sleep(2)
+        idle = rss_mib(services.dispatchers[0])
+        await publish_burst(services.amqp_url, endpoints * 5, endpoints, "mem")
+        await drain(sink, endpoints * 5)
+        busy = rss_mib(services.dispatchers[0])
+    finally:
+        sink.finish()
+        services.stop_dispatchers()
+    return {"endpoints": endpoints, "dispatcher_rss_idle_mib": idle, "dispatcher_rss_after_traffic_mib": busy}
+
+
+def clients(work: Path, count: int, concurrency: int) -> list[dict[str, Any]]:
+    sink = start_sink(work)
+    url = f"http://127.0.0.1:{sink.port}/hook"
+    try:
+        return [
+            json.loads(
+                subprocess.check_output(
+                    [sys.executable, "-m", "bench.clients", client, str(count), str(concurrency), url]
+                )
+            )
+            for client in ("httpx", "httpx-aiohttp", "aiohttp")
+        ]
+    finally:
+        sink.finish()
+
+
+def baseline(amqp_url: str, work: Path, count: int, prefetch: int) -> dict[str, Any]:
+    sink = start_sink(work)
+    try:
+        output = subprocess.check_output(
+            [
+                sys.executable,
+                "-m",
+                "bench.baseline",
+                amqp_url,
+                str(count),
+                str(prefetch),
+                f"http://127.0.0.1:{sink.port}/",
+            ]
+        )
+    finally:
+        sink.finish()
+    result: dict[str, Any] = json.loads(output)
+    return result
+
+
+async def main(arguments: argparse.Namespace) -> dict[str, Any]:
+    report: dict[str, Any] = {
+        "started_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "machine": machine(),
+    }
+    with vhost(arguments.amqp_url) as amqp_url:
+        work = Path(tempfile.mkdtemp(prefix="hookline-bench-"))
+        print(f"logs in {work}", flush=True)
+        print("clients…", flush=True)
+        report["clients"] = clients(work, arguments.client_requests, 32)
+        print("bare loop…", flush=True)
+        report["bare_loop"] = baseline(amqp_url, work, arguments.events, 64)
+        services = Services(amqp_url, work)
+        services.start_ingest()
+        try:
+            report["throughput"] = []
+            for backlog in (True, False):
+                for dispatchers in (1, 2):
+                    print(f"throughput, {dispatchers} dispatcher(s), backlog={backlog}…", flush=True)
+                    row = await throughput(services, work, dispatchers, arguments.events, 10, backlog=backlog)
+                    report["throughput"].append(row)
+            print("latency at 500/s…", flush=True)
+            report["latency"] = await latency(services, work, 500, arguments.latency_s, 10)
+            print("memory with 1,000 endpoints…", flush=True)
+            limit = broker_file_limit()
+            if limit is not None and limit < 1200:
+                # RabbitMQ 3.x blocks new connections once quorum queues have used up its file handles.
+                raise SystemExit(
+                    f"the broker allows {limit} open files; 1,000 endpoints need more (README, Operations)"
+                )
+            report["memory"] = await memory(services, work, 1000)
+        finally:
+            services.stop_all()
+    return report
+
+
+def broker_file_limit() -> int | None:
+    done = subprocess.run(
+        ["rabbitmq-diagnostics", "-q", "status", "--formatter", "json"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    try:
+        return int(json.loads(done.stdout)["file_descriptors"]["total_limit"])
+    except (ValueError, KeyError, TypeError):
+        return None
+
+
+def machine() -> dict[str, Any]:
+    rabbit = subprocess.run(
+        ["rabbitmqctl", "-q", "version"], capture_output=True, text=True, check=False
+    ).stdout.strip()
+    return {"cpus": os.cpu_count(), "python": sys.version.split()[0], "rabbitmq": rabbit}
+
+
+def markdown(report: dict[str, Any]) -> str:
+    bare = report["bare_loop"]["deliveries_per_s"]
+    lines = [
+        f"Run {report['started_at']} on {report['machine']['cpus']} CPUs, RabbitMQ {report['machine']['rabbitmq']}, "
+        f"Python {report['machine']['python']}.",
+        "",
+        "| what | result | vs bare loop |",
+        "|---|---|---|",
+        f"| bare consume→sign→POST→ack loop (1 process) | {bare:,.0f} deliveries/s | 1.00 |",
+    ]
+    for row in report["throughput"]:
+        rate = row["deliveries_per_s"]
+        lines.append(
+            f"| hookline, {row['dispatchers']} dispatcher(s), {row['events']:,} events, {row['mode']} "
+            f"| {rate:,.0f} deliveries/s "
+            f"({row['delivered']:,} delivered) | {rate / bare:.2f} |"
+        )
+    lat = report["latency"]
+    lines.append(
+        f"| publish→delivery latency at {lat['offered_per_s']}/s offered, 2 dispatchers | p50 {lat['p50_ms']:.1f} ms, "
+        f"p95 {lat['p95_ms']:.1f} ms, p99 {lat['p99_ms']:.1f} ms ({lat['delivered']:,}/{lat['events']:,}) | |"
+    )
+    mem = report["memory"]
+    lines.append(
+        f"| dispatcher RSS, {mem['endpoints']:,} endpoints | {mem['dispatcher_rss_idle_mib']:.0f} MiB idle, "
+        f"{mem['dispatcher_rss_after_traffic_mib']:.0f} MiB after traffic to all | |"
+    )
+    lines += [
+        "",
+        "| delivery client (concurrency 32, same receiver) | requests/s | vs aiohttp |",
+        "|---|---|---|",
+    ]
+    fastest = max(row["requests_per_s"] for row in report["clients"])
+    for row in report["clients"]:
+        lines.append(
+            f"| {row['client']} | {row['requests_per_s']:,.0f} | {row['requests_per_s'] / fastest:.2f} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--amqp-url", default=os.environ.get("HOOKLINE_AMQP_URL", "amqp://guest:guest@localhost:5672/")
+    )
+    parser.add_argument("--events", type=int, default=20_000)
+    parser.add_argument("--latency-s", type=float, default=20.0)
+    parser.add_argument("--client-requests", type=int, default=5_000)
+    report = uvloop.run(main(parser.parse_args()))
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "latest.json").write_text(json.dumps(report, indent=2))
+    text = markdown(report)
+    (RESULTS / "latest.md").write_text(text)
+    print(text)
