@@ -3,6 +3,7 @@
     hookline ingest | dispatcher | health-monitor
     hookline endpoints add|list|show|update|delete|secret ...
     hookline events publish ...
+    hookline receive [--status 500]      (a receiver for trying it out)
 
 Admin commands read HOOKLINE_INGEST_URL and HOOKLINE_API_TOKEN, print the API's JSON answer on stdout,
 and exit 1 with the API's error message on stderr when a request fails.
@@ -39,6 +40,13 @@ def _start_monitor(_: argparse.Namespace) -> int:
     from hookline.health_monitor.app import main
 
     main()
+    return 0
+
+
+def _receive(args: argparse.Namespace) -> int:
+    from hookline.shared.devreceiver import run
+
+    run(host=args.host, port=args.port, status=args.status, secret=args.secret)
     return 0
 
 
@@ -147,6 +155,13 @@ def build_parser() -> argparse.ArgumentParser:
     commands.add_parser("ingest", help="run the HTTP API").set_defaults(run=_start_ingest)
     commands.add_parser("dispatcher", help="run a dispatcher replica").set_defaults(run=_start_dispatcher)
     commands.add_parser("health-monitor", help="run the health monitor").set_defaults(run=_start_monitor)
+
+    receive = commands.add_parser("receive", help="a local webhook receiver for trying hookline out")
+    receive.add_argument("--host", default="127.0.0.1")
+    receive.add_argument("--port", type=int, default=9000)
+    receive.add_argument("--status", type=int, default=204, help="the status to answer with (try 500)")
+    receive.add_argument("--secret", help="the endpoint's whsec_ secret, to verify signatures")
+    receive.set_defaults(run=_receive)
 
     endpoints = commands.add_parser("endpoints", help="manage endpoints").add_subparsers(
         dest="action", required=True, metavar="ACTION"
