@@ -182,14 +182,7 @@ class EndpointDeleted(Model):
     endpoint_id: EndpointId
 
 
-class SyncMarker(Model):
-    """Written by a reader that wants to know when it has read everything written before it."""
-
-    kind: Literal["sync"] = "sync"
-    change_id: str
-
-
-ChangeRecord = Annotated[EndpointUpserted | EndpointDeleted | SyncMarker, Field(discriminator="kind")]
+ChangeRecord = Annotated[EndpointUpserted | EndpointDeleted, Field(discriminator="kind")]
 
 
 # --- dead letters -------------------------------------------------------------------------------

@@ -25,6 +25,9 @@ class CommonSettings(BaseSettings):
         30.0, gt=0, description="How long a service waits for the broker at start."
     )
     shutdown_grace_s: float = Field(20.0, gt=0, description="Time in-flight work gets to finish on SIGTERM.")
+    event_log_max_age_s: int = Field(
+        604_800, ge=3600, description="How long accepted events are kept for replay (stream retention)."
+    )
 
     @field_validator("amqp_url")
     @classmethod

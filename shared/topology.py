@@ -4,9 +4,18 @@ All queues are durable (quorum or stream) so the same code runs on RabbitMQ 3.10
 arguments come from one function each: redeclaring with different arguments is a channel error.
 
     events (topic) ──<tenant>.<pattern>──▶ hookline.endpoint.<id> (quorum, one per endpoint)
-      │  └─ alternate exchange ──▶ hookline.unrouted (events no endpoint subscribes to)
+      │  ├─ "#" ──▶ hookline.events.log (stream: every accepted event, for replay)
+      │  └─ alternate exchange ──▶ hookline.unrouted (only if the event log is missing)
+    hookline.delay.27 … hookline.delay.00 (topic + quorum TTL queue of 2^NN s each)
+      └─▶ hookline.delay.delivery (topic) ──"*"x28.<queue>──▶ hookline.endpoint.<id>
+            └─ alternate exchange ──▶ hookline.delay.unroutable (the endpoint queue is gone)
     hookline.dead (fanout) ──▶ hookline.dead-letters (stream: listable, redrivable)
     hookline.endpoints (stream): the endpoint change log every service replays and follows
+
+Delays (reference/rabbitmq-techniques.md §1): a retry is published to the level of the highest set bit
+of its delay in seconds, with a routing key of the 28 bits, most significant first, then the endpoint
+queue's name. Each level either holds the message for 2^NN s (bit set) or passes it down (bit clear);
+every level queue has one TTL, so a message never waits behind a later-expiring one.
 """
 
 from __future__ import annotations
@@ -15,7 +24,14 @@ from collections.abc import Iterable
 from typing import Any
 
 import aio_pika
-from aio_pika.abc import AbstractChannel, AbstractExchange, AbstractRobustChannel, AbstractRobustQueue
+import structlog
+from aio_pika.abc import (
+    AbstractChannel,
+    AbstractExchange,
+    AbstractRobustChannel,
+    AbstractRobustConnection,
+    AbstractRobustQueue,
+)
 
 EVENTS_EXCHANGE = "events"
 UNROUTED = "hookline.unrouted"
@@ -29,6 +45,33 @@ ENDPOINT_QUEUE_PREFIX = "hookline.endpoint."
 ENDPOINT_DELIVERY_LIMIT = 50
 UNROUTED_MAX_LENGTH = 100_000
 DEAD_LETTER_MAX_AGE = "30D"
+EVENT_LOG = "hookline.events.log"
+
+DELAY_BITS = 28
+MAX_DELAY_S = 2**DELAY_BITS - 1
+DELAY_DELIVERY = "hookline.delay.delivery"
+DELAY_UNROUTABLE = "hookline.delay.unroutable"
+
+
+def delay_level(level: int) -> str:
+    return f"hookline.delay.{level:02d}"
+
+
+def delay_routing_key(delay_s: int, queue: str) -> str:
+    """28 words of bits of ``delay_s``, most significant first, then the destination queue's name."""
+    if not 0 <= delay_s <= MAX_DELAY_S:
+        raise ValueError(f"a delay must be between 0 and {MAX_DELAY_S} s")
+    return ".".join(format(delay_s, f"0{DELAY_BITS}b")) + "." + queue
+
+
+def delay_entry(delay_s: int) -> str:
+    """The exchange a message with this delay is published to: the level of its highest set bit."""
+    return delay_level(max(delay_s.bit_length() - 1, 0))
+
+
+def delay_delivery_binding(queue: str) -> str:
+    # Exactly 28 bit words: "#.<queue>" would also match any queue whose name ends with ".<queue>".
+    return "*." * DELAY_BITS + queue
 
 
 def endpoint_queue(endpoint_id: str) -> str:
@@ -58,8 +101,24 @@ def endpoint_queue_arguments(*, ordered: bool) -> dict[str, Any]:
     return arguments
 
 
-async def declare_core(channel: AbstractRobustChannel) -> None:
-    """Declare the exchanges and queues every service relies on (idempotent)."""
+async def declare(connection: AbstractRobustConnection, *, event_log_max_age_s: int) -> None:
+    """Declare everything every service relies on, on a channel of its own (idempotent).
+
+    Something that exists with other arguments (say, the event log declared with another retention;
+    change that with a policy instead) stops the service at start with the broker's words.
+    """
+    channel = await connection.channel()
+    try:
+        await declare_core(channel, event_log_max_age_s=event_log_max_age_s)
+    except aio_pika.exceptions.ChannelPreconditionFailed as exc:
+        structlog.get_logger(__name__).error("topology_mismatch", detail=str(exc))
+        raise SystemExit(1) from None
+    finally:
+        if not channel.is_closed:
+            await channel.close()
+
+
+async def declare_core(channel: AbstractRobustChannel, *, event_log_max_age_s: int) -> None:
     unrouted = await channel.declare_exchange(UNROUTED, aio_pika.ExchangeType.FANOUT, durable=True)
     unrouted_queue = await channel.declare_queue(
         UNROUTED,
@@ -67,7 +126,13 @@ async def declare_core(channel: AbstractRobustChannel) -> None:
         arguments={"x-queue-type": "quorum", "x-max-length": UNROUTED_MAX_LENGTH, "x-overflow": "drop-head"},
     )
     await unrouted_queue.bind(unrouted)
-    await events_exchange(channel)
+    events = await events_exchange(channel)
+    event_log = await channel.declare_queue(
+        EVENT_LOG,
+        durable=True,
+        arguments={"x-queue-type": "stream", "x-max-age": f"{event_log_max_age_s}s"},
+    )
+    await event_log.bind(events, routing_key="#")
 
     dead = await channel.declare_exchange(DEAD_LETTER_EXCHANGE, aio_pika.ExchangeType.FANOUT, durable=True)
     dead_letters = await channel.declare_queue(
@@ -77,6 +142,45 @@ async def declare_core(channel: AbstractRobustChannel) -> None:
     )
     await dead_letters.bind(dead)
     await endpoint_log(channel)
+    await _declare_delays(channel)
+
+
+async def _declare_delays(channel: AbstractRobustChannel) -> None:
+    unroutable = await channel.declare_exchange(DELAY_UNROUTABLE, aio_pika.ExchangeType.FANOUT, durable=True)
+    unroutable_queue = await channel.declare_queue(
+        DELAY_UNROUTABLE, durable=True, arguments={"x-queue-type": "quorum"}
+    )
+    await unroutable_queue.bind(unroutable)
+    delivery = await delay_delivery_exchange(channel)
+    below: AbstractExchange = delivery
+    for level in range(DELAY_BITS):
+        exchange = await channel.declare_exchange(
+            delay_level(level), aio_pika.ExchangeType.TOPIC, durable=True
+        )
+        queue = await channel.declare_queue(
+            delay_level(level),
+            durable=True,
+            arguments={
+                "x-queue-type": "quorum",
+                "x-message-ttl": 2**level * 1000,
+                "x-dead-letter-exchange": below.name,
+                "x-dead-letter-strategy": "at-least-once",
+                "x-overflow": "reject-publish",
+            },
+        )
+        higher_bits = "*." * (DELAY_BITS - 1 - level)
+        await queue.bind(exchange, routing_key=higher_bits + "1.#")
+        await below.bind(exchange, routing_key=higher_bits + "0.#")
+        below = exchange
+
+
+async def delay_delivery_exchange(channel: AbstractChannel) -> AbstractExchange:
+    return await channel.declare_exchange(
+        DELAY_DELIVERY,
+        aio_pika.ExchangeType.TOPIC,
+        durable=True,
+        arguments={"alternate-exchange": DELAY_UNROUTABLE},
+    )
 
 
 async def events_exchange(channel: AbstractChannel) -> AbstractExchange:

@@ -155,9 +155,7 @@ async def serve(settings: DispatcherSettings, stopping: asyncio.Event) -> None:
         ) as connection,
         DeliveryClient(max_connections=settings.http_max_connections, user_agent=USER_AGENT) as client,
     ):
-        setup = await connection.channel()
-        await topology.declare_core(setup)
-        await setup.close()
+        await topology.declare(connection, event_log_max_age_s=settings.event_log_max_age_s)
         async with (
             registry.follow(connection, endpoint_registry, sync_timeout_s=settings.connect_timeout_s),
             dispatching(settings, connection, endpoint_registry, client) as consumers,

@@ -8,7 +8,7 @@ from contextlib import asynccontextmanager
 
 import structlog
 from fastapi import FastAPI
-from hookline.shared import __version__, amqp, lifecycle, registry
+from hookline.shared import __version__, amqp, lifecycle, registry, topology
 from hookline.shared import logging as hookline_logging
 from hookline.shared.api import install_error_handlers, probes_router, serve
 from hookline.shared.settings import MonitorSettings, load
@@ -25,6 +25,7 @@ def create_app(settings: MonitorSettings) -> FastAPI:
         async with amqp.connection(
             settings.amqp_url, name="hookline-health-monitor", connect_timeout_s=settings.connect_timeout_s
         ) as connection:
+            await topology.declare(connection, event_log_max_age_s=settings.event_log_max_age_s)
             endpoint_registry = registry.EndpointRegistry()
             async with registry.follow(
                 connection, endpoint_registry, sync_timeout_s=settings.connect_timeout_s

@@ -26,9 +26,7 @@ def create_app(settings: IngestSettings) -> FastAPI:
         async with amqp.connection(
             settings.amqp_url, name="hookline-ingest", connect_timeout_s=settings.connect_timeout_s
         ) as connection:
-            setup = await connection.channel()
-            await topology.declare_core(setup)
-            await setup.close()
+            await topology.declare(connection, event_log_max_age_s=settings.event_log_max_age_s)
             publisher = await connection.channel(publisher_confirms=True, on_return_raises=True)
             admin = await connection.channel(publisher_confirms=True, on_return_raises=True)
             endpoint_registry = registry.EndpointRegistry()

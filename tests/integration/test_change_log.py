@@ -39,6 +39,7 @@ async def test_writes_are_seen_by_followers_and_replayed_by_newcomers(amqp_url: 
         amqp.connection(amqp_url, name="first", connect_timeout_s=10) as first_connection,
         amqp.connection(amqp_url, name="second", connect_timeout_s=10) as second_connection,
     ):
+        await topology.declare(first_connection, event_log_max_age_s=3600)
         first, second = registry.EndpointRegistry(), registry.EndpointRegistry()
         async with (
             registry.follow(first_connection, first, sync_timeout_s=10) as writer,
@@ -62,8 +63,8 @@ async def test_writes_are_seen_by_followers_and_replayed_by_newcomers(amqp_url: 
 
 async def test_an_unreadable_record_is_skipped_and_the_rest_applied(amqp_url: str) -> None:
     async with amqp.connection(amqp_url, name="test", connect_timeout_s=10) as connection:
+        await topology.declare(connection, event_log_max_age_s=3600)
         channel = await connection.channel()
-        await topology.endpoint_log(channel)
         await channel.default_exchange.publish(
             aio_pika.Message(b'{"kind": "from.the.future"}'), topology.ENDPOINT_LOG
         )
@@ -85,6 +86,7 @@ async def test_a_follower_resumes_after_a_lost_connection_without_replaying(
             amqp_url + "?reconnect_interval=0.5", name="writer", connect_timeout_s=10
         ) as writer_connection,
     ):
+        await topology.declare(writer_connection, event_log_max_age_s=3600)
         seen: list[str] = []
         follower = registry.EndpointRegistry()
         follower.subscribe(lambda _, after: seen.append(after.url if after else "deleted"))

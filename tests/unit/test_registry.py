@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 from datetime import UTC, datetime
 
 from hookline.shared.models import (
@@ -10,7 +9,6 @@ from hookline.shared.models import (
     EndpointUpserted,
     SigningSecret,
     StoredEndpoint,
-    SyncMarker,
 )
 from hookline.shared.registry import EndpointRegistry
 
@@ -52,12 +50,3 @@ def test_upsert_replace_and_delete_notify_listeners_with_before_and_after() -> N
     ]
     assert [endpoint.id for endpoint in registry.all()] == [EP2]
     assert registry.get(EP1) is None
-
-
-async def test_expect_resolves_when_the_record_is_applied() -> None:
-    registry = EndpointRegistry()
-    applied = registry.expect("sync_1")
-    registry.apply(SyncMarker(change_id="other"))
-    assert not applied.done()
-    registry.apply(SyncMarker(change_id="sync_1"))
-    await asyncio.wait_for(applied, 1)
