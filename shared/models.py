@@ -88,6 +88,12 @@ def _check_url(value: str) -> str:
 Url = Annotated[str, StringConstraints(min_length=1, max_length=2048), AfterValidator(_check_url)]
 Patterns = Annotated[list[TypePattern], Field(min_length=1, max_length=64)]
 TimeoutS = Annotated[float, Field(ge=1, le=30)]
+# Per-endpoint retry overrides; None means the service-wide setting.
+RetrySchedule = Annotated[
+    list[Annotated[float, Field(gt=0, le=30 * 86400)]], Field(min_length=1, max_length=50)
+]
+MaxAttempts = Annotated[int, Field(ge=1, le=10_000)]
+RetentionS = Annotated[float, Field(ge=60, le=30 * 86400)]
 
 
 class EndpointStatus(enum.StrEnum):
@@ -105,6 +111,9 @@ class EndpointCreate(Model):
     max_in_flight: int | None = Field(None, ge=1, le=1000)
     timeout_s: TimeoutS = 15.0
     ordered: bool = False
+    retry_schedule_s: RetrySchedule | None = None
+    max_attempts: MaxAttempts | None = None
+    retention_s: RetentionS | None = None
 
 
 class EndpointUpdate(Model):
@@ -116,6 +125,9 @@ class EndpointUpdate(Model):
     rate_limit_per_s: float | None = Field(None, gt=0, le=100_000)
     max_in_flight: int | None = Field(None, ge=1, le=1000)
     timeout_s: TimeoutS | None = None
+    retry_schedule_s: RetrySchedule | None = None
+    max_attempts: MaxAttempts | None = None
+    retention_s: RetentionS | None = None
 
 
 class Endpoint(Model):
@@ -130,6 +142,9 @@ class Endpoint(Model):
     max_in_flight: int | None = None
     timeout_s: TimeoutS = 15.0
     ordered: bool = False
+    retry_schedule_s: RetrySchedule | None = None
+    max_attempts: MaxAttempts | None = None
+    retention_s: RetentionS | None = None
     status: EndpointStatus = EndpointStatus.ACTIVE
     created_at: AwareDatetime
     updated_at: AwareDatetime

@@ -77,6 +77,15 @@ class DispatcherSettings(DeliveryPolicySettings):
         description="Retry step lengths in seconds; the last one repeats.",
     )
     retention_s: float = Field(259_200.0, gt=0, description="How long an event is retried before it is dead.")
+    max_attempts: int | None = Field(
+        None, ge=1, description="Attempts before an event is dead (none: retention only)."
+    )
+    retry_jitter: Literal["full", "none"] = Field(
+        "full", description="full: each delay uniform in [0, step]."
+    )
+    retry_after_cap_s: float = Field(
+        3600.0, ge=0, description="Longest delay a Retry-After header can ask for."
+    )
     max_payload_bytes: int = Field(262_144, ge=1024, le=16 * 1024 * 1024)
 
     @field_validator("retry_schedule_s", mode="before")

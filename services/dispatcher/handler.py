@@ -1,36 +1,42 @@
 """One message from an endpoint queue, handled to exactly one settlement.
 
-Every message ends in one of: acked after a 2xx; acked after its dead letter was confirmed; or handed
-back to the broker (requeued) to be tried again. A handler that is cancelled (shutdown) leaves its
-message unacked, so the broker redelivers it; nothing is acked before its outcome is recorded.
+Every message ends in one of: acked after a 2xx; acked after its retry copy was confirmed by the
+broker; acked after its dead letter was confirmed. A handler that is cancelled (shutdown) or loses its
+channel leaves the message unacked, so the broker redelivers it: nothing is acked before its outcome
+is recorded somewhere durable.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import random
 import time
+import uuid
+from collections.abc import Callable
 from datetime import UTC, datetime
 
 import structlog
 from aio_pika.abc import AbstractExchange, AbstractIncomingMessage
 from hookline.dispatcher import inbound, metrics
+from hookline.dispatcher.backoff import Jitter, RetryPolicy
+from hookline.dispatcher.delays import Delays
 from hookline.dispatcher.delivery import AttemptResult, DeliveryClient
-from hookline.dispatcher.outcome import Outcome, classify
-from hookline.shared import __version__, signing
+from hookline.dispatcher.outcome import Ack, DeadLetter, Retry, Settlement, classify, settle
+from hookline.shared import __version__, signing, topology
 from hookline.shared.amqp import BROKER_ERRORS
 from hookline.shared.deadletters import dead_letter_message
-from hookline.shared.models import DeadLetterReason, StoredEndpoint
-from hookline.shared.registry import EndpointRegistry
+from hookline.shared.models import DeadLetterReason, EndpointStatus, EndpointUpserted, StoredEndpoint
+from hookline.shared.registry import ChangeLog, EndpointRegistry
 from hookline.shared.settings import DispatcherSettings
 
 log = structlog.get_logger(__name__)
 
 USER_AGENT = f"hookline/{__version__}"
 
-# Until retries go through the delay queues, a failed attempt is handed back to the broker after this
-# pause, so a failing endpoint is not hammered in a tight loop. The delivery limit bounds the loop.
-REQUEUE_PAUSE_S = 1.0
+# A handler that crashes hands its message back after this pause; the queue's delivery limit turns a
+# message that keeps crashing it into a dead letter.
+CRASH_PAUSE_S = 1.0
 
 
 class Handler:
@@ -38,31 +44,27 @@ class Handler:
         self,
         settings: DispatcherSettings,
         registry: EndpointRegistry,
+        change_log: ChangeLog,
         client: DeliveryClient,
         dead_letters: AbstractExchange,
+        delays: Delays,
+        *,
+        random_unit: Callable[[], float] = random.random,
     ) -> None:
         self._settings = settings
         self._registry = registry
+        self._change_log = change_log
         self._client = client
         self._dead_letters = dead_letters
+        self._delays = delays
+        self._random_unit = random_unit
         self._signing_keys: dict[str, tuple[str, list[bytes]]] = {}
 
     async def handle(self, endpoint_id: str, message: AbstractIncomingMessage) -> None:
         endpoint = self._registry.get(endpoint_id)
         if endpoint is None:
             # Deleted while this message was on its way (the ingest moves the rest of the queue).
-            gone = self._registry.last_known(endpoint_id)
-            await self._dead_letter(
-                message,
-                endpoint_id,
-                gone.tenant if gone else None,
-                DeadLetterReason.ENDPOINT_GONE,
-                event_id=message.message_id,
-                attempts=0,
-                last_status=None,
-                last_error="the endpoint was deleted",
-            )
-            await message.ack()
+            await self._gone(message, endpoint_id)
             return
         parsed = inbound.parse(
             message.body,
@@ -76,28 +78,32 @@ class Handler:
         )
         if isinstance(parsed, inbound.Invalid):
             await self._dead_letter(
-                message,
-                endpoint.id,
-                endpoint.tenant,
-                DeadLetterReason.INVALID_EVENT,
-                event_id=parsed.event_id,
-                attempts=0,
-                last_status=None,
-                last_error=parsed.reason,
-            )
+                message, endpoint.id, endpoint.tenant, DeadLetterReason.INVALID_EVENT,
+                event_id=parsed.event_id, attempts=0, last_status=None, last_error=parsed.reason,
+            )  # fmt: skip
             await message.ack()
             log.warning(
                 "event_invalid",
-                endpoint_id=endpoint.id,
-                tenant=endpoint.tenant,
-                event_id=parsed.event_id,
-                reason=parsed.reason,
-            )
+                endpoint_id=endpoint.id, tenant=endpoint.tenant, event_id=parsed.event_id, reason=parsed.reason,
+            )  # fmt: skip
             return
 
         event = parsed.event
+        started_s = time.time()
         result = await self._attempt(endpoint, event.id, message.body)
         outcome = classify(result.status, result.error)
+        first_attempt_at_s = parsed.first_attempt_at_s or started_s
+        settlement = settle(
+            outcome,
+            status=result.status,
+            attempt=parsed.attempt,
+            first_attempt_at_s=first_attempt_at_s,
+            now_s=time.time(),
+            policy=self._policy(endpoint),
+            random=self._random_unit(),
+            retry_after=result.retry_after,
+            now=datetime.now(UTC),
+        )
         metrics.ATTEMPTS.labels(outcome.value).inc()
         metrics.ATTEMPT_SECONDS.observe(result.timings.total_ms / 1000)
         log.info(
@@ -114,8 +120,20 @@ class Handler:
             dns_ms=result.timings.dns_ms,
             connect_ms=result.timings.connect_ms,
             first_byte_ms=result.timings.first_byte_ms,
+            next_attempt_in_s=settlement.delay_s if isinstance(settlement, Retry) else None,
+            dead_letter_reason=settlement.reason.value if isinstance(settlement, DeadLetter) else None,
         )
-        await self._settle(message, endpoint, event.id, parsed.attempt, outcome, result)
+        await self._apply(settlement, message, endpoint, event.id, parsed.attempt, first_attempt_at_s, result)
+
+    def _policy(self, endpoint: StoredEndpoint) -> RetryPolicy:
+        settings = self._settings
+        return RetryPolicy(
+            schedule_s=tuple(endpoint.retry_schedule_s or settings.retry_schedule_s),
+            retention_s=endpoint.retention_s or settings.retention_s,
+            max_attempts=endpoint.max_attempts or settings.max_attempts,
+            jitter=Jitter(settings.retry_jitter),
+            retry_after_cap_s=settings.retry_after_cap_s,
+        )
 
     async def _attempt(self, endpoint: StoredEndpoint, event_id: str, body: bytes) -> AttemptResult:
         timestamp_s = int(time.time())
@@ -136,32 +154,67 @@ class Handler:
             self._signing_keys[endpoint.id] = cached
         return cached[1]
 
-    async def _settle(
+    async def _apply(
         self,
+        settlement: Settlement,
         message: AbstractIncomingMessage,
         endpoint: StoredEndpoint,
         event_id: str,
         attempt: int,
-        outcome: Outcome,
+        first_attempt_at_s: float,
         result: AttemptResult,
     ) -> None:
-        if outcome is Outcome.SUCCESS:
-            await message.ack()
-        elif outcome is Outcome.RETRY:
-            await asyncio.sleep(REQUEUE_PAUSE_S)
-            await message.nack(requeue=True)
-        else:
-            await self._dead_letter(
+        if isinstance(settlement, Retry):
+            await self._delays.schedule(
                 message,
-                endpoint.id,
-                endpoint.tenant,
-                DeadLetterReason.PERMANENT_STATUS,
                 event_id=event_id,
-                attempts=attempt,
-                last_status=result.status,
-                last_error=result.detail,
+                endpoint_id=endpoint.id,
+                next_attempt=attempt + 1,
+                first_attempt_at_s=first_attempt_at_s,
+                delay_s=settlement.delay_s,
             )
-            await message.ack()
+        elif isinstance(settlement, DeadLetter):
+            await self._dead_letter(
+                message, endpoint.id, endpoint.tenant, settlement.reason,
+                event_id=event_id, attempts=attempt, last_status=result.status, last_error=result.detail,
+            )  # fmt: skip
+            if settlement.disable:
+                await self._disable(endpoint, reason=result.detail)
+        else:
+            assert isinstance(settlement, Ack)
+        await message.ack()
+
+    async def _disable(self, endpoint: StoredEndpoint, *, reason: str) -> None:
+        now = datetime.now(UTC)
+        disabled = endpoint.model_copy(update={"status": EndpointStatus.DISABLED, "updated_at": now})
+        record = EndpointUpserted(change_id=f"chg_{uuid.uuid4().hex}", at=now, endpoint=disabled)
+        await self._change_log.append(record, timeout_s=self._settings.connect_timeout_s)
+        log.warning(
+            "endpoint_disabled", endpoint_id=endpoint.id, tenant=endpoint.tenant, reason=reason, alert=True
+        )
+
+    async def _gone(self, message: AbstractIncomingMessage, endpoint_id: str) -> None:
+        gone = self._registry.last_known(endpoint_id)
+        await self._dead_letter(
+            message, endpoint_id, gone.tenant if gone else None, DeadLetterReason.ENDPOINT_GONE,
+            event_id=message.message_id, attempts=0, last_status=None, last_error="the endpoint was deleted",
+        )  # fmt: skip
+        await message.ack()
+
+    async def handle_unroutable(self, message: AbstractIncomingMessage) -> None:
+        """A retry whose endpoint queue disappeared while it waited in the delay queues."""
+        queue = (message.routing_key or "").split(".", topology.DELAY_BITS)[-1]
+        endpoint_id = queue.removeprefix(topology.ENDPOINT_QUEUE_PREFIX)
+        known = self._registry.get(endpoint_id)
+        if known is None:
+            await self._gone(message, endpoint_id)
+            return
+        await self._dead_letter(
+            message, endpoint_id, known.tenant, DeadLetterReason.UNROUTABLE,
+            event_id=message.message_id, attempts=0, last_status=None,
+            last_error=f"no queue {queue} for a retry",
+        )  # fmt: skip
+        await message.ack()
 
     async def _dead_letter(
         self,
@@ -207,7 +260,7 @@ async def handle_safely(handler: Handler, endpoint_id: str, message: AbstractInc
         log.error("handler_crashed", endpoint_id=endpoint_id, error=type(exc).__name__, exc_info=exc)
         # reject (not nack) counts toward x-delivery-limit on every RabbitMQ version, so a message that
         # keeps crashing the handler is dead-lettered by the broker instead of looping for ever.
-        await asyncio.sleep(REQUEUE_PAUSE_S)
+        await asyncio.sleep(CRASH_PAUSE_S)
         with contextlib.suppress(*BROKER_ERRORS):
             await message.reject(requeue=True)
     finally:

@@ -1,4 +1,4 @@
-"""What an attempt's result means for the message: a pure function, tested with a table.
+"""What an attempt's result means, and what then happens to the message: pure functions, tested with tables.
 
 2xx                                   success   -> ack
 408, 429, 5xx, timeouts, network, TLS  retry     -> try again later
@@ -10,6 +10,11 @@ refused target, invalid URL            permanent -> dead letter now
 from __future__ import annotations
 
 import enum
+from dataclasses import dataclass
+from datetime import datetime
+
+from hookline.dispatcher.backoff import RETRY_AFTER_STATUSES, GiveUp, RetryPolicy, decide, parse_retry_after
+from hookline.shared.models import DeadLetterReason
 
 
 class Outcome(enum.StrEnum):
@@ -49,3 +54,59 @@ def classify(status: int | None, error: ErrorKind | None) -> Outcome:
     if status in _RETRIED_4XX or 500 <= status < 600:
         return Outcome.RETRY
     return Outcome.PERMANENT
+
+
+@dataclass(frozen=True, slots=True)
+class Ack:
+    """Delivered: ack the message."""
+
+
+@dataclass(frozen=True, slots=True)
+class Retry:
+    """Schedule the next attempt through the delay queues (confirmed), then ack."""
+
+    delay_s: int
+
+
+@dataclass(frozen=True, slots=True)
+class DeadLetter:
+    """Keep the event as a dead letter (confirmed), then ack; ``disable`` also disables the endpoint."""
+
+    reason: DeadLetterReason
+    disable: bool = False
+
+
+Settlement = Ack | Retry | DeadLetter
+
+
+def settle(
+    outcome: Outcome,
+    *,
+    status: int | None,
+    attempt: int,
+    first_attempt_at_s: float,
+    now_s: float,
+    policy: RetryPolicy,
+    random: float,
+    retry_after: str | None,
+    now: datetime,
+) -> Settlement:
+    """What to do with the message after an attempt: a pure function of the attempt and the policy."""
+    if outcome is Outcome.SUCCESS:
+        return Ack()
+    if outcome is Outcome.DISABLE:
+        return DeadLetter(DeadLetterReason.ENDPOINT_GONE, disable=True)
+    if outcome is Outcome.PERMANENT:
+        return DeadLetter(DeadLetterReason.PERMANENT_STATUS)
+    retry_after_s = parse_retry_after(retry_after, now=now) if status in RETRY_AFTER_STATUSES else None
+    decision = decide(
+        attempt,
+        first_attempt_at_s=first_attempt_at_s,
+        now_s=now_s,
+        policy=policy,
+        random=random,
+        retry_after_s=retry_after_s,
+    )
+    if isinstance(decision, GiveUp):
+        return DeadLetter(DeadLetterReason(decision.reason))
+    return Retry(decision.delay_s)

@@ -9,19 +9,25 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from functools import partial
 
 import structlog
-from aio_pika.abc import AbstractRobustChannel, AbstractRobustConnection, AbstractRobustQueue
+from aio_pika.abc import (
+    AbstractIncomingMessage,
+    AbstractRobustChannel,
+    AbstractRobustConnection,
+    AbstractRobustQueue,
+)
 from hookline.dispatcher import metrics
+from hookline.dispatcher.delays import Delays
 from hookline.dispatcher.delivery import DeliveryClient
 from hookline.dispatcher.handler import USER_AGENT, Handler, handle_safely
 from hookline.shared import amqp, lifecycle, registry, topology
 from hookline.shared import logging as hookline_logging
 from hookline.shared.models import EndpointStatus, StoredEndpoint
-from hookline.shared.registry import EndpointRegistry
+from hookline.shared.registry import ChangeLog, EndpointRegistry
 from hookline.shared.settings import DispatcherSettings, load
 
 log = structlog.get_logger(__name__)
@@ -67,12 +73,18 @@ class Consumers:
             await queue.cancel(tag)
         metrics.CONSUMERS.set(len(self._active))
 
-    async def _on_message(self, endpoint_id: str, message: object) -> None:
+    async def _on_message(self, endpoint_id: str, message: AbstractIncomingMessage) -> None:
+        await self.track(partial(handle_safely, self._handler, endpoint_id), message)
+
+    async def track(
+        self, handle: Callable[[AbstractIncomingMessage], Awaitable[None]], message: AbstractIncomingMessage
+    ) -> None:
+        """Run a message's handling as a task the shutdown drain waits for."""
         task = asyncio.current_task()
         assert task is not None
         self._tasks.add(task)
         try:
-            await handle_safely(self._handler, endpoint_id, message)  # type: ignore[arg-type]
+            await handle(message)
         finally:
             self._tasks.discard(task)
 
@@ -110,22 +122,35 @@ class Consumers:
 async def dispatching(
     settings: DispatcherSettings,
     connection: AbstractRobustConnection,
-    endpoint_registry: EndpointRegistry,
+    change_log: ChangeLog,
     client: DeliveryClient,
 ) -> AsyncIterator[Consumers]:
+    endpoint_registry = change_log.registry
     publisher = await connection.channel(publisher_confirms=True, on_return_raises=True)
     consumer_channel = await connection.channel()
     # Per consumer (global_=False): each endpoint gets its own window of unacked deliveries.
     await consumer_channel.set_qos(prefetch_count=settings.prefetch_per_endpoint)
-    handler = Handler(settings, endpoint_registry, client, await topology.dead_letter_exchange(publisher))
+    handler = Handler(
+        settings,
+        endpoint_registry,
+        change_log,
+        client,
+        await topology.dead_letter_exchange(publisher),
+        await Delays.open(publisher),
+    )
     consumers = Consumers(consumer_channel, endpoint_registry, handler)
     endpoint_registry.subscribe(consumers.on_change)
     reconciler = asyncio.create_task(consumers.run(), name="consumers")
+    # Retries whose endpoint queue is gone: any replica turns them into dead letters.
+    unroutable = await consumer_channel.declare_queue(topology.DELAY_UNROUTABLE, passive=True)
+    unroutable_tag = await unroutable.consume(partial(consumers.track, handler.handle_unroutable))
     try:
         yield consumers
     finally:
         # Shutdown, in order:
         # 1. stop taking work, so the drain below can finish;
+        with contextlib.suppress(*amqp.BROKER_ERRORS):
+            await unroutable.cancel(unroutable_tag)
         await consumers.stop_intake(reconciler)
         # 2. let in-flight deliveries finish and settle within the grace period;
         cancelled = await consumers.drain(settings.shutdown_grace_s)
@@ -157,8 +182,10 @@ async def serve(settings: DispatcherSettings, stopping: asyncio.Event) -> None:
     ):
         await topology.declare(connection, event_log_max_age_s=settings.event_log_max_age_s)
         async with (
-            registry.follow(connection, endpoint_registry, sync_timeout_s=settings.connect_timeout_s),
-            dispatching(settings, connection, endpoint_registry, client) as consumers,
+            registry.follow(
+                connection, endpoint_registry, sync_timeout_s=settings.connect_timeout_s
+            ) as change_log,
+            dispatching(settings, connection, change_log, client) as consumers,
             metrics.probe_server(
                 settings.dispatcher_metrics_host,
                 settings.dispatcher_metrics_port,

@@ -87,6 +87,10 @@ async def create_endpoint(spec: EndpointCreate, state: State) -> EndpointCreated
     queue = await _queue(state, endpoint)
     for key in topology.binding_keys(endpoint.tenant, endpoint.event_types):
         await queue.bind(state.events, routing_key=key, robust=False)
+    # Retries come back to the queue through the delay hierarchy's delivery exchange.
+    await queue.bind(
+        topology.DELAY_DELIVERY, routing_key=topology.delay_delivery_binding(queue.name), robust=False
+    )
     await _write(state, endpoint, now)
     log.info("endpoint_created", endpoint_id=endpoint.id, tenant=endpoint.tenant)
     return EndpointCreated(**endpoint.public().model_dump(), secret=secret)

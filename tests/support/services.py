@@ -33,6 +33,9 @@ def base_env(amqp_url: str, **overrides: str) -> dict[str, str]:
         HOOKLINE_ALLOW_PRIVATE_TARGETS="true",
         HOOKLINE_CONNECT_TIMEOUT_S="15",
         HOOKLINE_SHUTDOWN_GRACE_S="5",
+        # Tests shrink the retry schedule through settings; jitter off makes the delays exact.
+        HOOKLINE_RETRY_SCHEDULE_S="1,2",
+        HOOKLINE_RETRY_JITTER="none",
     )
     env.update(overrides)
     return env

@@ -1,0 +1,47 @@
+"""Scheduling the next attempt: a copy of the message through the TTL delay hierarchy, confirmed.
+
+The copy is a fresh message: our own headers travel (attempt, first attempt time), the broker's
+``x-death`` does not — RabbitMQ 3.x would take a second pass through a level queue for a cycle and
+hold the message for ever.
+"""
+
+from __future__ import annotations
+
+import aio_pika
+from aio_pika.abc import AbstractExchange, AbstractIncomingMessage, AbstractRobustChannel
+from hookline.shared import topology
+from hookline.shared.headers import Header
+
+
+class Delays:
+    def __init__(self, levels: dict[str, AbstractExchange]) -> None:
+        self._levels = levels
+
+    @classmethod
+    async def open(cls, channel: AbstractRobustChannel) -> Delays:
+        """Exchange handles for every level, made once (they are declared by :func:`topology.declare`)."""
+        names = [topology.delay_level(level) for level in range(topology.DELAY_BITS)]
+        return cls({name: await channel.get_exchange(name, ensure=False) for name in names})
+
+    async def schedule(
+        self,
+        original: AbstractIncomingMessage,
+        *,
+        event_id: str,
+        endpoint_id: str,
+        next_attempt: int,
+        first_attempt_at_s: float,
+        delay_s: int,
+    ) -> None:
+        """Publish the retry copy and wait for the broker's confirm; the caller acks the original after."""
+        copy = aio_pika.Message(
+            original.body,
+            content_type=original.content_type,
+            delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
+            message_id=event_id,
+            timestamp=original.timestamp,
+            headers={Header.ATTEMPT: next_attempt, Header.FIRST_ATTEMPT_AT: int(first_attempt_at_s)},
+        )
+        queue = topology.endpoint_queue(endpoint_id)
+        exchange = self._levels[topology.delay_entry(delay_s)]
+        await exchange.publish(copy, routing_key=topology.delay_routing_key(delay_s, queue))
