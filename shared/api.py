@@ -18,12 +18,13 @@ import uvicorn
 from fastapi import APIRouter, FastAPI, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from hookline.shared import lifecycle
-from hookline.shared.models import ErrorBody, ErrorDetail
 from pydantic import ValidationError
 from pydantic_core import ErrorDetails
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from hookline.shared import lifecycle
+from hookline.shared.models import ErrorBody, ErrorDetail
 
 log = structlog.get_logger(__name__)
 

@@ -1,8 +1,10 @@
 """``hookline``: start a service, or administer a running system through its HTTP APIs.
 
     hookline ingest | dispatcher | health-monitor
-    hookline endpoints add|list|show|update|delete|secret ...
+    hookline endpoints add|list|show|update|delete|secret|pause|resume ...
     hookline events publish ...
+    hookline dead-letters list|redrive ...
+    hookline replay ENDPOINT_ID --since ...
     hookline receive [--status 500]      (a receiver for trying it out)
 
 Admin commands read HOOKLINE_INGEST_URL and HOOKLINE_API_TOKEN, print the API's JSON answer on stdout,
@@ -18,7 +20,9 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import httpx
+
 from hookline.shared import __version__
+from hookline.shared.models import DeadLetterReason
 from hookline.shared.settings import ClientSettings
 
 
@@ -114,7 +118,30 @@ def _endpoints(args: argparse.Namespace) -> Any:
         case "delete":
             api.call("DELETE", f"/v1/endpoints/{args.id}")
             return {"deleted": args.id}
+        case "pause" | "resume":
+            return api.call("POST", f"/v1/endpoints/{args.id}/{args.action}")
     raise AssertionError(args.action)
+
+
+def _dead_letters(args: argparse.Namespace) -> Any:
+    api = ApiClient(ClientSettings())
+    filters = {"endpoint_id": args.endpoint_id, "tenant": args.tenant, "reason": args.reason}
+    filters = {name: value for name, value in filters.items() if value is not None}
+    if args.action == "list":
+        return api.call("GET", "/v1/dead-letters", params={**filters, "limit": args.limit})
+    body: dict[str, Any] = {**filters, "all": args.all}
+    if args.event_id:
+        body["event_id"] = args.event_id
+    if args.ids:
+        body["ids"] = args.ids
+    return api.call("POST", "/v1/dead-letters/redrive", json=body)
+
+
+def _replay(args: argparse.Namespace) -> Any:
+    body = {"since": args.since}
+    if args.until:
+        body["until"] = args.until
+    return ApiClient(ClientSettings()).call("POST", f"/v1/endpoints/{args.endpoint_id}/replay", json=body)
 
 
 def _events(args: argparse.Namespace) -> Any:
@@ -175,6 +202,8 @@ def build_parser() -> argparse.ArgumentParser:
         ("show", "show one endpoint"),
         ("secret", "show its signing secret"),
         ("delete", "delete it (queued events become dead letters)"),
+        ("pause", "stop delivering (events keep queueing)"),
+        ("resume", "deliver again (also after a 410 disabled it)"),
     ):
         endpoints.add_parser(action, help=text).add_argument("id")
     update = endpoints.add_parser("update", help="change url, patterns, description or timeout")
@@ -182,6 +211,31 @@ def build_parser() -> argparse.ArgumentParser:
     _add_endpoint_options(update, creating=False)
     for sub in endpoints.choices.values():
         sub.set_defaults(run=_admin(_endpoints))
+
+    dead = commands.add_parser("dead-letters", help="list and redrive dead letters").add_subparsers(
+        dest="action", required=True, metavar="ACTION"
+    )
+    for action, text in (
+        ("list", "list dead letters"),
+        ("redrive", "send dead letters to their endpoint again"),
+    ):
+        sub = dead.add_parser(action, help=text)
+        sub.add_argument("--endpoint-id")
+        sub.add_argument("--tenant")
+        sub.add_argument("--reason", choices=[reason.value for reason in DeadLetterReason])
+        sub.set_defaults(run=_admin(_dead_letters))
+    dead.choices["list"].add_argument("--limit", type=int, default=100)
+    dead.choices["redrive"].add_argument("--event-id")
+    dead.choices["redrive"].add_argument(
+        "--id", dest="ids", action="append", help="a dead letter id (repeatable)"
+    )
+    dead.choices["redrive"].add_argument("--all", action="store_true", help="every dead letter")
+
+    replay = commands.add_parser("replay", help="resend an endpoint's events from the event log")
+    replay.add_argument("endpoint_id")
+    replay.add_argument("--since", required=True, help="RFC 3339 time, e.g. 2026-11-29T10:00:00Z")
+    replay.add_argument("--until", help="RFC 3339 time (default: now)")
+    replay.set_defaults(run=_admin(_replay))
 
     events = commands.add_parser("events", help="publish events").add_subparsers(
         dest="action", required=True, metavar="ACTION"

@@ -7,13 +7,18 @@ listed any number of times without consuming them.
 
 from __future__ import annotations
 
-from datetime import datetime
+from collections.abc import Mapping
+from datetime import UTC, datetime
 from typing import Any
 
 import aio_pika
+import orjson
+from pydantic import Field
+
 from hookline.shared.headers import Header
 from hookline.shared.ids import new_id
-from hookline.shared.models import DeadLetterReason
+from hookline.shared.models import DeadLetterReason, Model
+from hookline.shared.topology import ENDPOINT_QUEUE_PREFIX
 
 MAX_ERROR_CHARS = 500
 
@@ -53,3 +58,110 @@ def dead_letter_message(
         message_id=new_id("dl"),
         timestamp=now,
     )
+
+
+#: A record in the dead-letter stream saying that these dead letters were redriven (body: {"ids": [...]}).
+REDRIVEN_HEADER = "x-hookline-redriven"
+
+
+class DeadLetterItem(Model):
+    """A dead letter as the API lists it."""
+
+    id: str = Field(description="dl_<stream offset>; stable, used to redrive one dead letter")
+    event_id: str | None
+    endpoint_id: str | None
+    tenant: str | None
+    type: str | None
+    reason: DeadLetterReason
+    attempts: int
+    last_status: int | None
+    last_error: str
+    dead_at: datetime
+
+
+def item_id(offset: int) -> str:
+    return f"dl_{offset}"
+
+
+def offset_of(dead_letter_id: str) -> int | None:
+    number = dead_letter_id.removeprefix("dl_")
+    return int(number) if number.isdigit() and dead_letter_id.startswith("dl_") else None
+
+
+def read_item(
+    offset: int,
+    body: bytes,
+    headers: Mapping[str, Any],
+    *,
+    message_id: str | None,
+    timestamp: datetime | None,
+) -> DeadLetterItem:
+    """A dead letter from its stream message: ours carry ``x-hookline-*`` headers; the broker's own
+    (a message over the endpoint queue's delivery limit) carry ``x-death`` instead."""
+    event_type, body_tenant = _peek(body)
+    if Header.REASON in headers:
+        return DeadLetterItem(
+            id=item_id(offset),
+            event_id=_text(headers.get(Header.EVENT_ID)),
+            endpoint_id=_text(headers.get(Header.ENDPOINT_ID)),
+            tenant=_text(headers.get(Header.TENANT)) or body_tenant,
+            type=event_type,
+            reason=DeadLetterReason(_text(headers[Header.REASON]) or "unknown"),
+            attempts=_int(headers.get(Header.ATTEMPTS)) or 0,
+            last_status=_int(headers.get(Header.LAST_STATUS)),
+            last_error=_text(headers.get(Header.LAST_ERROR)) or "",
+            dead_at=_when(headers.get(Header.DEAD_AT)) or timestamp or datetime.now(UTC),
+        )
+    deaths = headers.get("x-death")
+    death = deaths[0] if isinstance(deaths, list) and deaths and isinstance(deaths[0], Mapping) else {}
+    # RabbitMQ 3.10 leaves x-death out for delivery-limit dead letters; x-first-death-* are always set.
+    queue = _text(death.get("queue")) or _text(headers.get("x-first-death-queue")) or ""
+    broker_reason = _text(death.get("reason")) or _text(headers.get("x-first-death-reason")) or "unknown"
+    return DeadLetterItem(
+        id=item_id(offset),
+        event_id=message_id,
+        endpoint_id=queue.removeprefix(ENDPOINT_QUEUE_PREFIX)
+        if queue.startswith(ENDPOINT_QUEUE_PREFIX)
+        else None,
+        tenant=body_tenant,
+        type=event_type,
+        reason=DeadLetterReason.DELIVERY_LIMIT,
+        attempts=_int(headers.get(Header.ATTEMPT)) or 0,
+        last_status=None,
+        last_error=f"dead-lettered by the broker ({broker_reason}) from {queue or 'an unknown queue'}",
+        dead_at=_when(death.get("time")) or timestamp or datetime.now(UTC),
+    )
+
+
+def _peek(body: bytes) -> tuple[str | None, str | None]:
+    """The event's type and tenant when the body is an event, for listing; None otherwise."""
+    try:
+        data = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return None, None
+    if not isinstance(data, dict):
+        return None, None
+    event_type, tenant = data.get("type"), data.get("tenant")
+    return (event_type if isinstance(event_type, str) else None, tenant if isinstance(tenant, str) else None)
+
+
+def _text(value: object) -> str | None:
+    if isinstance(value, bytes):
+        return value.decode("utf-8", "replace")
+    return value if isinstance(value, str) else None
+
+
+def _int(value: object) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def _when(value: object) -> datetime | None:
+    if isinstance(value, datetime):
+        return value if value.tzinfo else value.replace(tzinfo=UTC)
+    text = _text(value)
+    if text is None:
+        return None
+    try:
+        return datetime.fromisoformat(text)
+    except ValueError:
+        return None

@@ -9,6 +9,7 @@ from __future__ import annotations
 import time
 
 from aiohttp import web
+
 from hookline.shared import lifecycle, signing
 
 TOLERANCE_S = 300

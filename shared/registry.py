@@ -21,10 +21,11 @@ from aio_pika.abc import (
     AbstractIncomingMessage,
     AbstractRobustConnection,
 )
+from pydantic import TypeAdapter, ValidationError
+
 from hookline.shared import topology
 from hookline.shared.models import ChangeRecord, EndpointDeleted, EndpointUpserted, StoredEndpoint
 from hookline.shared.streams import StreamFollower
-from pydantic import TypeAdapter, ValidationError
 
 log = structlog.get_logger(__name__)
 

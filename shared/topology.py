@@ -210,3 +210,20 @@ async def endpoint_queue_declare(
         arguments=endpoint_queue_arguments(ordered=ordered),
         robust=robust,
     )
+
+
+def topic_matches(pattern: str, routing_key: str) -> bool:
+    """RabbitMQ topic matching: ``*`` is exactly one word, ``#`` zero or more (used by replay)."""
+    words = routing_key.split(".")
+    parts = pattern.split(".")
+
+    # matched[i][j]: the first i pattern parts match the first j words
+    matched = [[False] * (len(words) + 1) for _ in range(len(parts) + 1)]
+    matched[0][0] = True
+    for i, part in enumerate(parts, start=1):
+        for j in range(len(words) + 1):
+            if part == "#":
+                matched[i][j] = matched[i - 1][j] or (j > 0 and matched[i][j - 1])
+            elif j > 0:
+                matched[i][j] = matched[i - 1][j - 1] and (part in ("*", words[j - 1]))
+    return matched[len(parts)][len(words)]

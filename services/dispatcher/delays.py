@@ -7,8 +7,11 @@ hold the message for ever.
 
 from __future__ import annotations
 
+from datetime import datetime
+
 import aio_pika
-from aio_pika.abc import AbstractExchange, AbstractIncomingMessage, AbstractRobustChannel
+from aio_pika.abc import AbstractExchange, AbstractRobustChannel
+
 from hookline.shared import topology
 from hookline.shared.headers import Header
 
@@ -25,8 +28,10 @@ class Delays:
 
     async def schedule(
         self,
-        original: AbstractIncomingMessage,
+        body: bytes,
         *,
+        content_type: str | None,
+        timestamp: datetime | None,
         event_id: str,
         endpoint_id: str,
         next_attempt: int,
@@ -35,11 +40,11 @@ class Delays:
     ) -> None:
         """Publish the retry copy and wait for the broker's confirm; the caller acks the original after."""
         copy = aio_pika.Message(
-            original.body,
-            content_type=original.content_type,
+            body,
+            content_type=content_type,
             delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
             message_id=event_id,
-            timestamp=original.timestamp,
+            timestamp=timestamp,
             headers={Header.ATTEMPT: next_attempt, Header.FIRST_ATTEMPT_AT: int(first_attempt_at_s)},
         )
         queue = topology.endpoint_queue(endpoint_id)

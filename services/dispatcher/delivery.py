@@ -13,6 +13,7 @@ from types import SimpleNamespace, TracebackType
 from typing import Self
 
 import aiohttp
+
 from hookline.dispatcher.outcome import ErrorKind
 
 #: What is kept of a response body: enough for the reason in a dead letter, never the whole thing.

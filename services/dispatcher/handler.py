@@ -18,6 +18,7 @@ from datetime import UTC, datetime
 
 import structlog
 from aio_pika.abc import AbstractExchange, AbstractIncomingMessage
+
 from hookline.dispatcher import inbound, metrics
 from hookline.dispatcher.backoff import Jitter, RetryPolicy
 from hookline.dispatcher.delays import Delays
@@ -166,7 +167,9 @@ class Handler:
     ) -> None:
         if isinstance(settlement, Retry):
             await self._delays.schedule(
-                message,
+                message.body,
+                content_type=message.content_type,
+                timestamp=message.timestamp,
                 event_id=event_id,
                 endpoint_id=endpoint.id,
                 next_attempt=attempt + 1,

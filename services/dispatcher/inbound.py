@@ -10,10 +10,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from pydantic import ValidationError
+
 from hookline.shared import topology
 from hookline.shared.headers import Header
 from hookline.shared.models import Event
-from pydantic import ValidationError
 
 _MAX_REASONS = 3
 

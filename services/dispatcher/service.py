@@ -20,6 +20,7 @@ from aio_pika.abc import (
     AbstractRobustConnection,
     AbstractRobustQueue,
 )
+
 from hookline.dispatcher import metrics
 from hookline.dispatcher.delays import Delays
 from hookline.dispatcher.delivery import DeliveryClient

@@ -8,6 +8,7 @@ from contextlib import asynccontextmanager
 
 import structlog
 from fastapi import FastAPI
+
 from hookline.shared import __version__, amqp, lifecycle, registry, topology
 from hookline.shared import logging as hookline_logging
 from hookline.shared.api import install_error_handlers, probes_router, serve

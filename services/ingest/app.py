@@ -7,12 +7,14 @@ from contextlib import asynccontextmanager
 
 import structlog
 from fastapi import Depends, FastAPI
-from hookline.ingest import endpoints, events
+
+from hookline.ingest import deadletters, endpoints, events, replay
 from hookline.ingest.state import IngestState
 from hookline.shared import __version__, amqp, lifecycle, registry, topology
 from hookline.shared import logging as hookline_logging
 from hookline.shared.api import BodyLimit, bearer_token_guard, install_error_handlers, probes_router, serve
 from hookline.shared.settings import IngestSettings, load
+from hookline.shared.streams import StreamFollower
 
 log = structlog.get_logger(__name__)
 
@@ -30,9 +32,13 @@ def create_app(settings: IngestSettings) -> FastAPI:
             publisher = await connection.channel(publisher_confirms=True, on_return_raises=True)
             admin = await connection.channel(publisher_confirms=True, on_return_raises=True)
             endpoint_registry = registry.EndpointRegistry()
+            dead_letter_index = deadletters.DeadLetterIndex()
+            dead_letter_log = StreamFollower(connection, topology.DEAD_LETTER_STREAM, dead_letter_index.apply)
             async with registry.follow(
                 connection, endpoint_registry, sync_timeout_s=settings.connect_timeout_s
             ) as change_log:
+                await dead_letter_log.start()
+                await dead_letter_log.sync(timeout_s=settings.connect_timeout_s)
                 app.state.ingest = IngestState(
                     settings=settings,
                     connection=connection,
@@ -42,9 +48,16 @@ def create_app(settings: IngestSettings) -> FastAPI:
                     events=await topology.events_exchange(publisher),
                     dead_letters=await topology.dead_letter_exchange(admin),
                     admin=admin,
+                    dead_letters_log=dead_letter_log,
+                    dead_letters_index=dead_letter_index,
                 )
-                log.info("ingest_ready", endpoints=len(endpoint_registry))
-                yield
+                log.info(
+                    "ingest_ready", endpoints=len(endpoint_registry), dead_letters=len(dead_letter_index)
+                )
+                try:
+                    yield
+                finally:
+                    await dead_letter_log.stop()
 
     app = FastAPI(title="hookline ingest", version=__version__, lifespan=lifespan)
     install_error_handlers(app)
@@ -52,6 +65,8 @@ def create_app(settings: IngestSettings) -> FastAPI:
     guard = Depends(bearer_token_guard(settings.api_token.get_secret_value()))
     app.include_router(events.router, dependencies=[guard])
     app.include_router(endpoints.router, dependencies=[guard])
+    app.include_router(replay.router, dependencies=[guard])
+    app.include_router(deadletters.router, dependencies=[guard])
     app.include_router(probes_router(lambda: _ready(app)))
     return app
 

@@ -15,6 +15,7 @@ from urllib.parse import urlsplit
 import structlog
 from aio_pika.abc import AbstractRobustQueue
 from fastapi import APIRouter, Depends, Query, Response
+
 from hookline.ingest.state import IngestState, ingest_state
 from hookline.shared import topology
 from hookline.shared.api import ApiError
@@ -206,3 +207,24 @@ async def _drain_to_dead_letters(
         await message.ack()
         moved += 1
     return moved
+
+
+async def _set_status(state: IngestState, endpoint_id: str, status: EndpointStatus) -> Endpoint:
+    before = _stored(state, endpoint_id)
+    now = datetime.now(UTC)
+    after = before.model_copy(update={"status": status, "updated_at": now})
+    await _write(state, after, now)
+    log.info("endpoint_status_changed", endpoint_id=endpoint_id, tenant=after.tenant, status=status.value)
+    return after.public()
+
+
+@router.post("/{endpoint_id}/pause", response_model=Endpoint)
+async def pause_endpoint(endpoint_id: str, state: State) -> Endpoint:
+    """Stop deliveries; events keep queueing for the endpoint and nothing is attempted."""
+    return await _set_status(state, endpoint_id, EndpointStatus.PAUSED)
+
+
+@router.post("/{endpoint_id}/resume", response_model=Endpoint)
+async def resume_endpoint(endpoint_id: str, state: State) -> Endpoint:
+    """Deliver again, a paused endpoint or one disabled after a 410: what queued meanwhile goes out."""
+    return await _set_status(state, endpoint_id, EndpointStatus.ACTIVE)

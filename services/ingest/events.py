@@ -8,13 +8,14 @@ from typing import Annotated
 import aio_pika
 import structlog
 from fastapi import APIRouter, Depends, Request
+from pydantic import ValidationError
+
 from hookline.ingest.state import IngestState, ingest_state
 from hookline.shared import topology
 from hookline.shared.amqp import BROKER_ERRORS
 from hookline.shared.api import ApiError, invalid_input
 from hookline.shared.ids import new_id
 from hookline.shared.models import Event, EventAccepted, EventIn
-from pydantic import ValidationError
 
 log = structlog.get_logger(__name__)
 router = APIRouter(prefix="/v1/events", tags=["events"])

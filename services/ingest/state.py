@@ -3,11 +3,17 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from aio_pika.abc import AbstractExchange, AbstractRobustChannel, AbstractRobustConnection
 from fastapi import Request
+
 from hookline.shared.registry import ChangeLog, EndpointRegistry
 from hookline.shared.settings import IngestSettings
+from hookline.shared.streams import StreamFollower
+
+if TYPE_CHECKING:
+    from hookline.ingest.deadletters import DeadLetterIndex
 
 
 @dataclass
@@ -22,6 +28,8 @@ class IngestState:
     dead_letters: AbstractExchange
     # Declares, binds and drains endpoint queues: an error there closes this channel, not the publisher.
     admin: AbstractRobustChannel
+    dead_letters_log: StreamFollower
+    dead_letters_index: DeadLetterIndex
 
     def is_ready(self) -> bool:
         return not self.connection.is_closed and not self.publisher.is_closed

@@ -9,10 +9,11 @@ from urllib.parse import unquote, urlsplit
 
 import aio_pika
 import pytest
+from support.broker import Broker
+
 from hookline.shared import amqp, registry, topology
 from hookline.shared.models import EndpointDeleted, EndpointUpserted, SigningSecret, StoredEndpoint
 from hookline.shared.signing import generate_secret
-from support.broker import Broker
 
 pytestmark = pytest.mark.integration
 NOW = datetime.now(UTC)

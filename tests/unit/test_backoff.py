@@ -5,6 +5,7 @@ from __future__ import annotations
 from datetime import UTC, datetime
 
 import pytest
+
 from hookline.dispatcher.backoff import (
     GiveUp,
     Jitter,

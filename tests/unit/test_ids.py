@@ -3,6 +3,7 @@ from __future__ import annotations
 import re
 
 import pytest
+
 from hookline.shared.ids import encode_ulid, new_id
 
 

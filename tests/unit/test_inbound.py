@@ -6,6 +6,7 @@ import json
 from typing import Any
 
 import pytest
+
 from hookline.dispatcher.inbound import Inbound, Invalid, parse
 
 EVENT = {

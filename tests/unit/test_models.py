@@ -6,8 +6,9 @@ from datetime import UTC, datetime
 from typing import Any
 
 import pytest
-from hookline.shared.models import EndpointCreate, EndpointUpdate, Event, EventIn
 from pydantic import ValidationError
+
+from hookline.shared.models import EndpointCreate, EndpointUpdate, Event, EventIn
 
 BASE = {
     "id": "evt_1",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from hookline.dispatcher.outcome import ErrorKind, Outcome, classify
 
 

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import yaml
+
 from hookline.shared.cli import build_parser
 from hookline.shared.settings import DispatcherSettings, IngestSettings, MonitorSettings
 

@@ -5,8 +5,9 @@ from __future__ import annotations
 import base64
 
 import pytest
-from hookline.shared import signing
 from standardwebhooks.webhooks import Webhook, WebhookVerificationError
+
+from hookline.shared import signing
 
 SPEC_SECRET = "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw"
 SPEC_ID = "msg_p5jXN8AQM9LWM0D4loKWxJek"

@@ -1,0 +1,175 @@
+"""``/v1/dead-letters``: list dead letters with filters, and redrive them into their endpoint's queue.
+
+The ingest follows the stream ``hookline.dead-letters`` into an in-memory index of the facts (not the
+bodies); a redrive reads the bodies back from the stream, resends them, then appends a record naming
+what it redrove, so that every ingest replica stops listing them.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Self
+
+import aio_pika
+import orjson
+import structlog
+from aio_pika.abc import AbstractIncomingMessage
+from fastapi import APIRouter, Depends, Query
+from pydantic import Field, model_validator
+
+from hookline.ingest.resend import Resend, resend
+from hookline.ingest.state import IngestState, ingest_state
+from hookline.shared import topology
+from hookline.shared.deadletters import REDRIVEN_HEADER, DeadLetterItem, item_id, offset_of, read_item
+from hookline.shared.ids import new_id
+from hookline.shared.models import DeadLetterReason, Model
+from hookline.shared.streams import read_until_now
+
+log = structlog.get_logger(__name__)
+router = APIRouter(prefix="/v1/dead-letters", tags=["dead letters"])
+State = Annotated[IngestState, Depends(ingest_state)]
+
+
+class DeadLetterIndex:
+    """The dead letters not yet redriven, in the order they died."""
+
+    def __init__(self) -> None:
+        self._items: dict[int, DeadLetterItem] = {}
+
+    def apply(self, message: AbstractIncomingMessage) -> None:
+        headers = message.headers or {}
+        offset = headers.get("x-stream-offset")
+        if not isinstance(offset, int):
+            return
+        if REDRIVEN_HEADER in headers:
+            for redriven in orjson.loads(message.body).get("ids", []):
+                self._items.pop(offset_of(redriven) or -1, None)
+            return
+        try:
+            self._items[offset] = read_item(
+                offset, message.body, headers, message_id=message.message_id, timestamp=message.timestamp
+            )
+        except ValueError as exc:
+            log.error("dead_letter_unreadable", offset=offset, error=str(exc)[:200])
+
+    def select(self, *, endpoint_id: str | None = None, tenant: str | None = None,
+               reason: DeadLetterReason | None = None, event_id: str | None = None,
+               ids: set[str] | None = None) -> list[DeadLetterItem]:  # fmt: skip
+        return [
+            item
+            for item in self._items.values()
+            if (endpoint_id is None or item.endpoint_id == endpoint_id)
+            and (tenant is None or item.tenant == tenant)
+            and (reason is None or item.reason is reason)
+            and (event_id is None or item.event_id == event_id)
+            and (ids is None or item.id in ids)
+        ]
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+
+class DeadLetterList(Model):
+    data: list[DeadLetterItem]
+    next_after: str | None = Field(None, description="pass as ?after= for the next page; null on the last")
+
+
+class RedriveRequest(Model):
+    """Which dead letters to redrive: every filter given must match; ``all`` redrives everything."""
+
+    endpoint_id: str | None = None
+    tenant: str | None = None
+    reason: DeadLetterReason | None = None
+    event_id: str | None = None
+    ids: list[str] | None = Field(None, max_length=10_000)
+    all: bool = False
+
+    @model_validator(mode="after")
+    def _something_chosen(self) -> Self:
+        chosen = any(
+            v is not None for v in (self.endpoint_id, self.tenant, self.reason, self.event_id, self.ids)
+        )
+        if not chosen and not self.all:
+            raise ValueError(
+                "choose what to redrive (endpoint_id, tenant, reason, event_id, ids) or set all: true"
+            )
+        return self
+
+
+class RedriveResult(Model):
+    redriven: int
+    skipped: int = Field(description="invalid events, and those whose endpoint no longer exists")
+
+
+@router.get("", response_model=DeadLetterList)
+async def list_dead_letters(
+    state: State,
+    endpoint_id: str | None = None,
+    tenant: str | None = None,
+    reason: DeadLetterReason | None = None,
+    limit: Annotated[int, Query(ge=1, le=1000)] = 100,
+    after: Annotated[str | None, Query(description="return dead letters after this id")] = None,
+) -> DeadLetterList:
+    selected = state.dead_letters_index.select(endpoint_id=endpoint_id, tenant=tenant, reason=reason)
+    after_offset = offset_of(after) if after else None
+    if after_offset is not None:
+        selected = [item for item in selected if (offset_of(item.id) or 0) > after_offset]
+    page = selected[:limit]
+    return DeadLetterList(data=page, next_after=page[-1].id if len(selected) > limit else None)
+
+
+@router.post("/redrive", response_model=RedriveResult)
+async def redrive(request: RedriveRequest, state: State) -> RedriveResult:
+    chosen = state.dead_letters_index.select(
+        endpoint_id=request.endpoint_id,
+        tenant=request.tenant,
+        reason=request.reason,
+        event_id=request.event_id,
+        ids=set(request.ids) if request.ids is not None else None,
+    )
+    # An invalid event would only die again; an endpoint that is gone has no queue to go back to.
+    wanted = {
+        item.id: item
+        for item in chosen
+        if item.reason is not DeadLetterReason.INVALID_EVENT
+        and item.event_id
+        and item.endpoint_id
+        and state.registry.get(item.endpoint_id) is not None
+    }
+    if not wanted:
+        return RedriveResult(redriven=0, skipped=len(chosen))
+    bodies: dict[str, bytes] = {}
+
+    def collect(message: AbstractIncomingMessage) -> None:
+        offset = (message.headers or {}).get("x-stream-offset")
+        if isinstance(offset, int) and item_id(offset) in wanted:
+            bodies[item_id(offset)] = message.body
+
+    first = min(offset_of(dead_letter_id) or 0 for dead_letter_id in wanted)
+    await read_until_now(
+        state.connection,
+        topology.DEAD_LETTER_STREAM,
+        collect,
+        start=first,
+        timeout_s=state.settings.registry_wait_s,
+    )
+    items = [wanted[dead_letter_id] for dead_letter_id in wanted if dead_letter_id in bodies]
+    sent = await resend(
+        state,
+        (
+            Resend(endpoint_id=item.endpoint_id or "", event_id=item.event_id or "", body=bodies[item.id])
+            for item in items
+        ),
+    )
+    # Recorded after the resend: a crash in between redelivers twice rather than never.
+    await state.dead_letters_log.append(
+        aio_pika.Message(
+            orjson.dumps({"ids": [item.id for item in items]}),
+            content_type="application/json",
+            delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
+            message_id=new_id("redrive"),
+            headers={REDRIVEN_HEADER: len(items)},
+        ),
+        timeout_s=state.settings.registry_wait_s,
+    )
+    log.info("dead_letters_redriven", count=sent, skipped=len(chosen) - sent, endpoint_id=request.endpoint_id)
+    return RedriveResult(redriven=sent, skipped=len(chosen) - sent)

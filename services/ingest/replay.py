@@ -1,0 +1,101 @@
+"""``POST /v1/endpoints/{id}/replay``: resend an endpoint's events from the event log, same ids.
+
+Every event published to ``events`` is also routed to the stream ``hookline.events.log`` (retention
+``HOOKLINE_EVENT_LOG_MAX_AGE_S``). A replay reads the stream from ``since`` to the present and resends
+the events of the endpoint's tenant whose type matches its patterns and that were accepted in
+[since, until]. The accepted time is the message's AMQP timestamp (the API sets it), or the event's
+``occurred_at`` when an upstream published without one.
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+from typing import Annotated
+
+import orjson
+import structlog
+from aio_pika.abc import AbstractIncomingMessage
+from fastapi import APIRouter, Depends
+from pydantic import AwareDatetime
+
+from hookline.ingest.resend import Resend, resend
+from hookline.ingest.state import IngestState, ingest_state
+from hookline.shared import topology
+from hookline.shared.api import ApiError
+from hookline.shared.models import Model, StoredEndpoint
+from hookline.shared.streams import read_until_now
+
+log = structlog.get_logger(__name__)
+router = APIRouter(prefix="/v1/endpoints", tags=["endpoints"])
+State = Annotated[IngestState, Depends(ingest_state)]
+
+# The stream attaches a time-based start to a chunk with one-second accuracy: start a little earlier
+# and filter exactly.
+_SEEK_MARGIN = timedelta(seconds=2)
+REPLAY_TIMEOUT_S = 300.0
+
+
+class ReplayRequest(Model):
+    since: AwareDatetime
+    until: AwareDatetime | None = None
+
+
+class ReplayResult(Model):
+    replayed: int
+    since: AwareDatetime
+    until: AwareDatetime
+
+
+def selects(
+    endpoint: StoredEndpoint, event: object, accepted_at: datetime | None, since: datetime, until: datetime
+) -> bool:
+    """Whether a logged event belongs to this endpoint's replay window (pure)."""
+    if not isinstance(event, dict) or event.get("tenant") != endpoint.tenant:
+        return False
+    event_type = event.get("type")
+    if not isinstance(event_type, str) or not isinstance(event.get("id"), str):
+        return False
+    if accepted_at is None or not since <= accepted_at <= until:
+        return False
+    return any(topology.topic_matches(pattern, event_type) for pattern in endpoint.event_types)
+
+
+def accepted_time(message: AbstractIncomingMessage, event: object) -> datetime | None:
+    if message.timestamp is not None:
+        stamp = message.timestamp
+        return stamp if stamp.tzinfo else stamp.replace(tzinfo=UTC)
+    occurred = event.get("occurred_at") if isinstance(event, dict) else None
+    try:
+        return datetime.fromisoformat(occurred) if isinstance(occurred, str) else None
+    except ValueError:
+        return None
+
+
+@router.post("/{endpoint_id}/replay", response_model=ReplayResult)
+async def replay(endpoint_id: str, request: ReplayRequest, state: State) -> ReplayResult:
+    endpoint = state.registry.get(endpoint_id)
+    if endpoint is None:
+        raise ApiError(404, "not_found", f"no endpoint {endpoint_id}")
+    until = request.until or datetime.now(UTC)
+    if until < request.since:
+        raise ApiError(422, "invalid_fields", "invalid value for: until", [])
+    found: dict[str, bytes] = {}
+
+    def collect(message: AbstractIncomingMessage) -> None:
+        try:
+            event = orjson.loads(message.body)
+        except orjson.JSONDecodeError:
+            return  # invalid events are in the log too; they were dead-lettered, not delivered
+        if selects(endpoint, event, accepted_time(message, event), request.since, until):
+            found.setdefault(event["id"], message.body)  # the same event published twice is replayed once
+
+    await read_until_now(
+        state.connection,
+        topology.EVENT_LOG,
+        collect,
+        start=request.since - _SEEK_MARGIN,
+        timeout_s=REPLAY_TIMEOUT_S,
+    )
+    sent = await resend(state, (Resend(endpoint.id, event_id, body) for event_id, body in found.items()))
+    log.info("endpoint_replayed", endpoint_id=endpoint.id, tenant=endpoint.tenant, count=sent)
+    return ReplayResult(replayed=sent, since=request.since, until=until)

@@ -1,0 +1,122 @@
+"""The TTL delay hierarchy on a real RabbitMQ: order, accuracy, no loss; and the poison limit."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from collections.abc import AsyncIterator
+
+import aio_pika
+import pytest
+from aio_pika.abc import AbstractIncomingMessage, AbstractRobustConnection
+from support.amqp import read_stream
+
+from hookline.dispatcher.delays import Delays
+from hookline.shared import amqp, topology
+from hookline.shared.deadletters import read_item
+from hookline.shared.headers import Header
+from hookline.shared.models import DeadLetterReason
+
+pytestmark = pytest.mark.integration
+ENDPOINT = "ep_01TESTDELAYS0000000000000"
+
+
+@pytest.fixture
+async def connection(amqp_url: str) -> AsyncIterator[AbstractRobustConnection]:
+    async with amqp.connection(amqp_url, name="test", connect_timeout_s=10) as conn:
+        await topology.declare(conn, event_log_max_age_s=3600)
+        yield conn
+
+
+async def _endpoint_queue(connection: AbstractRobustConnection) -> aio_pika.abc.AbstractRobustQueue:
+    channel = await connection.channel()
+    queue = await topology.endpoint_queue_declare(channel, ENDPOINT, ordered=False)
+    await queue.bind(topology.DELAY_DELIVERY, routing_key=topology.delay_delivery_binding(queue.name))
+    return queue
+
+
+async def _schedule(delays: Delays, event_id: str, delay_s: int) -> None:
+    await delays.schedule(
+        b"{}", content_type="application/json", timestamp=None, event_id=event_id, endpoint_id=ENDPOINT,
+        next_attempt=2, first_attempt_at_s=time.time(), delay_s=delay_s,
+    )  # fmt: skip
+
+
+async def test_mixed_delays_arrive_in_delay_order_within_a_second(
+    connection: AbstractRobustConnection,
+) -> None:
+    queue = await _endpoint_queue(connection)
+    delays = await Delays.open(await connection.channel(publisher_confirms=True, on_return_raises=True))
+    arrived: list[tuple[str, float]] = []
+    done = asyncio.Event()
+
+    async def on_message(message: AbstractIncomingMessage) -> None:
+        arrived.append((message.message_id or "", time.monotonic()))
+        assert (message.headers or {})[Header.ATTEMPT] == 2
+        await message.ack()
+        if len(arrived) == 5:
+            done.set()
+
+    await queue.consume(on_message)
+    published: dict[str, tuple[int, float]] = {}
+    for delay_s in (7, 1, 3, 5, 2):
+        published[f"evt_{delay_s}"] = (delay_s, time.monotonic())
+        await _schedule(delays, f"evt_{delay_s}", delay_s)
+    await asyncio.wait_for(done.wait(), 20)
+
+    assert [event_id for event_id, _ in arrived] == ["evt_1", "evt_2", "evt_3", "evt_5", "evt_7"]
+    for event_id, at in arrived:
+        delay_s, sent_at = published[event_id]
+        assert delay_s - 0.05 <= at - sent_at <= delay_s + 1.0, (event_id, at - sent_at)
+
+
+async def test_a_burst_of_thousands_loses_nothing(connection: AbstractRobustConnection) -> None:
+    queue = await _endpoint_queue(connection)
+    delays = await Delays.open(await connection.channel(publisher_confirms=True, on_return_raises=True))
+    count = 3000
+    received: set[str] = set()
+    done = asyncio.Event()
+
+    async def on_message(message: AbstractIncomingMessage) -> None:
+        received.add(message.message_id or "")
+        await message.ack()
+        if len(received) == count:
+            done.set()
+
+    await queue.consume(on_message)
+    rng = random.Random(7)
+    for start in range(0, count, 250):
+        await asyncio.gather(
+            *(_schedule(delays, f"evt_{n}", rng.randint(1, 6)) for n in range(start, min(start + 250, count)))
+        )
+    await asyncio.wait_for(done.wait(), 60)
+    assert received == {f"evt_{n}" for n in range(count)}
+
+
+async def test_a_message_returned_too_often_becomes_a_delivery_limit_dead_letter(
+    connection: AbstractRobustConnection, amqp_url: str
+) -> None:
+    queue = await _endpoint_queue(connection)
+    channel = await connection.channel(publisher_confirms=True)
+    await channel.default_exchange.publish(
+        aio_pika.Message(b'{"tenant": "acme", "type": "a.b"}', message_id="evt_poison"),
+        routing_key=queue.name,
+    )
+    consumer_channel = await connection.channel()
+    poison_queue = await consumer_channel.get_queue(queue.name, ensure=False)
+    returns = 0
+    while (message := await poison_queue.get(no_ack=False, fail=False, timeout=5)) is not None:
+        await message.reject(requeue=True)
+        returns += 1
+        assert returns <= topology.ENDPOINT_DELIVERY_LIMIT + 1, "the broker never gave up on the message"
+    assert returns >= topology.ENDPOINT_DELIVERY_LIMIT
+
+    dead = await read_stream(amqp_url, topology.DEAD_LETTER_STREAM, at_least=1)
+    item = read_item(
+        dead[0].headers["x-stream-offset"], dead[0].body, dead[0].headers,  # type: ignore[index,arg-type]
+        message_id=dead[0].message_id, timestamp=dead[0].timestamp,
+    )  # fmt: skip
+    assert (item.reason, item.endpoint_id, item.event_id, item.tenant) == (
+        DeadLetterReason.DELIVERY_LIMIT, ENDPOINT, "evt_poison", "acme",
+    )  # fmt: skip
