@@ -14,6 +14,7 @@ from hookline.ingest.state import IngestState, ingest_state
 from hookline.shared import topology
 from hookline.shared.amqp import BROKER_ERRORS
 from hookline.shared.api import ApiError, invalid_input
+from hookline.shared.headers import Header
 from hookline.shared.ids import new_id
 from hookline.shared.models import Event, EventAccepted, EventIn
 
@@ -23,14 +24,16 @@ router = APIRouter(prefix="/v1/events", tags=["events"])
 PUBLISH_TIMEOUT_S = 10.0
 
 
-def event_message(event: Event, body: bytes) -> aio_pika.Message:
+def event_message(event: Event, body: bytes, *, accepted_at: datetime) -> aio_pika.Message:
     """The AMQP message an upstream should publish for ``event``: the same one the API publishes."""
     return aio_pika.Message(
         body,
         content_type="application/json",
         delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
         message_id=event.id,
-        timestamp=datetime.now(UTC),
+        timestamp=accepted_at,
+        # The AMQP timestamp has whole seconds; replay windows need better.
+        headers={Header.ACCEPTED_AT_MS: int(accepted_at.timestamp() * 1000)},
     )
 
 
@@ -54,7 +57,8 @@ async def publish_event(
         event_in = EventIn.model_validate_json(raw)
     except ValidationError as exc:
         raise invalid_input(exc.errors()) from None
-    event = event_in.complete(event_id=new_id("evt"), now=datetime.now(UTC))
+    now = datetime.now(UTC)
+    event = event_in.complete(event_id=new_id("evt"), now=now)
     body = event.model_dump_json(exclude_none=True).encode()
     if len(body) > state.settings.max_payload_bytes:
         raise ApiError(
@@ -62,7 +66,7 @@ async def publish_event(
         )
     try:
         await state.events.publish(
-            event_message(event, body),
+            event_message(event, body, accepted_at=now),
             routing_key=topology.event_routing_key(event.tenant, event.type),
             timeout=PUBLISH_TIMEOUT_S,
         )

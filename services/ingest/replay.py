@@ -3,8 +3,8 @@
 Every event published to ``events`` is also routed to the stream ``hookline.events.log`` (retention
 ``HOOKLINE_EVENT_LOG_MAX_AGE_S``). A replay reads the stream from ``since`` to the present and resends
 the events of the endpoint's tenant whose type matches its patterns and that were accepted in
-[since, until]. The accepted time is the message's AMQP timestamp (the API sets it), or the event's
-``occurred_at`` when an upstream published without one.
+[since, until]. The accepted time is the API's ``x-hookline-accepted-at-ms`` header, else the AMQP
+timestamp (whole seconds), else the event's ``occurred_at`` (an upstream that set neither).
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from hookline.ingest.resend import Resend, resend
 from hookline.ingest.state import IngestState, ingest_state
 from hookline.shared import topology
 from hookline.shared.api import ApiError
+from hookline.shared.headers import Header
 from hookline.shared.models import Model, StoredEndpoint
 from hookline.shared.streams import read_until_now
 
@@ -61,6 +62,9 @@ def selects(
 
 
 def accepted_time(message: AbstractIncomingMessage, event: object) -> datetime | None:
+    accepted_ms = (message.headers or {}).get(Header.ACCEPTED_AT_MS)
+    if isinstance(accepted_ms, int):
+        return datetime.fromtimestamp(accepted_ms / 1000, UTC)
     if message.timestamp is not None:
         stamp = message.timestamp
         return stamp if stamp.tzinfo else stamp.replace(tzinfo=UTC)

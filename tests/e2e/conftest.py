@@ -69,6 +69,7 @@ def system(
                 service.wait_ready()
             yield running
         finally:
-            codes = {s.name: s.stop() for s in (*running.extra, *dispatchers, ingest, monitor)}
+            every = (*running.extra, *dispatchers, ingest, monitor)
+            codes = {s.name: s.stop() for s in every if not s.killed}
         # A clean SIGTERM shutdown is part of the contract: every service exits 0.
         assert set(codes.values()) == {0}, f"exit codes {codes}\n{running.logs()}"

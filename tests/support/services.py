@@ -49,6 +49,7 @@ class Service:
         self.port = port
         self.name = name
         self.log_path = log_dir / f"{name}.log"
+        self.killed = False
         self._log = self.log_path.open("wb")
         self.process = subprocess.Popen(
             [HOOKLINE, command], env=dict(env), stdout=self._log, stderr=subprocess.STDOUT
@@ -89,6 +90,8 @@ class Service:
         return self.process.returncode
 
     def kill(self) -> None:
+        """SIGKILL, as a fault; such a service is left out of the clean-exit check."""
+        self.killed = True
         self.process.kill()
         self.process.wait()
         self._log.close()

@@ -44,3 +44,48 @@ from hookline.dispatcher.outcome import ErrorKind, Outcome, classify
 )
 def test_classify(status: int | None, error: ErrorKind | None, expected: Outcome) -> None:
     assert classify(status, error) is expected
+
+
+# --- what happens to the message -----------------------------------------------------------------
+
+from datetime import UTC, datetime  # noqa: E402
+
+from hookline.dispatcher.backoff import Jitter, RetryPolicy  # noqa: E402
+from hookline.dispatcher.outcome import Ack, DeadLetter, Retry, Settlement, settle  # noqa: E402
+from hookline.shared.models import DeadLetterReason  # noqa: E402
+
+POLICY = RetryPolicy(schedule_s=(30, 120), retention_s=3600, max_attempts=5, jitter=Jitter.NONE)
+NOW = datetime(2026, 11, 29, 18, 0, tzinfo=UTC)
+
+
+@pytest.mark.parametrize(
+    ("outcome", "status", "attempt", "elapsed_s", "retry_after", "expected"),
+    [
+        (Outcome.SUCCESS, 204, 1, 0, None, Ack()),
+        (Outcome.RETRY, 500, 1, 0, None, Retry(30)),
+        (Outcome.RETRY, 500, 2, 30, None, Retry(120)),
+        (Outcome.RETRY, 500, 4, 300, None, Retry(120)),
+        (Outcome.RETRY, 500, 5, 400, None, DeadLetter(DeadLetterReason.MAX_ATTEMPTS)),
+        (Outcome.RETRY, 500, 3, 3500, None, DeadLetter(DeadLetterReason.RETENTION_EXPIRED)),
+        (Outcome.RETRY, 429, 1, 0, "90", Retry(90)),
+        (Outcome.RETRY, 503, 1, 0, "90", Retry(90)),
+        (Outcome.RETRY, 500, 1, 0, "90", Retry(30)),  # Retry-After only counts on 429 and 503
+        (Outcome.RETRY, None, 1, 0, None, Retry(30)),  # a timeout
+        (Outcome.PERMANENT, 400, 1, 0, None, DeadLetter(DeadLetterReason.PERMANENT_STATUS)),
+        (Outcome.DISABLE, 410, 1, 0, None, DeadLetter(DeadLetterReason.ENDPOINT_GONE, disable=True)),
+    ],
+)
+def test_settle(
+    outcome: Outcome,
+    status: int | None,
+    attempt: int,
+    elapsed_s: float,
+    retry_after: str | None,
+    expected: Settlement,
+) -> None:
+    now_s = NOW.timestamp()
+    result = settle(
+        outcome, status=status, attempt=attempt, first_attempt_at_s=now_s - elapsed_s, now_s=now_s,
+        policy=POLICY, random=0.5, retry_after=retry_after, now=NOW,
+    )  # fmt: skip
+    assert result == expected

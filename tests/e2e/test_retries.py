@@ -1,0 +1,238 @@
+"""Failure handling, end to end: retries through the delay queues, dead letters, redrive and replay.
+
+The services run with HOOKLINE_RETRY_SCHEDULE_S=1,2 and no jitter (tests shrink the schedule through
+settings), so the delays between attempts are exactly 1 s, then 2 s, 2 s, ...
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import pytest
+from conftest import System, tenant
+from standardwebhooks.webhooks import Webhook
+from support.amqp import publish_event
+from support.receiver import Received, Receiver, Reply
+from support.waiting import eventually
+from test_delivery_path import event
+
+pytestmark = pytest.mark.e2e
+
+
+def dead_letters(system: System, **filters: str) -> list[dict[str, Any]]:
+    with system.api() as api:
+        response = api.get("/v1/dead-letters", params={**filters, "limit": 1000})
+    assert response.status_code == 200, response.text
+    items: list[dict[str, Any]] = response.json()["data"]
+    return items
+
+
+async def wait_dead(system: System, count: int, **filters: str) -> list[dict[str, Any]]:
+    async def probe() -> list[dict[str, Any]] | None:
+        found = await asyncio.to_thread(dead_letters, system, **filters)
+        return found if len(found) >= count else None
+
+    return await eventually(probe)
+
+
+def scripted(*replies: Reply) -> Any:
+    remaining = list(replies)
+    return lambda _: remaining.pop(0) if remaining else Reply(status=204)
+
+
+async def test_failing_n_times_then_succeeding_gives_n_plus_one_attempts(
+    system: System, receiver: Receiver
+) -> None:
+    acme = tenant()
+    receiver.responder = scripted(Reply(status=500), Reply(status=503), Reply(status=408), Reply(status=204))
+    endpoint = system.add_endpoint(acme, receiver.url("/flaky"), ["#"])
+    await publish_event(system.amqp_url, event(acme, "a.b", "evt_flaky_1"), f"{acme}.a.b")
+
+    attempts = await receiver.wait_for(4, path="/flaky", timeout_s=30)
+    await asyncio.sleep(1.5)
+    assert len(receiver.requests) == 4, "exactly N + 1 attempts"
+    assert {r.headers["webhook-id"] for r in attempts} == {"evt_flaky_1"}
+    assert len({r.body for r in attempts}) == 1, "the body is identical on every attempt"
+    assert len({r.headers["webhook-signature"] for r in attempts}) == 4, "each attempt is signed afresh"
+    for attempt in attempts:
+        Webhook(endpoint["secret"]).verify(attempt.body, attempt.headers)
+    gaps = [later.at - earlier.at for earlier, later in itertools.pairwise(attempts)]
+    for gap, step in zip(gaps, (1, 2, 2), strict=True):
+        assert step - 0.1 <= gap <= step + 1.5, gaps
+    assert dead_letters(system, endpoint_id=endpoint["id"]) == []
+
+
+async def test_retry_after_on_429_is_honoured(system: System, receiver: Receiver) -> None:
+    acme = tenant()
+    receiver.responder = scripted(Reply(status=429, headers={"Retry-After": "3"}))
+    system.add_endpoint(acme, receiver.url("/limited"), ["#"])
+    await publish_event(system.amqp_url, event(acme, "a.b", "evt_limited_1"), f"{acme}.a.b")
+    first, second = await receiver.wait_for(2, path="/limited", timeout_s=30)
+    assert second.at - first.at >= 3.0 - 0.05, "not earlier than Retry-After (the schedule says 1 s)"
+
+
+async def test_a_400_is_dead_lettered_at_once(system: System, receiver: Receiver) -> None:
+    acme = tenant()
+    receiver.responder = lambda _: Reply(status=400)
+    endpoint = system.add_endpoint(acme, receiver.url("/refuses"), ["#"])
+    await publish_event(system.amqp_url, event(acme, "a.b", "evt_refused_1"), f"{acme}.a.b")
+    [item] = await wait_dead(system, 1, endpoint_id=endpoint["id"])
+    assert (item["reason"], item["last_status"], item["attempts"], item["event_id"], item["tenant"], item["type"]) == (
+        "permanent_status", 400, 1, "evt_refused_1", acme, "a.b",
+    )  # fmt: skip
+    assert item["last_error"].startswith("HTTP 400")
+    assert len(receiver.requests) == 1
+
+
+async def test_a_410_disables_the_endpoint_until_it_is_resumed(system: System, receiver: Receiver) -> None:
+    acme = tenant()
+    receiver.responder = scripted(Reply(status=410))
+    endpoint = system.add_endpoint(acme, receiver.url("/gone"), ["#"])
+    await publish_event(system.amqp_url, event(acme, "a.b", "evt_gone_1"), f"{acme}.a.b")
+    [item] = await wait_dead(system, 1, endpoint_id=endpoint["id"])
+    assert (item["reason"], item["last_status"]) == ("endpoint_gone", 410)
+
+    def status() -> str:
+        with system.api() as api:
+            return str(api.get(f"/v1/endpoints/{endpoint['id']}").json()["status"])
+
+    async def disabled() -> bool:
+        return await asyncio.to_thread(status) == "disabled"
+
+    await eventually(disabled)
+    # While disabled, events wait in the queue and nothing is attempted.
+    await publish_event(system.amqp_url, event(acme, "a.b", "evt_gone_2"), f"{acme}.a.b")
+    await asyncio.sleep(1.5)
+    assert len(receiver.requests) == 1
+    assert "endpoint_disabled" in system.logs()
+    with system.api() as api:
+        assert api.post(f"/v1/endpoints/{endpoint['id']}/resume").json()["status"] == "active"
+    [_, resumed] = await receiver.wait_for(2, path="/gone")
+    assert resumed.headers["webhook-id"] == "evt_gone_2"
+
+
+async def test_exhausted_attempts_are_dead_letters_that_redrive_delivers(
+    system: System, receiver: Receiver
+) -> None:
+    acme = tenant()
+    failing = True
+    receiver.responder = lambda _: Reply(status=500 if failing else 204)
+    endpoint = system.add_endpoint(acme, receiver.url("/exhausted"), ["a.b"], max_attempts=2)
+    other = system.add_endpoint(acme, receiver.url("/other"), ["x.y"], max_attempts=1)
+    for n in range(3):
+        await publish_event(system.amqp_url, event(acme, "a.b", f"evt_exhausted_{n}"), f"{acme}.a.b")
+    await publish_event(system.amqp_url, event(acme, "x.y", "evt_other_1"), f"{acme}.x.y")
+
+    items = await wait_dead(system, 3, endpoint_id=endpoint["id"])
+    assert {item["event_id"] for item in items} == {f"evt_exhausted_{n}" for n in range(3)}
+    assert {(item["reason"], item["attempts"], item["last_status"]) for item in items} == {
+        ("max_attempts", 2, 500)
+    }
+    assert len(await wait_dead(system, 1, endpoint_id=other["id"])) == 1
+    assert len(dead_letters(system, tenant=acme, reason="max_attempts")) == 4
+    assert dead_letters(system, tenant=acme, reason="invalid_event") == []
+    assert len([r for r in receiver.requests if r.path == "/exhausted"]) == 6
+
+    failing = False
+    with system.api() as api:
+        assert api.post("/v1/dead-letters/redrive", json={}).status_code == 422, "redrive needs a choice"
+        one = api.post("/v1/dead-letters/redrive", json={"event_id": "evt_exhausted_0"}).json()
+        rest = api.post("/v1/dead-letters/redrive", json={"endpoint_id": endpoint["id"]}).json()
+    assert (one["redriven"], rest["redriven"]) == (1, 2)
+    redelivered = await receiver.wait_for(9, path="/exhausted")
+    assert sorted(r.headers["webhook-id"] for r in redelivered[6:]) == [
+        f"evt_exhausted_{n}" for n in range(3)
+    ]
+    # Redriven dead letters are no longer listed; the other endpoint's still is.
+    assert dead_letters(system, endpoint_id=endpoint["id"]) == []
+    assert len(dead_letters(system, endpoint_id=other["id"])) == 1
+
+
+async def test_replay_resends_a_window_with_the_original_ids(system: System, receiver: Receiver) -> None:
+    acme, other = tenant(), tenant()
+    endpoint = system.add_endpoint(acme, receiver.url("/replayed"), ["order.*"])
+    before = datetime.now(UTC)
+    with system.api() as api:
+        for n in range(3):
+            api.post(
+                "/v1/events",
+                json={"id": f"evt_replay_{n}", "tenant": acme, "type": "order.created", "data": {}},
+            )
+        api.post(
+            "/v1/events",
+            json={"id": "evt_replay_invoice", "tenant": acme, "type": "invoice.paid", "data": {}},
+        )
+        api.post(
+            "/v1/events",
+            json={"id": "evt_replay_other", "tenant": other, "type": "order.created", "data": {}},
+        )
+    await publish_event(
+        system.amqp_url, event(acme, "order.updated", "evt_replay_amqp"), f"{acme}.order.updated"
+    )
+    first_pass = await receiver.wait_for(4, path="/replayed")
+    await asyncio.sleep(1.1)
+    later = datetime.now(UTC)
+    with system.api() as api:
+        api.post(
+            "/v1/events", json={"id": "evt_replay_late", "tenant": acme, "type": "order.created", "data": {}}
+        )
+    await receiver.wait_for(5, path="/replayed")
+
+    with system.api() as api:
+        answer = api.post(
+            f"/v1/endpoints/{endpoint['id']}/replay",
+            json={"since": (before - timedelta(seconds=1)).isoformat(), "until": later.isoformat()},
+        )
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["replayed"] == 4
+    replayed = (await receiver.wait_for(9, path="/replayed"))[5:]
+    assert sorted(r.headers["webhook-id"] for r in replayed) == sorted(
+        r.headers["webhook-id"] for r in first_pass
+    )
+    assert {r.body for r in replayed} == {r.body for r in first_pass}, "byte for byte the same events"
+
+
+async def test_retries_of_a_deleted_endpoint_become_dead_letters(system: System, receiver: Receiver) -> None:
+    acme = tenant()
+    receiver.responder = lambda _: Reply(status=500)
+    endpoint = system.add_endpoint(acme, receiver.url("/deleted-while-waiting"), ["#"], retry_schedule_s=[3])
+    await publish_event(system.amqp_url, event(acme, "a.b", "evt_waiting_1"), f"{acme}.a.b")
+    await receiver.wait_for(1, path="/deleted-while-waiting")
+    await asyncio.sleep(0.3)  # the retry copy is in the delay queues now
+    with system.api() as api:
+        assert api.delete(f"/v1/endpoints/{endpoint['id']}").status_code == 204
+    [item] = await wait_dead(system, 1, endpoint_id=endpoint["id"])
+    assert (item["reason"], item["event_id"], item["tenant"]) == ("endpoint_gone", "evt_waiting_1", acme)
+    assert len(receiver.requests) == 1
+
+
+def _is_path(path: str) -> Any:
+    return lambda request: isinstance(request, Received) and request.path == path
+
+
+async def test_the_cli_lists_and_redrives_dead_letters(system: System, receiver: Receiver) -> None:
+    from test_endpoints import hookline
+
+    acme = tenant()
+    refusing = True
+    receiver.responder = lambda _: Reply(status=404 if refusing else 204)
+    endpoint = system.add_endpoint(acme, receiver.url("/cli-dead"), ["#"])
+    await publish_event(system.amqp_url, event(acme, "a.b", "evt_cli_dead"), f"{acme}.a.b")
+    await wait_dead(system, 1, endpoint_id=endpoint["id"])
+    listed = hookline(system, "dead-letters", "list", "--endpoint-id", endpoint["id"])["data"]
+    assert [(item["event_id"], item["reason"], item["last_status"]) for item in listed] == [
+        ("evt_cli_dead", "permanent_status", 404)
+    ]
+    refusing = False
+    assert hookline(system, "dead-letters", "redrive", "--id", listed[0]["id"]) == {
+        "redriven": 1,
+        "skipped": 0,
+    }
+    await receiver.wait_for(2, path="/cli-dead")
+    replayed = hookline(system, "replay", endpoint["id"], "--since", datetime.now(UTC).isoformat())
+    assert replayed["replayed"] == 0
+    json.dumps(replayed)
