@@ -77,11 +77,11 @@ class Sink:
         return result
 
 
-def start_sink(work: Path) -> Sink:
+def start_sink(work: Path, status: int = 204) -> Sink:
     port = free_port()
     out = work / f"sink-{port}.json"
     process = subprocess.Popen(
-        [sys.executable, "-m", "bench.sink", str(port), str(out)], stdout=subprocess.PIPE
+        [sys.executable, "-m", "bench.sink", str(port), str(out), str(status)], stdout=subprocess.PIPE
     )
     assert process.stdout is not None
     process.stdout.readline()  # "ready"
@@ -103,12 +103,14 @@ class Services:
             HOOKLINE_API_TOKEN=TOKEN,
             HOOKLINE_ALLOW_HTTP="true",
             HOOKLINE_ALLOW_PRIVATE_TARGETS="true",
+            # Short retry steps, so that a failing endpoint's retries compete during the measurement.
+            HOOKLINE_RETRY_SCHEDULE_S="1",
             **extra,
         )
         return env
 
     def _spawn(self, command: str, port_variable: str, port: int, name: str) -> subprocess.Popen[bytes]:
-        log = (self.work / f"{name}.log").open("wb")
+        log = (self.work / f"{name}-{port}.log").open("wb")
         process = subprocess.Popen(
             [HOOKLINE, command],
             env=self.env(**{port_variable: str(port)}),
@@ -179,6 +181,7 @@ def rss_mib(process: subprocess.Popen[bytes]) -> float:
 
 
 async def register(services: Services, count: int, url: str, *, first: int = 0) -> None:
+    """Endpoints n = first … first+count-1, each subscribed to its own type ``load.e<n>``."""
     async with services.api() as api:
         semaphore = asyncio.Semaphore(8)
 
@@ -300,6 +303,82 @@ async def throughput(
         "delivered": len(arrivals),
         "deliveries_per_s": len(arrivals) / (max(arrivals) - first),
         "requests_at_receiver": result["count"],
+    }
+
+
+async def with_failing_endpoint(services: Services, work: Path, count: int, endpoints: int) -> dict[str, Any]:
+    """Like the 2-dispatcher backlog run, plus one endpoint answering 500 to a tenth as many events;
+    its retries (every ~1 s here) run while the healthy endpoints are measured."""
+    sink, failing = start_sink(work), start_sink(work, status=500)
+    try:
+        await register_for(services, sink, endpoints)
+        await register(services, 1, f"http://127.0.0.1:{failing.port}/hook", first=endpoints)
+        sent = await publish_burst(services.amqp_url, count, endpoints, "tpf_")
+        async with events_exchange(services.amqp_url) as exchange:
+            await asyncio.gather(
+                *(
+                    exchange.publish(message(f"fail{n}", endpoints), f"{TENANT}.load.e{endpoints}")
+                    for n in range(count // 10)
+                )
+            )
+        services.start_dispatchers(2)
+        await drain(sink, count)
+    finally:
+        result = sink.finish()
+        failed_attempts = failing.finish()["count"]
+        services.stop_dispatchers()
+        await delete_endpoints(services)
+    arrivals = [result["arrivals"][event_id] for event_id in sent if event_id in result["arrivals"]]
+    return {
+        "mode": "backlog, one endpoint failing",
+        "dispatchers": 2,
+        "events": count,
+        "delivered": len(arrivals),
+        "deliveries_per_s": len(arrivals) / (max(arrivals) - min(arrivals)),
+        "failing_endpoint_events": count // 10,
+        "failing_endpoint_attempts": failed_attempts,
+    }
+
+
+async def delay_accuracy(amqp_url: str) -> dict[str, Any]:
+    """Retries scheduled through the TTL hierarchy, published in a mixed order: how late each arrives."""
+    from hookline.dispatcher.delays import Delays
+    from hookline.shared import topology
+
+    delays_s = [13, 1, 8, 2, 5, 3, 1, 13, 8, 5] * 5
+    endpoint_id = "ep_" + "D" * 26
+    arrived: dict[str, float] = {}
+    done = asyncio.Event()
+    connection = await aio_pika.connect_robust(amqp_url)
+    async with connection:
+        channel = await connection.channel()
+        queue = await topology.endpoint_queue_declare(channel, endpoint_id, ordered=False)
+        await queue.bind(topology.DELAY_DELIVERY, routing_key=topology.delay_delivery_binding(queue.name))
+
+        async def on_message(incoming: aio_pika.abc.AbstractIncomingMessage) -> None:
+            arrived[incoming.message_id or ""] = time.monotonic()
+            await incoming.ack()
+            if len(arrived) == len(delays_s):
+                done.set()
+
+        await queue.consume(on_message)
+        delays = await Delays.open(await connection.channel(publisher_confirms=True))
+        sent: dict[str, tuple[int, float]] = {}
+        for n, delay in enumerate(delays_s):
+            sent[f"d{n}"] = (delay, time.monotonic())
+            await delays.schedule(
+                b"{}", content_type="application/json", timestamp=None, event_id=f"d{n}",
+                endpoint_id=endpoint_id, next_attempt=2, first_attempt_at_s=time.time(), delay_s=delay,
+            )  # fmt: skip
+        await asyncio.wait_for(done.wait(), 60)
+        await queue.delete(if_unused=False, if_empty=False)
+    late_ms = [(arrived[key] - at - delay) * 1000 for key, (delay, at) in sent.items()]
+    return {
+        "messages": len(late_ms),
+        "delays_s": sorted(set(delays_s)),
+        "late_ms_mean": statistics.fmean(late_ms),
+        "late_ms_min": min(late_ms),
+        "late_ms_max": max(late_ms),
     }
 
 
@@ -427,6 +506,10 @@ async def main(arguments: argparse.Namespace) -> dict[str, Any]:
                     report["throughput"].append(row)
             print("latency at 500/s…", flush=True)
             report["latency"] = await latency(services, work, 500, arguments.latency_s, 10)
+            print("throughput with a failing endpoint…", flush=True)
+            report["with_failing"] = await with_failing_endpoint(services, work, arguments.events, 10)
+            print("delay accuracy…", flush=True)
+            report["delays"] = await delay_accuracy(amqp_url)
             print("memory with 1,000 endpoints…", flush=True)
             limit = broker_file_limit()
             if limit is not None and limit < 1200:
@@ -477,6 +560,16 @@ def markdown(report: dict[str, Any]) -> str:
             f"| {rate:,.0f} deliveries/s "
             f"({row['delivered']:,} delivered) | {rate / bare:.2f} |"
         )
+    failing = report["with_failing"]
+    healthy = next(
+        row for row in report["throughput"] if row["mode"] == "backlog" and row["dispatchers"] == 2
+    )
+    lines.append(
+        f"| hookline, 2 dispatchers, backlog, plus one endpoint answering 500 ({failing['failing_endpoint_events']:,} "
+        f"events, {failing['failing_endpoint_attempts']:,} attempts) | {failing['deliveries_per_s']:,.0f} deliveries/s "
+        f"to the healthy ones | {failing['deliveries_per_s'] / bare:.2f} "
+        f"({failing['deliveries_per_s'] / healthy['deliveries_per_s']:.2f} of the all-healthy run) |"
+    )
     lat = report["latency"]
     lines.append(
         f"| publish→delivery latency at {lat['offered_per_s']}/s offered, 2 dispatchers | p50 {lat['p50_ms']:.1f} ms, "
