@@ -11,6 +11,9 @@ arguments come from one function each: redeclaring with different arguments is a
             └─ alternate exchange ──▶ hookline.delay.unroutable (the endpoint queue is gone)
     hookline.dead (fanout) ──▶ hookline.dead-letters (stream: listable, redrivable)
     hookline.endpoints (stream): the endpoint change log every service replays and follows
+    hookline.telemetry (fanout) ──▶ hookline.telemetry.log (stream, 25 h): attempt records, heartbeats
+    hookline.control (fanout) ──▶ hookline.breakers (stream, 1 h): breaker commands and snapshots
+    alerts (topic, <alert>.<state>): alerts firing and resolved, for whoever binds a queue
 
 Delays (reference/rabbitmq-techniques.md §1): a retry is published to the level of the highest set bit
 of its delay in seconds, with a routing key of the 28 bits, most significant first, then the endpoint
@@ -46,6 +49,15 @@ ENDPOINT_DELIVERY_LIMIT = 50
 UNROUTED_MAX_LENGTH = 100_000
 DEAD_LETTER_MAX_AGE = "30D"
 EVENT_LOG = "hookline.events.log"
+TELEMETRY_EXCHANGE = "hookline.telemetry"
+TELEMETRY_LOG = "hookline.telemetry.log"
+# 24 h of window plus an hour of margin; the byte cap bounds the disk at very high rates (the rebuilt
+# window is then shorter than 24 h).
+TELEMETRY_MAX_AGE = "25h"
+TELEMETRY_MAX_BYTES = 4_000_000_000
+CONTROL_EXCHANGE = "hookline.control"
+BREAKER_LOG = "hookline.breakers"
+ALERTS_EXCHANGE = "alerts"
 
 DELAY_BITS = 28
 MAX_DELAY_S = 2**DELAY_BITS - 1
@@ -143,6 +155,30 @@ async def declare_core(channel: AbstractRobustChannel, *, event_log_max_age_s: i
     await dead_letters.bind(dead)
     await endpoint_log(channel)
     await _declare_delays(channel)
+    await _declare_health(channel)
+
+
+async def _declare_health(channel: AbstractRobustChannel) -> None:
+    telemetry = await channel.declare_exchange(TELEMETRY_EXCHANGE, aio_pika.ExchangeType.FANOUT, durable=True)
+    telemetry_log = await channel.declare_queue(
+        TELEMETRY_LOG,
+        durable=True,
+        arguments={
+            "x-queue-type": "stream",
+            "x-max-age": TELEMETRY_MAX_AGE,
+            "x-max-length-bytes": TELEMETRY_MAX_BYTES,
+            "x-stream-max-segment-size-bytes": 50_000_000,
+        },
+    )
+    await telemetry_log.bind(telemetry)
+    control = await channel.declare_exchange(CONTROL_EXCHANGE, aio_pika.ExchangeType.FANOUT, durable=True)
+    breakers = await channel.declare_queue(
+        BREAKER_LOG,
+        durable=True,
+        arguments={"x-queue-type": "stream", "x-max-age": "1h", "x-stream-max-segment-size-bytes": 5_000_000},
+    )
+    await breakers.bind(control)
+    await channel.declare_exchange(ALERTS_EXCHANGE, aio_pika.ExchangeType.TOPIC, durable=True)
 
 
 async def _declare_delays(channel: AbstractRobustChannel) -> None:

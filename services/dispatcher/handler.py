@@ -24,12 +24,15 @@ from hookline.dispatcher.backoff import Jitter, RetryPolicy
 from hookline.dispatcher.delays import Delays
 from hookline.dispatcher.delivery import AttemptResult, DeliveryClient
 from hookline.dispatcher.outcome import Ack, DeadLetter, Retry, Settlement, classify, settle
+from hookline.dispatcher.telemetry import Telemetry
 from hookline.shared import __version__, signing, topology
 from hookline.shared.amqp import BROKER_ERRORS
+from hookline.shared.control import BreakerView
 from hookline.shared.deadletters import dead_letter_message
 from hookline.shared.models import DeadLetterReason, EndpointStatus, EndpointUpserted, StoredEndpoint
 from hookline.shared.registry import ChangeLog, EndpointRegistry
 from hookline.shared.settings import DispatcherSettings
+from hookline.shared.telemetry import AttemptRecord
 
 log = structlog.get_logger(__name__)
 
@@ -49,6 +52,8 @@ class Handler:
         client: DeliveryClient,
         dead_letters: AbstractExchange,
         delays: Delays,
+        telemetry: Telemetry,
+        breakers: BreakerView,
         *,
         random_unit: Callable[[], float] = random.random,
     ) -> None:
@@ -59,9 +64,17 @@ class Handler:
         self._dead_letters = dead_letters
         self._delays = delays
         self._random_unit = random_unit
+        self._telemetry = telemetry
+        self._breakers = breakers
         self._signing_keys: dict[str, tuple[str, list[bytes]]] = {}
 
-    async def handle(self, endpoint_id: str, message: AbstractIncomingMessage) -> None:
+    async def handle(
+        self, endpoint_id: str, message: AbstractIncomingMessage, *, probe: bool = False
+    ) -> None:
+        if not probe and self._breakers.state(endpoint_id) is not None:
+            # Delivered before the breaker opened reached us: back to the queue, not attempted.
+            await message.nack(requeue=True)
+            return
         endpoint = self._registry.get(endpoint_id)
         if endpoint is None:
             # Deleted while this message was on its way (the ingest moves the rest of the queue).
@@ -105,8 +118,33 @@ class Handler:
             retry_after=result.retry_after,
             now=datetime.now(UTC),
         )
+        ended_s = time.time()
+        next_attempt_in_s = settlement.delay_s if isinstance(settlement, Retry) else None
+        dead_letter_reason = settlement.reason.value if isinstance(settlement, DeadLetter) else None
         metrics.ATTEMPTS.labels(outcome.value).inc()
         metrics.ATTEMPT_SECONDS.observe(result.timings.total_ms / 1000)
+        self._telemetry.attempt(
+            AttemptRecord(
+                at_s=ended_s,
+                dispatcher_id=self._telemetry.dispatcher_id,
+                event_id=event.id,
+                endpoint_id=endpoint.id,
+                tenant=event.tenant,
+                type=event.type,
+                attempt=parsed.attempt,
+                outcome=outcome.value,
+                status=result.status,
+                error=result.error,
+                duration_ms=result.timings.total_ms,
+                dns_ms=result.timings.dns_ms,
+                connect_ms=result.timings.connect_ms,
+                first_byte_ms=result.timings.first_byte_ms,
+                first_attempt_at_s=first_attempt_at_s,
+                next_attempt_at_s=ended_s + next_attempt_in_s if next_attempt_in_s is not None else None,
+                dead_letter_reason=dead_letter_reason,
+                probe=probe,
+            )
+        )
         log.info(
             "delivery_attempt",
             event_id=event.id,
@@ -121,8 +159,9 @@ class Handler:
             dns_ms=result.timings.dns_ms,
             connect_ms=result.timings.connect_ms,
             first_byte_ms=result.timings.first_byte_ms,
-            next_attempt_in_s=settlement.delay_s if isinstance(settlement, Retry) else None,
-            dead_letter_reason=settlement.reason.value if isinstance(settlement, DeadLetter) else None,
+            next_attempt_in_s=next_attempt_in_s,
+            dead_letter_reason=dead_letter_reason,
+            probe=probe or None,
         )
         await self._apply(settlement, message, endpoint, event.id, parsed.attempt, first_attempt_at_s, result)
 
@@ -250,12 +289,14 @@ class Handler:
         metrics.DEAD_LETTERS.labels(reason.value).inc()
 
 
-async def handle_safely(handler: Handler, endpoint_id: str, message: AbstractIncomingMessage) -> None:
+async def handle_safely(
+    handler: Handler, endpoint_id: str, message: AbstractIncomingMessage, *, probe: bool = False
+) -> None:
     """The consumer callback: a crash requeues the message (counted toward the poison limit), and a
     lost channel leaves it to the broker to redeliver; neither stops the dispatcher."""
     metrics.IN_FLIGHT.inc()
     try:
-        await handler.handle(endpoint_id, message)
+        await handler.handle(endpoint_id, message, probe=probe)
     except BROKER_ERRORS as exc:
         # The channel went away mid-settlement: the broker redelivers what was not acked.
         log.warning("settle_failed", endpoint_id=endpoint_id, error=type(exc).__name__)

@@ -24,6 +24,9 @@ DEAD_LETTERS = prometheus_client.Counter(
     "hookline_dead_letters", "Messages dead-lettered, by reason.", ["reason"]
 )
 IN_FLIGHT = prometheus_client.Gauge("hookline_dispatcher_in_flight", "Deliveries being handled now.")
+TELEMETRY_DROPPED = prometheus_client.Counter(
+    "hookline_telemetry_dropped_records", "Telemetry records lost because the broker was unreachable."
+)
 CONSUMERS = prometheus_client.Gauge(
     "hookline_dispatcher_consumers", "Endpoint queues this dispatcher consumes."
 )

@@ -9,8 +9,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
+import socket
+import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
+from datetime import UTC, datetime, timedelta
 from functools import partial
 
 import structlog
@@ -20,29 +24,56 @@ from aio_pika.abc import (
     AbstractRobustConnection,
     AbstractRobustQueue,
 )
+from pydantic import ValidationError
 
 from hookline.dispatcher import metrics
 from hookline.dispatcher.delays import Delays
 from hookline.dispatcher.delivery import DeliveryClient
 from hookline.dispatcher.handler import USER_AGENT, Handler, handle_safely
+from hookline.dispatcher.telemetry import Telemetry
 from hookline.shared import amqp, lifecycle, registry, topology
 from hookline.shared import logging as hookline_logging
+from hookline.shared.control import BreakerState, BreakerView, control_record
 from hookline.shared.models import EndpointStatus, StoredEndpoint
 from hookline.shared.registry import ChangeLog, EndpointRegistry
 from hookline.shared.settings import DispatcherSettings, load
+from hookline.shared.streams import StreamFollower
 
 log = structlog.get_logger(__name__)
 
+PROBE_POLL_S = 1.0
+BREAKER_LOOKBACK = timedelta(minutes=2)
+
+
+def _apply_control(breakers: BreakerView, consumers: Consumers, message: AbstractIncomingMessage) -> None:
+    try:
+        record = control_record.validate_json(message.body)
+    except ValidationError as exc:
+        log.error("control_record_unreadable", error=str(exc.errors()[:1]))
+        return
+    consumers.on_breakers(breakers.apply(record))
+
 
 class Consumers:
-    """Keeps one consumer per active endpoint, following the registry. Changes are applied one at a
-    time by a single task, so a quick create-then-delete can never leave a consumer behind."""
+    """Keeps one consumer per endpoint that is active and whose breaker is closed, following the
+    registry and the breaker commands. Changes are applied one at a time by a single task, so a quick
+    create-then-delete can never leave a consumer behind."""
 
-    def __init__(self, channel: AbstractRobustChannel, registry: EndpointRegistry, handler: Handler) -> None:
+    def __init__(
+        self,
+        channel: AbstractRobustChannel,
+        registry: EndpointRegistry,
+        breakers: BreakerView,
+        handler: Handler,
+        dispatcher_id: str,
+    ) -> None:
         self._channel = channel
         self._registry = registry
+        self._breakers = breakers
         self._handler = handler
+        self._dispatcher_id = dispatcher_id
         self._active: dict[str, tuple[AbstractRobustQueue, str]] = {}
+        self._probes: dict[str, int] = {}  # endpoint id -> the half-open version being probed
         self._changed: asyncio.Queue[str | None] = asyncio.Queue()
         self._tasks: set[asyncio.Task[None]] = set()
         self._stopping = False
@@ -50,6 +81,10 @@ class Consumers:
     def on_change(self, before: StoredEndpoint | None, after: StoredEndpoint | None) -> None:
         endpoint_id = (after or before).id  # type: ignore[union-attr]
         self._changed.put_nowait(endpoint_id)
+
+    def on_breakers(self, endpoint_ids: set[str]) -> None:
+        for endpoint_id in endpoint_ids:
+            self._changed.put_nowait(endpoint_id)
 
     async def run(self) -> None:
         """Apply changes until :meth:`stop_intake`. Never cancelled mid-way: aiormq closes a channel
@@ -61,18 +96,53 @@ class Consumers:
 
     async def _reconcile(self, endpoint_id: str) -> None:
         endpoint = self._registry.get(endpoint_id)
-        wanted = endpoint is not None and endpoint.status is EndpointStatus.ACTIVE and not self._stopping
+        active = endpoint is not None and endpoint.status is EndpointStatus.ACTIVE and not self._stopping
+        breaker = self._breakers.state(endpoint_id)
+        wanted = active and breaker is None
         if wanted and endpoint_id not in self._active:
             assert endpoint is not None
             queue = await topology.endpoint_queue_declare(
                 self._channel, endpoint_id, ordered=endpoint.ordered
             )
+            # Idempotent; endpoints registered before the delay queues existed get their binding here.
+            await queue.bind(topology.DELAY_DELIVERY, routing_key=topology.delay_delivery_binding(queue.name))
             tag = await queue.consume(partial(self._on_message, endpoint_id))
             self._active[endpoint_id] = (queue, tag)
         elif not wanted and endpoint_id in self._active:
+            # Breaker open, endpoint paused or gone: stop here; what is queued waits in the queue.
             queue, tag = self._active.pop(endpoint_id)
             await queue.cancel(tag)
+        if (
+            active
+            and breaker is not None
+            and breaker.state is BreakerState.HALF_OPEN
+            and breaker.probe_by == self._dispatcher_id
+            and self._probes.get(endpoint_id) != breaker.version
+        ):
+            self._probes[endpoint_id] = breaker.version
+            probe = asyncio.create_task(
+                self._probe(endpoint_id, breaker.version), name=f"probe:{endpoint_id}"
+            )
+            self._tasks.add(probe)
+            probe.add_done_callback(self._tasks.discard)
         metrics.CONSUMERS.set(len(self._active))
+
+    async def _probe(self, endpoint_id: str, version: int) -> None:
+        """Deliver exactly one message while the breaker is half open and this replica is the prober."""
+
+        def still_mine() -> bool:
+            command = self._breakers.state(endpoint_id)
+            return not self._stopping and command is not None and command.version == version
+
+        queue = await self._channel.get_queue(topology.endpoint_queue(endpoint_id), ensure=False)
+        while still_mine():
+            message = await queue.get(no_ack=False, fail=False)
+            if message is None:
+                await asyncio.sleep(PROBE_POLL_S)  # nothing to probe with yet
+                continue
+            log.info("breaker_probe", endpoint_id=endpoint_id, version=version)
+            await handle_safely(self._handler, endpoint_id, message, probe=True)
+            return
 
     async def _on_message(self, endpoint_id: str, message: AbstractIncomingMessage) -> None:
         await self.track(partial(handle_safely, self._handler, endpoint_id), message)
@@ -92,6 +162,10 @@ class Consumers:
     @property
     def consuming(self) -> int:
         return len(self._active)
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._tasks)
 
     async def stop_intake(self, reconciler: asyncio.Task[None]) -> None:
         """Cancel every consumer: the broker sends nothing more; what was delivered is still ours."""
@@ -131,6 +205,16 @@ async def dispatching(
     consumer_channel = await connection.channel()
     # Per consumer (global_=False): each endpoint gets its own window of unacked deliveries.
     await consumer_channel.set_qos(prefetch_count=settings.prefetch_per_endpoint)
+    # Telemetry goes out unconfirmed on a channel of its own: never a wait on the delivery path.
+    telemetry_channel = await connection.channel(publisher_confirms=False)
+    dispatcher_id = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
+    consumers_ref: list[Consumers] = []
+    telemetry = Telemetry(
+        await telemetry_channel.get_exchange(topology.TELEMETRY_EXCHANGE, ensure=False),
+        dispatcher_id,
+        load=lambda: (consumers_ref[0].in_flight, consumers_ref[0].consuming) if consumers_ref else (0, 0),
+    )
+    breakers = BreakerView()
     handler = Handler(
         settings,
         endpoint_registry,
@@ -138,10 +222,25 @@ async def dispatching(
         client,
         await topology.dead_letter_exchange(publisher),
         await Delays.open(publisher),
+        telemetry,
+        breakers,
     )
-    consumers = Consumers(consumer_channel, endpoint_registry, handler)
+    consumers = Consumers(consumer_channel, endpoint_registry, breakers, handler, dispatcher_id)
+    consumers_ref.append(consumers)
+    # The breaker states in force: the monitor snapshots them every few seconds, so reading the last
+    # minutes of its log gives the current state, then the follower keeps up with changes.
+    control = StreamFollower(
+        connection,
+        topology.BREAKER_LOG,
+        lambda message: _apply_control(breakers, consumers, message),
+        start=datetime.now(UTC) - BREAKER_LOOKBACK,
+        prefetch=100,
+    )
+    await control.start()
+    await control.sync(timeout_s=settings.connect_timeout_s)
     endpoint_registry.subscribe(consumers.on_change)
     reconciler = asyncio.create_task(consumers.run(), name="consumers")
+    telemetry_task = asyncio.create_task(telemetry.run(), name="telemetry")
     # Retries whose endpoint queue is gone: any replica turns them into dead letters.
     unroutable = await consumer_channel.declare_queue(topology.DELAY_UNROUTABLE, passive=True)
     unroutable_tag = await unroutable.consume(partial(consumers.track, handler.handle_unroutable))
@@ -156,8 +255,11 @@ async def dispatching(
         # 2. let in-flight deliveries finish and settle within the grace period;
         cancelled = await consumers.drain(settings.shutdown_grace_s)
         log.info("dispatcher_drained", cancelled=cancelled)
+        telemetry_task.cancel()  # its last flush runs in its finally
+        await asyncio.gather(telemetry_task, return_exceptions=True)
+        await control.stop()
         # 3. close the channels: whatever is still unacked goes back to its queue.
-        for channel in (consumer_channel, publisher):
+        for channel in (consumer_channel, publisher, telemetry_channel):
             with contextlib.suppress(*amqp.BROKER_ERRORS):
                 await channel.close()
 

@@ -13,14 +13,11 @@ probe is delivered and its result decides.
 
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass, replace
 
+from hookline.shared.control import BreakerState
 
-class BreakerState(enum.StrEnum):
-    CLOSED = "closed"
-    OPEN = "open"
-    HALF_OPEN = "half_open"
+__all__ = ["Breaker", "BreakerPolicy", "BreakerState", "open_for_s", "record", "tick"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,7 +36,9 @@ class Breaker:
     cooldown_s: float = 0.0
 
 
-def record(breaker: Breaker, *, success: bool, now_s: float, policy: BreakerPolicy, threshold: int) -> Breaker:
+def record(
+    breaker: Breaker, *, success: bool, now_s: float, policy: BreakerPolicy, threshold: int
+) -> Breaker:
     """A delivery result for this endpoint. ``threshold`` may be lower than the policy's (slow endpoints)."""
     match breaker.state:
         case BreakerState.CLOSED if success:
@@ -60,9 +59,13 @@ def record(breaker: Breaker, *, success: bool, now_s: float, policy: BreakerPoli
 
 def tick(breaker: Breaker, *, now_s: float) -> Breaker:
     """Time passes: an open breaker whose cooldown has elapsed lets one probe through."""
-    if breaker.state is BreakerState.OPEN and breaker.opened_at_s is not None:
-        if now_s >= breaker.opened_at_s + breaker.cooldown_s:
-            return replace(breaker, state=BreakerState.HALF_OPEN)
+    opened_at_s = breaker.opened_at_s
+    if (
+        breaker.state is BreakerState.OPEN
+        and opened_at_s is not None
+        and now_s >= opened_at_s + breaker.cooldown_s
+    ):
+        return replace(breaker, state=BreakerState.HALF_OPEN)
     return breaker
 
 

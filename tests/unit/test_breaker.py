@@ -39,8 +39,10 @@ def run(steps: list[Step], threshold: int = 3) -> Breaker:
         ([("fail", 1), ("fail", 2), ("fail", 3), ("tick", 13), ("fail", 14)], OPEN, 3, 20),  # doubled
         (
             [("fail", 1), ("fail", 2), ("fail", 3), ("tick", 13), ("fail", 14), ("tick", 34), ("fail", 35)],
-            OPEN, 3, 35,  # doubled again, but capped
-        ),  # fmt: skip
+            OPEN,
+            3,
+            35,  # doubled again, but capped
+        ),
         ([("fail", 1), ("fail", 2), ("fail", 3), ("tick", 13), ("fail", 14), ("tick", 33.9)], OPEN, 3, 20),
     ],
 )

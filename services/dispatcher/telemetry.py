@@ -1,0 +1,78 @@
+"""Telemetry from this dispatcher: attempt records batched, plus a heartbeat, off the delivery path.
+
+Records are buffered and published every ``FLUSH_INTERVAL_S`` (or at ``MAX_BATCH``) as one message,
+without publisher confirms: the delivery path never waits for telemetry. A batch that cannot be
+published (broker gone) is dropped and counted; the monitor tolerates gaps.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Callable
+
+import aio_pika
+import structlog
+from aio_pika.abc import AbstractExchange
+
+from hookline.dispatcher import metrics
+from hookline.shared.amqp import BROKER_ERRORS
+from hookline.shared.telemetry import AttemptRecord, Heartbeat, TelemetryRecord, batch
+
+log = structlog.get_logger(__name__)
+
+FLUSH_INTERVAL_S = 0.25
+MAX_BATCH = 500
+HEARTBEAT_INTERVAL_S = 5.0
+
+
+class Telemetry:
+    def __init__(
+        self, exchange: AbstractExchange, dispatcher_id: str, *, load: Callable[[], tuple[int, int]]
+    ) -> None:
+        self._exchange = exchange
+        self.dispatcher_id = dispatcher_id
+        self._load = load  # () -> (in flight, consumers), for heartbeats
+        self._buffer: list[TelemetryRecord] = []
+        self._full = asyncio.Event()
+
+    def attempt(self, record: AttemptRecord) -> None:
+        self._buffer.append(record)
+        if len(self._buffer) >= MAX_BATCH:
+            self._full.set()
+
+    async def run(self) -> None:
+        """Flush periodically and send heartbeats until cancelled (then flush what is left)."""
+        next_heartbeat_s = 0.0
+        try:
+            while True:
+                if time.monotonic() >= next_heartbeat_s:
+                    in_flight, consumers = self._load()
+                    self._buffer.append(
+                        Heartbeat(
+                            at_s=time.time(),
+                            dispatcher_id=self.dispatcher_id,
+                            in_flight=in_flight,
+                            consumers=consumers,
+                        )
+                    )
+                    next_heartbeat_s = time.monotonic() + HEARTBEAT_INTERVAL_S
+                await self.flush()
+                self._full.clear()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._full.wait(), FLUSH_INTERVAL_S)
+        finally:
+            await self.flush()
+
+    async def flush(self) -> None:
+        if not self._buffer:
+            return
+        records, self._buffer = self._buffer, []
+        try:
+            await self._exchange.publish(
+                aio_pika.Message(batch.dump_json(records), content_type="application/json"), routing_key=""
+            )
+        except BROKER_ERRORS as exc:
+            metrics.TELEMETRY_DROPPED.inc(len(records))
+            log.warning("telemetry_dropped", records=len(records), error=type(exc).__name__)

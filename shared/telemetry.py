@@ -1,0 +1,49 @@
+"""What dispatchers tell the health monitor: one record per attempt, and a heartbeat per replica.
+
+Records travel in batches through the fanout exchange ``hookline.telemetry`` into the stream
+``hookline.telemetry.log`` (25 h), from which a restarted monitor rebuilds its 24 h window. They are
+published without confirms, off the delivery path: a batch lost in a broker failure is a gap in the
+statistics, never a lost event.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import Field, TypeAdapter
+
+from hookline.shared.models import Model
+
+
+class AttemptRecord(Model):
+    kind: Literal["attempt"] = "attempt"
+    at_s: float  # unix seconds when the attempt ended
+    dispatcher_id: str
+    event_id: str
+    endpoint_id: str
+    tenant: str
+    type: str
+    attempt: int
+    outcome: str  # success | retry | permanent | disable
+    status: int | None
+    error: str | None
+    duration_ms: float
+    dns_ms: float | None = None
+    connect_ms: float | None = None
+    first_byte_ms: float | None = None
+    first_attempt_at_s: float
+    next_attempt_at_s: float | None = None
+    dead_letter_reason: str | None = None
+    probe: bool = False  # the one delivery a half-open breaker lets through
+
+
+class Heartbeat(Model):
+    kind: Literal["heartbeat"] = "heartbeat"
+    at_s: float
+    dispatcher_id: str
+    in_flight: int
+    consumers: int
+
+
+TelemetryRecord = Annotated[AttemptRecord | Heartbeat, Field(discriminator="kind")]
+batch: TypeAdapter[list[TelemetryRecord]] = TypeAdapter(list[TelemetryRecord])
