@@ -28,6 +28,11 @@ class BreakerCommand(Model):
     state: BreakerState
     version: int  # increasing; a dispatcher ignores a command older than the one it applied
     probe_by: str | None = None  # half_open: the one dispatcher that delivers the probe
+    # The breaker's own state, so that a restarted monitor can take over where it was.
+    opened_at_s: float | None = None
+    first_opened_at_s: float | None = None
+    cooldown_s: float = 0.0
+    consecutive_failures: int = 0
 
 
 class BreakerSnapshot(Model):
@@ -66,6 +71,10 @@ class BreakerView:
                 if command.state is not BreakerState.CLOSED:
                     changed.add(endpoint_id)
         return changed
+
+    def commands(self) -> list[BreakerCommand]:
+        """Every breaker that is not closed, as last commanded."""
+        return [command for command in self._commands.values() if command.state is not BreakerState.CLOSED]
 
     def _apply(self, command: BreakerCommand) -> bool:
         current = self._commands.get(command.endpoint_id)

@@ -7,18 +7,23 @@ listed any number of times without consuming them.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Mapping
 from datetime import UTC, datetime
 from typing import Any
 
 import aio_pika
 import orjson
+import structlog
+from aio_pika.abc import AbstractIncomingMessage
 from pydantic import Field
 
 from hookline.shared.headers import Header
 from hookline.shared.ids import new_id
 from hookline.shared.models import DeadLetterReason, Model
 from hookline.shared.topology import ENDPOINT_QUEUE_PREFIX
+
+log = structlog.get_logger(__name__)
 
 MAX_ERROR_CHARS = 500
 
@@ -165,3 +170,86 @@ def _when(value: object) -> datetime | None:
         return datetime.fromisoformat(text)
     except ValueError:
         return None
+
+
+class DeadLetterIndex:
+    """The dead letters not yet redriven, in the order they died: what a follower of the stream
+    ``hookline.dead-letters`` hands to :meth:`apply` (the ingest lists and redrives from it, the
+    monitor analyses it)."""
+
+    def __init__(self) -> None:
+        self._items: dict[int, DeadLetterItem] = {}
+
+    def apply(self, message: AbstractIncomingMessage) -> None:
+        headers = message.headers or {}
+        offset = headers.get("x-stream-offset")
+        if not isinstance(offset, int):
+            return
+        if REDRIVEN_HEADER in headers:
+            for redriven in orjson.loads(message.body).get("ids", []):
+                self._items.pop(offset_of(redriven) or -1, None)
+            return
+        try:
+            self._items[offset] = read_item(
+                offset, message.body, headers, message_id=message.message_id, timestamp=message.timestamp
+            )
+        except ValueError as exc:
+            log.error("dead_letter_unreadable", offset=offset, error=str(exc)[:200])
+
+    def select(self, *, endpoint_id: str | None = None, tenant: str | None = None,
+               reason: DeadLetterReason | None = None, event_id: str | None = None,
+               ids: set[str] | None = None) -> list[DeadLetterItem]:  # fmt: skip
+        return [
+            item
+            for item in self._items.values()
+            if (endpoint_id is None or item.endpoint_id == endpoint_id)
+            and (tenant is None or item.tenant == tenant)
+            and (reason is None or item.reason is reason)
+            and (event_id is None or item.event_id == event_id)
+            and (ids is None or item.id in ids)
+        ]
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def analysis(self, *, tenant: str | None = None) -> list[DeadLetterAnalysis]:
+        """Per endpoint: how many, the most common error and status, first and last, mean attempts."""
+        groups: dict[str | None, list[DeadLetterItem]] = {}
+        for item in self._items.values():
+            if tenant is None or item.tenant == tenant:
+                groups.setdefault(item.endpoint_id, []).append(item)
+        return [
+            DeadLetterAnalysis(
+                endpoint_id=endpoint_id,
+                tenant=items[0].tenant,
+                count=len(items),
+                most_common_reason=Counter(item.reason for item in items).most_common(1)[0][0],
+                most_common_error=Counter(item.last_error[:120] for item in items).most_common(1)[0][0],
+                most_common_status=_most_common([item.last_status for item in items if item.last_status]),
+                first_at=min(item.dead_at for item in items),
+                last_at=max(item.dead_at for item in items),
+                mean_attempts=round(sum(item.attempts for item in items) / len(items), 2),
+            )
+            for endpoint_id, items in sorted(groups.items(), key=lambda group: -len(group[1]))
+        ]
+
+
+class DeadLetterAnalysis(Model):
+    endpoint_id: str | None
+    tenant: str | None
+    count: int
+    most_common_reason: DeadLetterReason
+    most_common_error: str
+    most_common_status: int | None
+    first_at: datetime
+    last_at: datetime
+    mean_attempts: float
+
+
+def _most_common(values: list[int]) -> int | None:
+    return Counter(values).most_common(1)[0][0] if values else None
+
+
+def counts_since(index: DeadLetterIndex, since: datetime) -> Counter[str]:
+    """Dead letters per endpoint that died at or after ``since`` (the "growing" alert)."""
+    return Counter(item.endpoint_id for item in index.select() if item.dead_at >= since and item.endpoint_id)

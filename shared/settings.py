@@ -107,10 +107,36 @@ class DispatcherSettings(DeliveryPolicySettings):
 
 
 class MonitorSettings(CommonSettings):
+    api_token: SecretStr = Field(description="Bearer token for the status API (the same as the ingest's).")
     monitor_host: str = "127.0.0.1"
     monitor_port: int = Field(8001, ge=0, le=65535)
-    breaker_failure_threshold: int = Field(10, ge=1)
-    breaker_cooldown_s: float = Field(300.0, gt=0)
+    breaker_failure_threshold: int = Field(10, ge=1, description="Consecutive failures that open a breaker.")
+    breaker_cooldown_s: float = Field(
+        300.0, gt=0, description="Open time before the first probe; doubles per failed probe."
+    )
+    breaker_max_cooldown_s: float = Field(3600.0, gt=0)
+    breaker_slow_threshold: int = Field(
+        3, ge=1, description="The threshold for endpoints whose p95 is over 5 s."
+    )
+    slow_p95_ms: float = Field(
+        2000.0, gt=0, description="p95 over the last 5 minutes that flags an endpoint as slow."
+    )
+    very_slow_p95_ms: float = Field(
+        5000.0, gt=0, description="p95 above which the breaker threshold is lowered."
+    )
+    disable_after_s: float = Field(
+        259_200.0, gt=0, description="An endpoint whose breaker stays open this long is disabled."
+    )
+    oldest_pending_alert_s: float = Field(1800.0, gt=0)
+    tick_s: float = Field(1.0, gt=0, le=60, description="How often breakers and alerts are evaluated.")
+    queue_poll_s: float = Field(5.0, gt=0, description="How often queue depths are read.")
+
+    @field_validator("api_token")
+    @classmethod
+    def _token_length(cls, value: SecretStr) -> SecretStr:
+        if len(value.get_secret_value()) < 16:
+            raise ValueError("must be at least 16 characters")
+        return value
 
 
 class ClientSettings(BaseSettings):

@@ -13,6 +13,7 @@ from hookline.ingest.state import IngestState
 from hookline.shared import __version__, amqp, lifecycle, registry, topology
 from hookline.shared import logging as hookline_logging
 from hookline.shared.api import BodyLimit, bearer_token_guard, install_error_handlers, probes_router, serve
+from hookline.shared.deadletters import DeadLetterIndex
 from hookline.shared.settings import IngestSettings, load
 from hookline.shared.streams import StreamFollower
 
@@ -32,7 +33,7 @@ def create_app(settings: IngestSettings) -> FastAPI:
             publisher = await connection.channel(publisher_confirms=True, on_return_raises=True)
             admin = await connection.channel(publisher_confirms=True, on_return_raises=True)
             endpoint_registry = registry.EndpointRegistry()
-            dead_letter_index = deadletters.DeadLetterIndex()
+            dead_letter_index = DeadLetterIndex()
             dead_letter_log = StreamFollower(connection, topology.DEAD_LETTER_STREAM, dead_letter_index.apply)
             async with registry.follow(
                 connection, endpoint_registry, sync_timeout_s=settings.connect_timeout_s

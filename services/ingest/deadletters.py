@@ -19,7 +19,7 @@ from pydantic import Field, model_validator
 from hookline.ingest.resend import Resend, resend
 from hookline.ingest.state import IngestState, ingest_state
 from hookline.shared import topology
-from hookline.shared.deadletters import REDRIVEN_HEADER, DeadLetterItem, item_id, offset_of, read_item
+from hookline.shared.deadletters import REDRIVEN_HEADER, DeadLetterItem, item_id, offset_of
 from hookline.shared.ids import new_id
 from hookline.shared.models import DeadLetterReason, Model
 from hookline.shared.streams import read_until_now
@@ -27,45 +27,6 @@ from hookline.shared.streams import read_until_now
 log = structlog.get_logger(__name__)
 router = APIRouter(prefix="/v1/dead-letters", tags=["dead letters"])
 State = Annotated[IngestState, Depends(ingest_state)]
-
-
-class DeadLetterIndex:
-    """The dead letters not yet redriven, in the order they died."""
-
-    def __init__(self) -> None:
-        self._items: dict[int, DeadLetterItem] = {}
-
-    def apply(self, message: AbstractIncomingMessage) -> None:
-        headers = message.headers or {}
-        offset = headers.get("x-stream-offset")
-        if not isinstance(offset, int):
-            return
-        if REDRIVEN_HEADER in headers:
-            for redriven in orjson.loads(message.body).get("ids", []):
-                self._items.pop(offset_of(redriven) or -1, None)
-            return
-        try:
-            self._items[offset] = read_item(
-                offset, message.body, headers, message_id=message.message_id, timestamp=message.timestamp
-            )
-        except ValueError as exc:
-            log.error("dead_letter_unreadable", offset=offset, error=str(exc)[:200])
-
-    def select(self, *, endpoint_id: str | None = None, tenant: str | None = None,
-               reason: DeadLetterReason | None = None, event_id: str | None = None,
-               ids: set[str] | None = None) -> list[DeadLetterItem]:  # fmt: skip
-        return [
-            item
-            for item in self._items.values()
-            if (endpoint_id is None or item.endpoint_id == endpoint_id)
-            and (tenant is None or item.tenant == tenant)
-            and (reason is None or item.reason is reason)
-            and (event_id is None or item.event_id == event_id)
-            and (ids is None or item.id in ids)
-        ]
-
-    def __len__(self) -> int:
-        return len(self._items)
 
 
 class DeadLetterList(Model):

@@ -3,17 +3,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from aio_pika.abc import AbstractExchange, AbstractRobustChannel, AbstractRobustConnection
 from fastapi import Request
 
+from hookline.shared.deadletters import DeadLetterIndex
 from hookline.shared.registry import ChangeLog, EndpointRegistry
 from hookline.shared.settings import IngestSettings
 from hookline.shared.streams import StreamFollower
-
-if TYPE_CHECKING:
-    from hookline.ingest.deadletters import DeadLetterIndex
 
 
 @dataclass

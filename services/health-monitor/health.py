@@ -1,0 +1,214 @@
+"""The health monitor's picture of every endpoint, built from telemetry; time is passed in.
+
+:meth:`Health.observe` takes each telemetry record (live, or replayed from the log after a restart),
+:meth:`Health.tick` lets time pass. Both return the breaker commands to publish; the I/O shell
+publishes them. Only live records move breakers: replaying the log rebuilds statistics, while the
+breaker states come back from the monitor's own breaker log.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from hookline.health_monitor import breaker as breakers
+from hookline.health_monitor.breaker import Breaker, BreakerPolicy
+from hookline.health_monitor.stats import RollingStats, Stats
+from hookline.shared.control import BreakerCommand, BreakerSnapshot, BreakerState
+from hookline.shared.telemetry import AttemptRecord, Heartbeat, TelemetryRecord
+
+DAY_S, HOUR_S = 86_400, 3_600
+RECENT_S, MINUTE_S = 300, 60
+#: Events awaiting a retry that are remembered per endpoint (the oldest survive; it only bounds memory).
+MAX_TRACKED_RETRIES = 50_000
+#: A dispatcher silent this long is not asked to probe.
+DISPATCHER_STALE_S = 15.0
+#: Fewer samples than this in the short window say nothing about p95.
+MIN_SAMPLES = 5
+
+
+@dataclass(frozen=True)
+class HealthPolicy:
+    breaker: BreakerPolicy = field(default_factory=BreakerPolicy)
+    slow_p95_ms: float = 2_000.0  # flagged (and alerted) above this
+    very_slow_p95_ms: float = 5_000.0  # above this each failure holds a worker for long: open sooner
+    very_slow_threshold: int = 3
+    disable_after_s: float = 259_200.0  # an endpoint open this long is disabled
+
+
+@dataclass
+class EndpointHealth:
+    day: RollingStats = field(default_factory=lambda: RollingStats(window_s=DAY_S, slot_s=HOUR_S))
+    hour: RollingStats = field(default_factory=lambda: RollingStats(window_s=HOUR_S, slot_s=RECENT_S))
+    recent: RollingStats = field(default_factory=lambda: RollingStats(window_s=RECENT_S, slot_s=MINUTE_S))
+    breaker: Breaker = field(default_factory=Breaker)
+    command: BreakerCommand | None = None  # the last one published
+    retrying: dict[str, float] = field(default_factory=dict)  # event id -> first attempt, awaiting a retry
+    queue_depth: int | None = None
+    last_attempt_at_s: float | None = None
+
+    def p95_recent_ms(self, now_s: float) -> float | None:
+        recent = self.recent.total(now_s=now_s)
+        return recent.percentile_ms(0.95) if recent.attempts >= MIN_SAMPLES else None
+
+    def oldest_pending_s(self, now_s: float) -> float | None:
+        """Age of the oldest event still owed to this endpoint, as far as telemetry shows."""
+        oldest = min(self.retrying.values(), default=None)
+        opened_at_s = self.breaker.first_opened_at_s
+        if self.breaker.state is not BreakerState.CLOSED and opened_at_s is not None and self.queue_depth:
+            # Whatever is queued has waited at least since the breaker opened.
+            oldest = min(oldest or now_s, opened_at_s)
+        return round(now_s - oldest, 3) if oldest is not None else None
+
+
+@dataclass
+class TypeHealth:
+    day: RollingStats = field(default_factory=lambda: RollingStats(window_s=DAY_S, slot_s=HOUR_S))
+    recent: RollingStats = field(default_factory=lambda: RollingStats(window_s=RECENT_S, slot_s=MINUTE_S))
+
+
+class Health:
+    def __init__(self, policy: HealthPolicy) -> None:
+        self.policy = policy
+        self.endpoints: dict[str, EndpointHealth] = {}
+        self.types: dict[str, TypeHealth] = {}
+        self.dispatchers: dict[str, Heartbeat] = {}
+        self._last_version = 0
+
+    def endpoint(self, endpoint_id: str) -> EndpointHealth:
+        health = self.endpoints.get(endpoint_id)
+        if health is None:
+            health = self.endpoints[endpoint_id] = EndpointHealth()
+        return health
+
+    def observe(self, record: TelemetryRecord, *, now_s: float, live: bool) -> list[BreakerCommand]:
+        if isinstance(record, Heartbeat):
+            self.dispatchers[record.dispatcher_id] = record
+            return []
+        health = self.endpoint(record.endpoint_id)
+        health.day.add(record, now_s=now_s)
+        health.hour.add(record, now_s=now_s)
+        health.recent.add(record, now_s=now_s)
+        types = self.types.setdefault(record.type, TypeHealth())
+        types.day.add(record, now_s=now_s)
+        types.recent.add(record, now_s=now_s)
+        health.last_attempt_at_s = max(health.last_attempt_at_s or 0, record.at_s)
+        if record.outcome == "retry" and record.dead_letter_reason is None:
+            if len(health.retrying) < MAX_TRACKED_RETRIES or record.event_id in health.retrying:
+                health.retrying[record.event_id] = record.first_attempt_at_s
+        else:
+            health.retrying.pop(record.event_id, None)
+        if not live:
+            return []
+        return self._breaker_result(record, health, now_s)
+
+    def _breaker_result(
+        self, record: AttemptRecord, health: EndpointHealth, now_s: float
+    ) -> list[BreakerCommand]:
+        if health.breaker.state is BreakerState.HALF_OPEN and not record.probe:
+            return []  # only the probe decides a half-open breaker
+        # A 4xx or 410 is an answer from a live endpoint: for the breaker, that is not a failure.
+        success = record.outcome != "retry"
+        before = health.breaker
+        health.breaker = breakers.record(
+            before,
+            success=success,
+            now_s=now_s,
+            policy=self.policy.breaker,
+            threshold=self.threshold(health, now_s),
+        )
+        return self._command_if_changed(record.endpoint_id, health, before, probe_by=None, now_s=now_s)
+
+    def threshold(self, health: EndpointHealth, now_s: float) -> int:
+        p95 = health.p95_recent_ms(now_s)
+        if p95 is not None and p95 > self.policy.very_slow_p95_ms:
+            return min(self.policy.very_slow_threshold, self.policy.breaker.failure_threshold)
+        return self.policy.breaker.failure_threshold
+
+    def tick(self, *, now_s: float) -> list[BreakerCommand]:
+        """Cooldowns that ended become half-open with a probe assigned; a probe whose dispatcher
+        went silent is reassigned."""
+        commands: list[BreakerCommand] = []
+        live = self.live_dispatchers(now_s)
+        for endpoint_id, health in self.endpoints.items():
+            before = health.breaker
+            health.breaker = breakers.tick(before, now_s=now_s)
+            if health.breaker.state is not BreakerState.HALF_OPEN:
+                continue
+            prober = health.command.probe_by if health.command else None
+            if before.state is BreakerState.HALF_OPEN and prober in live:
+                continue
+            if not live:
+                continue  # nobody to probe: try again next tick
+            probe_by = live[hash(endpoint_id) % len(live)]
+            commands += self._command_if_changed(endpoint_id, health, before, probe_by=probe_by, now_s=now_s)
+        return commands
+
+    def live_dispatchers(self, now_s: float) -> list[str]:
+        return sorted(d for d, beat in self.dispatchers.items() if now_s - beat.at_s <= DISPATCHER_STALE_S)
+
+    def to_disable(self, *, now_s: float) -> list[str]:
+        """Endpoints whose breaker has been open longer than the policy allows."""
+        return [
+            endpoint_id
+            for endpoint_id, health in self.endpoints.items()
+            if breakers.open_for_s(health.breaker, now_s=now_s) >= self.policy.disable_after_s
+        ]
+
+    def reset(self, endpoint_id: str, *, now_s: float) -> list[BreakerCommand]:
+        """Forget an endpoint's breaker (it was disabled or deleted): closed, and say so."""
+        health = self.endpoint(endpoint_id)
+        before, health.breaker = health.breaker, Breaker()
+        return self._command_if_changed(endpoint_id, health, before, probe_by=None, now_s=now_s)
+
+    def _version(self, now_s: float) -> int:
+        # Milliseconds since the epoch, and always increasing: versions stay ahead of those a
+        # dispatcher read from an earlier monitor, even after the breaker log has expired.
+        self._last_version = max(self._last_version + 1, int(now_s * 1000))
+        return self._last_version
+
+    def _command_if_changed(
+        self, endpoint_id: str, health: EndpointHealth, before: Breaker, *, probe_by: str | None, now_s: float
+    ) -> list[BreakerCommand]:
+        after = health.breaker
+        if after.state is before.state and probe_by is None:
+            return []
+        health.command = BreakerCommand(
+            endpoint_id=endpoint_id,
+            state=after.state,
+            version=self._version(now_s),
+            probe_by=probe_by,
+            opened_at_s=after.opened_at_s,
+            first_opened_at_s=after.first_opened_at_s,
+            cooldown_s=after.cooldown_s,
+            consecutive_failures=after.consecutive_failures,
+        )
+        return [health.command]
+
+    def snapshot(self, *, now_s: float) -> BreakerSnapshot:
+        return BreakerSnapshot(
+            version=self._version(now_s),
+            breakers=[
+                health.command
+                for health in self.endpoints.values()
+                if health.command is not None and health.command.state is not BreakerState.CLOSED
+            ],
+        )
+
+    def restore(self, command: BreakerCommand) -> None:
+        """A breaker state read back from the breaker log after a restart."""
+        health = self.endpoint(command.endpoint_id)
+        health.command = command
+        health.breaker = Breaker(
+            state=command.state,
+            consecutive_failures=command.consecutive_failures,
+            opened_at_s=command.opened_at_s,
+            first_opened_at_s=command.first_opened_at_s,
+            cooldown_s=command.cooldown_s,
+        )
+        self._last_version = max(self._last_version, command.version)
+
+    def last_hour(self, *, now_s: float) -> Stats:
+        merged = Stats()
+        for health in self.endpoints.values():
+            merged.merge(health.hour.total(now_s=now_s))
+        return merged
