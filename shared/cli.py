@@ -5,6 +5,7 @@
     hookline events publish ...
     hookline dead-letters list|redrive ...
     hookline replay ENDPOINT_ID --since ...
+    hookline status [--degrading] [--json]
     hookline receive [--status 500]      (a receiver for trying it out)
 
 Admin commands read HOOKLINE_INGEST_URL and HOOKLINE_API_TOKEN, print the API's JSON answer on stdout,
@@ -55,11 +56,12 @@ def _receive(args: argparse.Namespace) -> int:
 
 
 class ApiClient:
-    def __init__(self, settings: ClientSettings) -> None:
+    def __init__(self, settings: ClientSettings, *, monitor: bool = False) -> None:
         headers = {"user-agent": f"hookline-cli/{__version__}"}
         if settings.api_token is not None:
             headers["authorization"] = f"Bearer {settings.api_token.get_secret_value()}"
-        self._http = httpx.Client(base_url=settings.ingest_url, headers=headers, timeout=30.0)
+        base_url = settings.monitor_url if monitor else settings.ingest_url
+        self._http = httpx.Client(base_url=base_url, headers=headers, timeout=30.0)
 
     def call(self, method: str, path: str, **kwargs: Any) -> Any:
         try:
@@ -142,6 +144,59 @@ def _replay(args: argparse.Namespace) -> Any:
     if args.until:
         body["until"] = args.until
     return ApiClient(ClientSettings()).call("POST", f"/v1/endpoints/{args.endpoint_id}/replay", json=body)
+
+
+def _status(args: argparse.Namespace) -> Any:
+    api = ApiClient(ClientSettings(), monitor=True)
+    summary = api.call("GET", "/v1/status")
+    endpoints = api.call("GET", "/v1/endpoints/health", params={"degrading": str(args.degrading).lower()})
+    alerts = api.call("GET", "/v1/alerts")
+    if args.json:
+        return {"summary": summary, "endpoints": endpoints, "alerts": alerts}
+    print(status_text(summary, endpoints, alerts))
+    return None
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value:,.0f}" if value >= 100 else f"{value:.1f}"
+
+
+def _age(value: float | None) -> str:
+    if value is None:
+        return "-"
+    return (
+        f"{value:.0f}s" if value < 120 else f"{value / 60:.0f}m" if value < 7200 else f"{value / 3600:.1f}h"
+    )
+
+
+def status_text(
+    summary: dict[str, Any], endpoints: list[dict[str, Any]], alerts: list[dict[str, Any]]
+) -> str:
+    """The summary line, one row per endpoint (slowest first), then the alerts firing."""
+    lines = [
+        f"pending {summary['pending']}  awaiting retry {summary['awaiting_retry']}  in flight {summary['in_flight']}  "
+        f"dead letters {summary['dead_letter']}  delivered/1h {summary['delivered_last_hour']}  "
+        f"failed/1h {summary['failed_last_hour']}  oldest pending {_age(summary['oldest_pending_age_s'])}  "
+        f"mean {_ms(summary['mean_delivery_ms'])} ms  dispatchers {summary['dispatchers']}",
+        "",
+        f"{'ENDPOINT':<30} {'TENANT':<14} {'BREAKER':<9} {'P50':>7} {'P95':>7} {'P99':>7} {'5m P95':>7} "
+        f"{'SAMPLES':>8} {'OK%':>6} {'TIMEOUT%':>8} {'QUEUE':>6} {'OLDEST':>7}",
+    ]
+    for e in endpoints:
+        ok = "-" if e["success_rate"] is None else f"{e['success_rate'] * 100:.1f}"
+        timeouts = "-" if e["timeout_rate"] is None else f"{e['timeout_rate'] * 100:.1f}"
+        flag = " slow" if e["slow"] else ""
+        lines.append(
+            f"{e['endpoint_id']:<30} {(e['tenant'] or '-')[:14]:<14} {e['breaker_state']:<9} {_ms(e['p50_ms']):>7} "
+            f"{_ms(e['p95_ms']):>7} {_ms(e['p99_ms']):>7} {_ms(e['last_5m']['p95_ms']):>7} {e['samples']:>8} "
+            f"{ok:>6} {timeouts:>8} {e['queue_depth'] if e['queue_depth'] is not None else '-':>6} "
+            f"{_age(e['oldest_pending_age_s']):>7}{flag}"
+        )
+    lines.append("")
+    lines += [f"ALERT {a['alert']} {a['endpoint_id'] or ''}: {a['detail']}" for a in alerts] or [
+        "no alerts firing"
+    ]
+    return "\n".join(lines)
 
 
 def _events(args: argparse.Namespace) -> Any:
@@ -236,6 +291,11 @@ def build_parser() -> argparse.ArgumentParser:
     replay.add_argument("--since", required=True, help="RFC 3339 time, e.g. 2026-11-29T10:00:00Z")
     replay.add_argument("--until", help="RFC 3339 time (default: now)")
     replay.set_defaults(run=_admin(_replay))
+
+    status = commands.add_parser("status", help="the system's health, from the health monitor")
+    status.add_argument("--degrading", action="store_true", help="only slow endpoints and open breakers")
+    status.add_argument("--json", action="store_true", help="the API's answers, as JSON")
+    status.set_defaults(run=_admin(_status))
 
     events = commands.add_parser("events", help="publish events").add_subparsers(
         dest="action", required=True, metavar="ACTION"

@@ -62,6 +62,7 @@ class EndpointHealthView(Model):
     tenant: str | None
     status: str | None
     breaker_state: BreakerState
+    breaker_cooldown_s: float  # the current cooldown; doubles with every failed probe
     consecutive_failures: int
     slow: bool  # p95 over the last 5 minutes above HOOKLINE_SLOW_P95_MS
     p50_ms: float | None  # over 24 h
@@ -102,6 +103,7 @@ def endpoint_view(
         tenant=endpoint.tenant if endpoint else None,
         status=endpoint.status.value if endpoint else None,
         breaker_state=health.breaker.state,
+        breaker_cooldown_s=health.breaker.cooldown_s,
         consecutive_failures=health.breaker.consecutive_failures,
         slow=p95_recent is not None and p95_recent > monitor.settings.slow_p95_ms,
         p50_ms=day.percentile_ms(0.50),

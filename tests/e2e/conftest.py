@@ -42,6 +42,16 @@ class System:
         every = [self.ingest, *self.dispatchers, self.monitor, *self.extra]
         return "\n".join(service.log() for service in every)
 
+    def monitor_api(self) -> httpx.Client:
+        return httpx.Client(
+            base_url=self.monitor.base_url, headers={"authorization": f"Bearer {services.TOKEN}"}, timeout=30
+        )
+
+    def restart_monitor(self) -> None:
+        assert self.monitor.stop() == 0
+        self.monitor = services.start("health-monitor", self.env, self.log_dir, name="health-monitor-2")
+        self.monitor.wait_ready(timeout_s=60)
+
     def start_dispatcher(self, name: str) -> services.Service:
         dispatcher = services.start("dispatcher", self.env, self.log_dir, name=name)
         dispatcher.wait_ready()
@@ -59,7 +69,8 @@ def system(
 ) -> Iterator[System]:
     log_dir = tmp_path_factory.mktemp("logs")
     with rabbitmq.vhost(request.module.__name__.rsplit(".", 1)[-1].replace("_", "-")) as amqp_url:
-        env = services.base_env(amqp_url)
+        # A test module may shrink times through settings: SYSTEM_ENV = {"HOOKLINE_...": "..."}.
+        env = services.base_env(amqp_url, **getattr(request.module, "SYSTEM_ENV", {}))
         ingest = services.start("ingest", env, log_dir)
         dispatchers = [services.start("dispatcher", env, log_dir, name=f"dispatcher-{n}") for n in (1, 2)]
         monitor = services.start("health-monitor", env, log_dir)
@@ -69,7 +80,7 @@ def system(
                 service.wait_ready()
             yield running
         finally:
-            every = (*running.extra, *dispatchers, ingest, monitor)
+            every = (*running.extra, *dispatchers, ingest, running.monitor)
             codes = {s.name: s.stop() for s in every if not s.killed}
         # A clean SIGTERM shutdown is part of the contract: every service exits 0.
         assert set(codes.values()) == {0}, f"exit codes {codes}\n{running.logs()}"

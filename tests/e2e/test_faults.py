@@ -12,6 +12,9 @@ from test_delivery_path import event
 
 pytestmark = pytest.mark.e2e
 
+# These tests fail many attempts on purpose; a breaker opening would hold the retries back.
+SYSTEM_ENV = {"HOOKLINE_BREAKER_FAILURE_THRESHOLD": "1000"}
+
 
 async def test_a_killed_dispatcher_loses_nothing_in_flight_or_waiting(
     system: System, receiver: Receiver

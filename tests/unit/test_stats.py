@@ -24,9 +24,17 @@ def test_counts_and_rates() -> None:
     window.add(record(now - 10), now_s=now)
     window.add(record(now - 20, outcome="retry", status=None, error="timeout", attempt=3), now_s=now)
     window.add(record(now - 30, outcome="retry", status=429), now_s=now)
-    window.add(record(now - 40, outcome="permanent", status=401, dead_letter_reason="permanent_status"), now_s=now)
+    window.add(
+        record(now - 40, outcome="permanent", status=401, dead_letter_reason="permanent_status"), now_s=now
+    )
     total = window.total(now_s=now)
-    assert (total.attempts, total.successes, total.failures, total.timeouts, total.permanent) == (4, 1, 2, 1, 1)
+    assert (total.attempts, total.successes, total.failures, total.timeouts, total.permanent) == (
+        4,
+        1,
+        2,
+        1,
+        1,
+    )
     assert (total.dead_letters, total.auth_rejected, total.rate_limited, total.max_attempt) == (1, 1, 1, 3)
     assert total.rate(total.successes) == 0.25
 
