@@ -42,7 +42,7 @@ def record(
     """A delivery result for this endpoint. ``threshold`` may be lower than the policy's (slow endpoints)."""
     match breaker.state:
         case BreakerState.CLOSED if success:
-            return replace(breaker, consecutive_failures=0)
+            return breaker if breaker.consecutive_failures == 0 else replace(breaker, consecutive_failures=0)
         case BreakerState.CLOSED:
             failures = breaker.consecutive_failures + 1
             if failures >= threshold:

@@ -114,7 +114,8 @@ class Health:
             success=success,
             now_s=now_s,
             policy=self.policy.breaker,
-            threshold=self.threshold(health, now_s),
+            # The threshold needs the recent p95 (a merge and a sort): only worth it for a failure.
+            threshold=self.policy.breaker.failure_threshold if success else self.threshold(health, now_s),
         )
         return self._command_if_changed(record.endpoint_id, health, before, probe_by=None, now_s=now_s)
 
