@@ -43,6 +43,7 @@ from hookline.shared.telemetry import batch
 log = structlog.get_logger(__name__)
 
 SNAPSHOT_INTERVAL_S = 5.0
+EVALUATION_INTERVAL_S = 2.0
 BREAKER_LOOKBACK = timedelta(minutes=10)
 TELEMETRY_WINDOW = timedelta(hours=24)
 DISABLED_EVENT_TYPE = "hookline.endpoint.disabled"
@@ -122,7 +123,7 @@ class Monitor:
     async def tick(
         self, control: AbstractExchange, alerts: AbstractExchange, events: AbstractExchange
     ) -> None:
-        next_snapshot_s = 0.0
+        next_snapshot_s = next_evaluation_s = 0.0
         while True:
             now_s = time.time()
             for command in self.health.tick(now_s=now_s):
@@ -132,8 +133,11 @@ class Monitor:
             if now_s >= next_snapshot_s:
                 await self._publish_control(control, self.health.snapshot(now_s=now_s))
                 next_snapshot_s = now_s + SNAPSHOT_INTERVAL_S
-            await self._alert(alerts, now_s=now_s)
-            self._export_metrics(now_s)
+            if now_s >= next_evaluation_s:
+                # Alerts and metrics merge every endpoint's windows: every few ticks is enough.
+                await self._alert(alerts, now_s=now_s)
+                self._export_metrics(now_s)
+                next_evaluation_s = now_s + max(self.settings.tick_s, EVALUATION_INTERVAL_S)
             await asyncio.sleep(self.settings.tick_s)
 
     async def poll_queues(self) -> None:
