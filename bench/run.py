@@ -196,7 +196,7 @@ async def register(services: Services, count: int, url: str, *, first: int = 0) 
             async with semaphore:
                 response = await api.post(
                     "/v1/endpoints",
-                    json={"tenant": TENANT, "url": url, "event_types": [f"load.e{n}"]},
+                    json={"tenant": TENANT, "url": url, "event_types": [f"load.e{n}"], "verify": False},
                 )
                 response.raise_for_status()
 
@@ -360,7 +360,7 @@ async def delay_accuracy(amqp_url: str) -> dict[str, Any]:
     connection = await aio_pika.connect_robust(amqp_url)
     async with connection:
         channel = await connection.channel()
-        queue = await topology.endpoint_queue_declare(channel, endpoint_id, ordered=False)
+        queue = await topology.endpoint_queue_declare(channel, endpoint_id, single_consumer=False)
         await queue.bind(topology.DELAY_DELIVERY, routing_key=topology.delay_delivery_binding(queue.name))
 
         async def on_message(incoming: aio_pika.abc.AbstractIncomingMessage) -> None:
@@ -398,7 +398,7 @@ async def delete_endpoints(services: Services) -> None:
     async with services.api() as api:
         listed = (await api.get("/v1/endpoints", params={"limit": 1000})).json()["data"]
         for endpoint in listed:
-            (await api.delete(f"/v1/endpoints/{endpoint['id']}")).raise_for_status()
+            (await api.delete(f"/v1/endpoints/{endpoint['id']}", params={"force": "true"})).raise_for_status()
 
 
 async def drain(sink: Sink, expected: int, timeout_s: float = 600) -> None:

@@ -106,7 +106,12 @@ def _endpoints(args: argparse.Namespace) -> Any:
     api = ApiClient(ClientSettings())
     match args.action:
         case "add":
-            body = {"tenant": args.tenant, **_endpoint_fields(args), "ordered": args.ordered}
+            body = {
+                "tenant": args.tenant,
+                **_endpoint_fields(args),
+                "ordered": args.ordered,
+                "verify": args.verify,
+            }
             return api.call("POST", "/v1/endpoints", json=body)
         case "list":
             params = {"tenant": args.tenant} if args.tenant else {}
@@ -118,10 +123,13 @@ def _endpoints(args: argparse.Namespace) -> Any:
         case "update":
             return api.call("PATCH", f"/v1/endpoints/{args.id}", json=_endpoint_fields(args))
         case "delete":
-            api.call("DELETE", f"/v1/endpoints/{args.id}")
+            api.call("DELETE", f"/v1/endpoints/{args.id}", params={"force": "true"} if args.force else {})
             return {"deleted": args.id}
-        case "pause" | "resume":
+        case "pause" | "resume" | "verify":
             return api.call("POST", f"/v1/endpoints/{args.id}/{args.action}")
+        case "rotate-secret":
+            body = {} if args.overlap_s is None else {"overlap_s": args.overlap_s}
+            return api.call("POST", f"/v1/endpoints/{args.id}/rotate-secret", json=body)
     raise AssertionError(args.action)
 
 
@@ -252,6 +260,12 @@ def build_parser() -> argparse.ArgumentParser:
     add.add_argument("--tenant", required=True)
     _add_endpoint_options(add, creating=True)
     add.add_argument("--ordered", action="store_true", help="deliver each subject's events in order")
+    add.add_argument(
+        "--no-verify",
+        dest="verify",
+        action="store_false",
+        help="skip the verification handshake (development)",
+    )
     endpoints.add_parser("list", help="list endpoints").add_argument("--tenant")
     for action, text in (
         ("show", "show one endpoint"),
@@ -259,8 +273,14 @@ def build_parser() -> argparse.ArgumentParser:
         ("delete", "delete it (queued events become dead letters)"),
         ("pause", "stop delivering (events keep queueing)"),
         ("resume", "deliver again (also after a 410 disabled it)"),
+        ("verify", "run the verification handshake again"),
+        ("rotate-secret", "a new signing secret; the old one keeps signing for the overlap"),
     ):
         endpoints.add_parser(action, help=text).add_argument("id")
+    endpoints.choices["delete"].add_argument(
+        "--force", action="store_true", help="delete even with events pending (they become dead letters)"
+    )
+    endpoints.choices["rotate-secret"].add_argument("--overlap-s", type=int, help="default 24 h")
     update = endpoints.add_parser("update", help="change url, patterns, description or timeout")
     update.add_argument("id")
     _add_endpoint_options(update, creating=False)

@@ -114,6 +114,7 @@ class EndpointCreate(Model):
     retry_schedule_s: RetrySchedule | None = None
     max_attempts: MaxAttempts | None = None
     retention_s: RetentionS | None = None
+    verify: bool = Field(True, description="run the verification handshake (false: for development only)")
 
 
 class EndpointUpdate(Model):
@@ -128,6 +129,16 @@ class EndpointUpdate(Model):
     retry_schedule_s: RetrySchedule | None = None
     max_attempts: MaxAttempts | None = None
     retention_s: RetentionS | None = None
+    verify: bool = Field(True, description="verify the new url, when it changes, before delivering to it")
+
+
+class Verification(Model):
+    """The last verification handshake: a signed hookline.endpoint.verification POST."""
+
+    ok: bool
+    at: AwareDatetime
+    status: int | None = None
+    error: str | None = None
 
 
 class Endpoint(Model):
@@ -146,12 +157,20 @@ class Endpoint(Model):
     max_attempts: MaxAttempts | None = None
     retention_s: RetentionS | None = None
     status: EndpointStatus = EndpointStatus.ACTIVE
+    verified: bool = Field(True, description="deliveries go only to verified endpoints")
+    verification: Verification | None = None
     created_at: AwareDatetime
     updated_at: AwareDatetime
 
+    @property
+    def single_consumer(self) -> bool:
+        """Ordered and rate- or concurrency-limited endpoints are served by one dispatcher at a time."""
+        return self.ordered or self.max_in_flight is not None or self.rate_limit_per_s is not None
+
 
 class SigningSecret(Model):
-    value: str = Field(pattern=r"^whsec_[A-Za-z0-9+/=]{24,128}$")
+    # A whsec_ secret, or the same encrypted with HOOKLINE_SECRET_KEY ("enc:v1:...").
+    value: str = Field(pattern=r"^(whsec_[A-Za-z0-9+/=]{24,128}|enc:v1:[A-Za-z0-9+/=_-]{40,300})$")
     created_at: AwareDatetime
     expires_at: AwareDatetime | None = None
 
@@ -173,6 +192,17 @@ class EndpointCreated(Endpoint):
 
 class EndpointSecret(Model):
     secret: str
+
+
+class RotateSecret(Model):
+    overlap_s: int | None = Field(
+        None, ge=0, le=7 * 86400, description="how long the previous secret keeps signing (default 24 h)"
+    )
+
+
+class RotatedSecret(Model):
+    secret: str
+    previous_expires_at: AwareDatetime
 
 
 class EndpointList(Model):

@@ -25,6 +25,9 @@ class CommonSettings(BaseSettings):
         30.0, gt=0, description="How long a service waits for the broker at start."
     )
     shutdown_grace_s: float = Field(20.0, gt=0, description="Time in-flight work gets to finish on SIGTERM.")
+    secret_key: SecretStr | None = Field(
+        None, description="Seals signing secrets at rest in the endpoint log (32+ random characters)."
+    )
     event_log_max_age_s: int = Field(
         604_800, ge=3600, description="How long accepted events are kept for replay (stream retention)."
     )
@@ -48,6 +51,13 @@ class DeliveryPolicySettings(CommonSettings):
 
 class IngestSettings(DeliveryPolicySettings):
     api_token: SecretStr = Field(description="Admin bearer token for the HTTP API (at least 16 characters).")
+    tenant_tokens: SecretStr | None = Field(
+        None,
+        description="tenant:token pairs, comma separated: a token that sees and publishes for its tenant only.",
+    )
+    secret_rotation_overlap_s: int = Field(
+        86_400, ge=0, description="How long a rotated-out secret keeps signing."
+    )
     ingest_host: str = "127.0.0.1"
     ingest_port: int = Field(8000, ge=0, le=65535)
     max_payload_bytes: int = Field(262_144, ge=1024, le=16 * 1024 * 1024)

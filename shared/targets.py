@@ -52,7 +52,11 @@ def url_refusal(url: str, *, allow_http: bool) -> str | None:
     """What is wrong with the URL itself (scheme, a literal address), before any DNS lookup."""
     parts = urlsplit(url)
     if parts.scheme != "https" and not (allow_http and parts.scheme == "http"):
-        return "only https URLs are allowed (HOOKLINE_ALLOW_HTTP is off)" if parts.scheme == "http" else "not an http(s) URL"
+        return (
+            "only https URLs are allowed (HOOKLINE_ALLOW_HTTP is off)"
+            if parts.scheme == "http"
+            else "not an http(s) URL"
+        )
     host = (parts.hostname or "").strip("[]")
     if not host:
         return "the URL has no host"
@@ -74,19 +78,27 @@ class CheckedResolver(AbstractResolver):
     def __init__(self) -> None:
         self._inner = aiohttp.DefaultResolver()
 
-    async def resolve(self, host: str, port: int = 0, family: socket.AddressFamily = socket.AF_INET) -> list[ResolveResult]:
+    async def resolve(
+        self, host: str, port: int = 0, family: socket.AddressFamily = socket.AF_INET
+    ) -> list[ResolveResult]:
         results = await self._inner.resolve(host, port, family)
-        allowed = [result for result in results if address_refusal(ipaddress.ip_address(result["host"])) is None]
+        allowed = [
+            result for result in results if address_refusal(ipaddress.ip_address(result["host"])) is None
+        ]
         if not allowed:
             reasons = {address_refusal(ipaddress.ip_address(result["host"])) for result in results}
-            raise TargetRefusedError(f"{host} resolves only to refused addresses: {'; '.join(sorted(filter(None, reasons)))}")
+            raise TargetRefusedError(
+                f"{host} resolves only to refused addresses: {'; '.join(sorted(filter(None, reasons)))}"
+            )
         return allowed
 
     async def close(self) -> None:
         await self._inner.close()
 
 
-async def registration_refusal(url: str, *, allow_http: bool, allow_private: bool, timeout_s: float = 5.0) -> str | None:
+async def registration_refusal(
+    url: str, *, allow_http: bool, allow_private: bool, timeout_s: float = 5.0
+) -> str | None:
     """Everything that makes ``url`` refused at registration: scheme, and what its host resolves to."""
     refusal = url_refusal(url, allow_http=allow_http)
     if refusal is not None or allow_private:
@@ -104,4 +116,3 @@ async def registration_refusal(url: str, *, allow_http: bool, allow_private: boo
     finally:
         await resolver.close()
     return None
-

@@ -99,7 +99,7 @@ def event_routing_key(tenant: str, event_type: str) -> str:
     return f"{tenant}.{event_type}"
 
 
-def endpoint_queue_arguments(*, ordered: bool) -> dict[str, Any]:
+def endpoint_queue_arguments(*, single_consumer: bool) -> dict[str, Any]:
     arguments: dict[str, Any] = {
         "x-queue-type": "quorum",
         "x-delivery-limit": ENDPOINT_DELIVERY_LIMIT,
@@ -108,7 +108,8 @@ def endpoint_queue_arguments(*, ordered: bool) -> dict[str, Any]:
         "x-dead-letter-strategy": "at-least-once",
         "x-overflow": "reject-publish",
     }
-    if ordered:
+    if single_consumer:
+        # Ordered and limited endpoints: one dispatcher at a time, the others stand by (failover).
         arguments["x-single-active-consumer"] = True
     return arguments
 
@@ -238,12 +239,12 @@ async def endpoint_log(channel: AbstractRobustChannel) -> AbstractRobustQueue:
 
 
 async def endpoint_queue_declare(
-    channel: AbstractRobustChannel, endpoint_id: str, *, ordered: bool, robust: bool = True
+    channel: AbstractRobustChannel, endpoint_id: str, *, single_consumer: bool, robust: bool = True
 ) -> AbstractRobustQueue:
     return await channel.declare_queue(
         endpoint_queue(endpoint_id),
         durable=True,
-        arguments=endpoint_queue_arguments(ordered=ordered),
+        arguments=endpoint_queue_arguments(single_consumer=single_consumer),
         robust=robust,
     )
 

@@ -14,6 +14,7 @@ import random
 import time
 import uuid
 from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import UTC, datetime
 
 import structlog
@@ -22,15 +23,16 @@ from aio_pika.abc import AbstractExchange, AbstractIncomingMessage
 from hookline.dispatcher import inbound, metrics
 from hookline.dispatcher.backoff import Jitter, RetryPolicy
 from hookline.dispatcher.delays import Delays
-from hookline.dispatcher.delivery import AttemptResult, DeliveryClient
 from hookline.dispatcher.outcome import Ack, DeadLetter, Retry, Settlement, classify, settle
 from hookline.dispatcher.telemetry import Telemetry
 from hookline.shared import __version__, signing, topology
 from hookline.shared.amqp import BROKER_ERRORS
 from hookline.shared.control import BreakerView
 from hookline.shared.deadletters import dead_letter_message
+from hookline.shared.delivery import AttemptResult, DeliveryClient
 from hookline.shared.models import DeadLetterReason, EndpointStatus, EndpointUpserted, StoredEndpoint
 from hookline.shared.registry import ChangeLog, EndpointRegistry
+from hookline.shared.sealing import Sealer
 from hookline.shared.settings import DispatcherSettings
 from hookline.shared.telemetry import AttemptRecord
 
@@ -41,6 +43,13 @@ USER_AGENT = f"hookline/{__version__}"
 # A handler that crashes hands its message back after this pause; the queue's delivery limit turns a
 # message that keeps crashing it into a dead letter.
 CRASH_PAUSE_S = 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class _Keys:
+    version: datetime  # the endpoint's updated_at they were made from
+    keys: list[bytes]
+    expires: datetime | None  # when the first of them stops signing
 
 
 class Handler:
@@ -54,6 +63,7 @@ class Handler:
         delays: Delays,
         telemetry: Telemetry,
         breakers: BreakerView,
+        sealer: Sealer,
         *,
         random_unit: Callable[[], float] = random.random,
     ) -> None:
@@ -66,7 +76,8 @@ class Handler:
         self._random_unit = random_unit
         self._telemetry = telemetry
         self._breakers = breakers
-        self._signing_keys: dict[str, tuple[str, list[bytes]]] = {}
+        self._signing_keys: dict[str, _Keys] = {}
+        self._sealer = sealer
 
     async def handle(
         self, endpoint_id: str, message: AbstractIncomingMessage, *, probe: bool = False
@@ -186,13 +197,25 @@ class Handler:
         return await self._client.post(endpoint.url, body, headers, timeout_s=endpoint.timeout_s)
 
     def _keys(self, endpoint: StoredEndpoint) -> list[bytes]:
-        # Decoding the secrets once per endpoint version keeps base64 off the hot path.
+        """The keys of the secrets that sign now: the newest, and during a rotation the previous ones.
+
+        Opened (and decoded) once per endpoint version, again when a rotated-out secret expires.
+        """
+        now = datetime.now(UTC)
         cached = self._signing_keys.get(endpoint.id)
-        version = endpoint.updated_at.isoformat()
-        if cached is None or cached[0] != version:
-            cached = (version, [signing.secret_key(secret.value) for secret in endpoint.secrets])
+        if (
+            cached is None
+            or cached.version != endpoint.updated_at
+            or (cached.expires and now >= cached.expires)
+        ):
+            live = [s for s in endpoint.secrets if s.expires_at is None or s.expires_at > now]
+            cached = _Keys(
+                version=endpoint.updated_at,
+                keys=[signing.secret_key(self._sealer.open(secret.value)) for secret in live],
+                expires=min((s.expires_at for s in live if s.expires_at is not None), default=None),
+            )
             self._signing_keys[endpoint.id] = cached
-        return cached[1]
+        return cached.keys
 
     async def _apply(
         self,

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from datetime import datetime
 
 from hookline.dispatcher.backoff import RETRY_AFTER_STATUSES, GiveUp, RetryPolicy, decide, parse_retry_after
+from hookline.shared.delivery import ErrorKind
 from hookline.shared.models import DeadLetterReason
 
 
@@ -22,19 +23,6 @@ class Outcome(enum.StrEnum):
     RETRY = "retry"
     PERMANENT = "permanent"
     DISABLE = "disable"
-
-
-class ErrorKind(enum.StrEnum):
-    """Why an attempt got no HTTP status."""
-
-    TIMEOUT = "timeout"
-    DNS = "dns"
-    CONNECT = "connect"
-    TLS = "tls"
-    NETWORK = "network"  # the connection broke mid-exchange
-    PROTOCOL = "protocol"  # the peer answered something that is not HTTP
-    REFUSED_TARGET = "refused_target"  # the address is not allowed (SSRF protection)
-    INVALID_URL = "invalid_url"
 
 
 _PERMANENT_ERRORS = frozenset({ErrorKind.REFUSED_TARGET, ErrorKind.INVALID_URL})

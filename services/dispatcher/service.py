@@ -28,14 +28,15 @@ from pydantic import ValidationError
 
 from hookline.dispatcher import metrics
 from hookline.dispatcher.delays import Delays
-from hookline.dispatcher.delivery import DeliveryClient
 from hookline.dispatcher.handler import USER_AGENT, Handler, handle_safely
 from hookline.dispatcher.telemetry import Telemetry
 from hookline.shared import amqp, lifecycle, registry, topology
 from hookline.shared import logging as hookline_logging
 from hookline.shared.control import BreakerState, BreakerView, control_record
+from hookline.shared.delivery import DeliveryClient
 from hookline.shared.models import EndpointStatus, StoredEndpoint
 from hookline.shared.registry import ChangeLog, EndpointRegistry
+from hookline.shared.sealing import SealedSecretError, Sealer
 from hookline.shared.settings import DispatcherSettings, load
 from hookline.shared.streams import StreamFollower
 
@@ -43,6 +44,16 @@ log = structlog.get_logger(__name__)
 
 PROBE_POLL_S = 1.0
 BREAKER_LOOKBACK = timedelta(minutes=2)
+
+
+def _check_secrets_open(endpoint_registry: EndpointRegistry, sealer: Sealer) -> None:
+    """A missing or wrong HOOKLINE_SECRET_KEY stops the dispatcher at start, rather than at every delivery."""
+    for endpoint in endpoint_registry.all():
+        try:
+            sealer.open(endpoint.secrets[0].value)
+        except SealedSecretError as exc:
+            log.error("secret_key_unusable", endpoint_id=endpoint.id, detail=str(exc))
+            raise SystemExit(1) from None
 
 
 def _apply_control(breakers: BreakerView, consumers: Consumers, message: AbstractIncomingMessage) -> None:
@@ -96,13 +107,18 @@ class Consumers:
 
     async def _reconcile(self, endpoint_id: str) -> None:
         endpoint = self._registry.get(endpoint_id)
-        active = endpoint is not None and endpoint.status is EndpointStatus.ACTIVE and not self._stopping
+        active = (
+            endpoint is not None
+            and endpoint.status is EndpointStatus.ACTIVE
+            and endpoint.verified
+            and not self._stopping
+        )
         breaker = self._breakers.state(endpoint_id)
         wanted = active and breaker is None
         if wanted and endpoint_id not in self._active:
             assert endpoint is not None
             queue = await topology.endpoint_queue_declare(
-                self._channel, endpoint_id, ordered=endpoint.ordered
+                self._channel, endpoint_id, single_consumer=endpoint.single_consumer
             )
             # Idempotent; endpoints registered before the delay queues existed get their binding here.
             await queue.bind(topology.DELAY_DELIVERY, routing_key=topology.delay_delivery_binding(queue.name))
@@ -201,6 +217,8 @@ async def dispatching(
     client: DeliveryClient,
 ) -> AsyncIterator[Consumers]:
     endpoint_registry = change_log.registry
+    sealer = Sealer(settings.secret_key.get_secret_value() if settings.secret_key else None)
+    _check_secrets_open(endpoint_registry, sealer)
     publisher = await connection.channel(publisher_confirms=True, on_return_raises=True)
     consumer_channel = await connection.channel()
     # Per consumer (global_=False): each endpoint gets its own window of unacked deliveries.
@@ -224,6 +242,7 @@ async def dispatching(
         await Delays.open(publisher),
         telemetry,
         breakers,
+        sealer,
     )
     consumers = Consumers(consumer_channel, endpoint_registry, breakers, handler, dispatcher_id)
     consumers_ref.append(consumers)
@@ -281,7 +300,12 @@ async def serve(settings: DispatcherSettings, stopping: asyncio.Event) -> None:
         amqp.connection(
             settings.amqp_url, name="hookline-dispatcher", connect_timeout_s=settings.connect_timeout_s
         ) as connection,
-        DeliveryClient(max_connections=settings.http_max_connections, user_agent=USER_AGENT) as client,
+        DeliveryClient(
+            max_connections=settings.http_max_connections,
+            user_agent=USER_AGENT,
+            allow_http=settings.allow_http,
+            allow_private=settings.allow_private_targets,
+        ) as client,
     ):
         await topology.declare(connection, event_log_max_age_s=settings.event_log_max_age_s)
         async with (

@@ -9,11 +9,14 @@ import structlog
 from fastapi import Depends, FastAPI
 
 from hookline.ingest import deadletters, endpoints, events, replay
+from hookline.ingest.auth import parse_tenant_tokens, principal
 from hookline.ingest.state import IngestState
 from hookline.shared import __version__, amqp, lifecycle, registry, topology
 from hookline.shared import logging as hookline_logging
-from hookline.shared.api import BodyLimit, bearer_token_guard, install_error_handlers, probes_router, serve
+from hookline.shared.api import BodyLimit, install_error_handlers, probes_router, serve
 from hookline.shared.deadletters import DeadLetterIndex
+from hookline.shared.delivery import DeliveryClient
+from hookline.shared.sealing import Sealer
 from hookline.shared.settings import IngestSettings, load
 from hookline.shared.streams import StreamFollower
 
@@ -33,11 +36,22 @@ def create_app(settings: IngestSettings) -> FastAPI:
             publisher = await connection.channel(publisher_confirms=True, on_return_raises=True)
             admin = await connection.channel(publisher_confirms=True, on_return_raises=True)
             endpoint_registry = registry.EndpointRegistry()
+            tenant_tokens = parse_tenant_tokens(
+                settings.tenant_tokens.get_secret_value() if settings.tenant_tokens else None
+            )
             dead_letter_index = DeadLetterIndex()
             dead_letter_log = StreamFollower(connection, topology.DEAD_LETTER_STREAM, dead_letter_index.apply)
-            async with registry.follow(
-                connection, endpoint_registry, sync_timeout_s=settings.connect_timeout_s
-            ) as change_log:
+            async with (
+                registry.follow(
+                    connection, endpoint_registry, sync_timeout_s=settings.connect_timeout_s
+                ) as change_log,
+                DeliveryClient(
+                    max_connections=32,
+                    user_agent=f"hookline/{__version__}",
+                    allow_http=settings.allow_http,
+                    allow_private=settings.allow_private_targets,
+                ) as client,
+            ):
                 await dead_letter_log.start()
                 await dead_letter_log.sync(timeout_s=settings.connect_timeout_s)
                 app.state.ingest = IngestState(
@@ -51,6 +65,9 @@ def create_app(settings: IngestSettings) -> FastAPI:
                     admin=admin,
                     dead_letters_log=dead_letter_log,
                     dead_letters_index=dead_letter_index,
+                    client=client,
+                    sealer=Sealer(settings.secret_key.get_secret_value() if settings.secret_key else None),
+                    tenant_tokens=tenant_tokens,
                 )
                 log.info(
                     "ingest_ready", endpoints=len(endpoint_registry), dead_letters=len(dead_letter_index)
@@ -63,7 +80,8 @@ def create_app(settings: IngestSettings) -> FastAPI:
     app = FastAPI(title="hookline ingest", version=__version__, lifespan=lifespan)
     install_error_handlers(app)
     app.add_middleware(BodyLimit, max_bytes=settings.max_payload_bytes + _ENVELOPE_SLACK_BYTES)
-    guard = Depends(bearer_token_guard(settings.api_token.get_secret_value()))
+    # Every /v1 route needs a token; the routes then limit a tenant token to its own tenant.
+    guard = Depends(principal)
     app.include_router(events.router, dependencies=[guard])
     app.include_router(endpoints.router, dependencies=[guard])
     app.include_router(replay.router, dependencies=[guard])

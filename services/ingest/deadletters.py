@@ -16,6 +16,7 @@ from aio_pika.abc import AbstractIncomingMessage
 from fastapi import APIRouter, Depends, Query
 from pydantic import Field, model_validator
 
+from hookline.ingest.auth import Caller
 from hookline.ingest.resend import Resend, resend
 from hookline.ingest.state import IngestState, ingest_state
 from hookline.shared import topology
@@ -64,13 +65,16 @@ class RedriveResult(Model):
 @router.get("", response_model=DeadLetterList)
 async def list_dead_letters(
     state: State,
+    caller: Caller,
     endpoint_id: str | None = None,
     tenant: str | None = None,
     reason: DeadLetterReason | None = None,
     limit: Annotated[int, Query(ge=1, le=1000)] = 100,
     after: Annotated[str | None, Query(description="return dead letters after this id")] = None,
 ) -> DeadLetterList:
-    selected = state.dead_letters_index.select(endpoint_id=endpoint_id, tenant=tenant, reason=reason)
+    selected = state.dead_letters_index.select(
+        endpoint_id=endpoint_id, tenant=caller.scope(tenant), reason=reason
+    )
     after_offset = offset_of(after) if after else None
     if after_offset is not None:
         selected = [item for item in selected if (offset_of(item.id) or 0) > after_offset]
@@ -79,10 +83,10 @@ async def list_dead_letters(
 
 
 @router.post("/redrive", response_model=RedriveResult)
-async def redrive(request: RedriveRequest, state: State) -> RedriveResult:
+async def redrive(request: RedriveRequest, state: State, caller: Caller) -> RedriveResult:
     chosen = state.dead_letters_index.select(
         endpoint_id=request.endpoint_id,
-        tenant=request.tenant,
+        tenant=caller.scope(request.tenant),
         reason=request.reason,
         event_id=request.event_id,
         ids=set(request.ids) if request.ids is not None else None,

@@ -10,6 +10,7 @@ import structlog
 from fastapi import APIRouter, Depends, Request
 from pydantic import ValidationError
 
+from hookline.ingest.auth import Caller
 from hookline.ingest.state import IngestState, ingest_state
 from hookline.shared import topology
 from hookline.shared.amqp import BROKER_ERRORS
@@ -49,7 +50,7 @@ def event_message(event: Event, body: bytes, *, accepted_at: datetime) -> aio_pi
     },
 )
 async def publish_event(
-    request: Request, state: Annotated[IngestState, Depends(ingest_state)]
+    request: Request, state: Annotated[IngestState, Depends(ingest_state)], caller: Caller
 ) -> EventAccepted:
     # Read the body ourselves: the size limit applies while streaming, and malformed JSON is a 400.
     raw = await request.body()
@@ -57,6 +58,7 @@ async def publish_event(
         event_in = EventIn.model_validate_json(raw)
     except ValidationError as exc:
         raise invalid_input(exc.errors()) from None
+    caller.require(event_in.tenant)
     now = datetime.now(UTC)
     event = event_in.complete(event_id=new_id("evt"), now=now)
     body = event.model_dump_json(exclude_none=True).encode()

@@ -18,6 +18,7 @@ from aio_pika.abc import AbstractIncomingMessage
 from fastapi import APIRouter, Depends
 from pydantic import AwareDatetime
 
+from hookline.ingest.auth import Caller
 from hookline.ingest.resend import Resend, resend
 from hookline.ingest.state import IngestState, ingest_state
 from hookline.shared import topology
@@ -76,9 +77,9 @@ def accepted_time(message: AbstractIncomingMessage, event: object) -> datetime |
 
 
 @router.post("/{endpoint_id}/replay", response_model=ReplayResult)
-async def replay(endpoint_id: str, request: ReplayRequest, state: State) -> ReplayResult:
+async def replay(endpoint_id: str, request: ReplayRequest, state: State, caller: Caller) -> ReplayResult:
     endpoint = state.registry.get(endpoint_id)
-    if endpoint is None:
+    if endpoint is None or not caller.may_see(endpoint.tenant):
         raise ApiError(404, "not_found", f"no endpoint {endpoint_id}")
     until = request.until or datetime.now(UTC)
     if until < request.since:

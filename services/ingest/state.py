@@ -8,7 +8,9 @@ from aio_pika.abc import AbstractExchange, AbstractRobustChannel, AbstractRobust
 from fastapi import Request
 
 from hookline.shared.deadletters import DeadLetterIndex
+from hookline.shared.delivery import DeliveryClient
 from hookline.shared.registry import ChangeLog, EndpointRegistry
+from hookline.shared.sealing import Sealer
 from hookline.shared.settings import IngestSettings
 from hookline.shared.streams import StreamFollower
 
@@ -27,6 +29,9 @@ class IngestState:
     admin: AbstractRobustChannel
     dead_letters_log: StreamFollower
     dead_letters_index: DeadLetterIndex
+    client: DeliveryClient  # verification handshakes
+    sealer: Sealer
+    tenant_tokens: dict[str, str]  # token -> tenant
 
     def is_ready(self) -> bool:
         return not self.connection.is_closed and not self.publisher.is_closed

@@ -123,7 +123,7 @@ def test_http_urls_are_refused_unless_allowed(strict_ingest: services.Service) -
     )
     assert response.status_code == 422
     assert response.json()["details"] == [
-        {"field": "url", "message": "must be https (HOOKLINE_ALLOW_HTTP is off)"}
+        {"field": "url", "message": "only https URLs are allowed (HOOKLINE_ALLOW_HTTP is off)"}
     ]
 
 

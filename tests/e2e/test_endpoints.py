@@ -100,7 +100,7 @@ async def test_changes_take_effect_on_delivery(system: System, receiver: Receive
     with system.api() as api:
         patched = api.patch(
             f"/v1/endpoints/{endpoint['id']}",
-            json={"url": receiver.url("/after"), "event_types": ["invoice.*"]},
+            json={"url": receiver.url("/after"), "event_types": ["invoice.*"], "verify": False},
         )
         assert patched.status_code == 200, patched.text
     # The old pattern no longer routes; the new one does, to the new URL.
@@ -127,7 +127,13 @@ async def test_deleting_an_endpoint_keeps_its_queued_events_as_dead_letters(
         await publish_event(system.amqp_url, event(acme, "a.b", event_id), f"{acme}.a.b")
     await receiver.wait_for(1, path="/deleted")
     with system.api() as api:
-        assert (await asyncio.to_thread(api.delete, f"/v1/endpoints/{endpoint['id']}")).status_code == 204
+        refused = await asyncio.to_thread(api.delete, f"/v1/endpoints/{endpoint['id']}")
+        assert refused.status_code == 409, "events are pending: deleting needs force"
+        assert refused.json()["error"] == "events_pending"
+        forced = await asyncio.to_thread(
+            api.delete, f"/v1/endpoints/{endpoint['id']}", params={"force": "true"}
+        )
+        assert forced.status_code == 204
         assert api.get(f"/v1/endpoints/{endpoint['id']}").status_code == 404
     # More events for the tenant reach nobody now.
     await publish_event(system.amqp_url, event(acme, "a.b", "evt_after_delete"), f"{acme}.a.b")

@@ -31,7 +31,7 @@ async def connection(amqp_url: str) -> AsyncIterator[AbstractRobustConnection]:
 
 async def _endpoint_queue(connection: AbstractRobustConnection) -> aio_pika.abc.AbstractRobustQueue:
     channel = await connection.channel()
-    queue = await topology.endpoint_queue_declare(channel, ENDPOINT, ordered=False)
+    queue = await topology.endpoint_queue_declare(channel, ENDPOINT, single_consumer=False)
     await queue.bind(topology.DELAY_DELIVERY, routing_key=topology.delay_delivery_binding(queue.name))
     return queue
 

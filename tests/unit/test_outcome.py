@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from hookline.dispatcher.outcome import ErrorKind, Outcome, classify
+from hookline.dispatcher.outcome import Outcome, classify
+from hookline.shared.delivery import ErrorKind
 
 
 @pytest.mark.parametrize(

@@ -40,7 +40,15 @@ REFUSED = [
     "2002:a00:1::1",  # 6to4 of 10.0.0.1
     "fd00:ec2::254",  # AWS metadata over IPv6
 ]
-ALLOWED = ["93.184.216.34", "8.8.8.8", "1.1.1.1", "2606:4700:4700::1111", "::ffff:8.8.8.8", "100.128.0.1", "172.32.0.1"]
+ALLOWED = [
+    "93.184.216.34",
+    "8.8.8.8",
+    "1.1.1.1",
+    "2606:4700:4700::1111",
+    "::ffff:8.8.8.8",
+    "100.128.0.1",
+    "172.32.0.1",
+]
 
 
 @pytest.mark.parametrize("address", REFUSED)
@@ -84,4 +92,7 @@ async def test_registration_refuses_private_targets(url: str) -> None:
 
 
 async def test_registration_accepts_a_public_literal() -> None:
-    assert await registration_refusal("https://93.184.216.34/hook", allow_http=False, allow_private=False) is None
+    assert (
+        await registration_refusal("https://93.184.216.34/hook", allow_http=False, allow_private=False)
+        is None
+    )

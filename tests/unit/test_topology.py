@@ -17,7 +17,7 @@ def test_event_routing_key() -> None:
 
 @pytest.mark.parametrize("ordered", [False, True])
 def test_endpoint_queue_arguments_are_portable(ordered: bool) -> None:
-    arguments = topology.endpoint_queue_arguments(ordered=ordered)
+    arguments = topology.endpoint_queue_arguments(single_consumer=ordered)
     assert arguments["x-queue-type"] == "quorum"
     # -1 would mean "dead-letter on the first return" on 3.x: the limit is always explicit and positive.
     assert arguments["x-delivery-limit"] > 0

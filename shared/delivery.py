@@ -1,20 +1,38 @@
-"""The outbound HTTP client: one POST per attempt, with its timings, turned into an :class:`AttemptResult`.
+"""The outbound HTTP client for customer URLs: one signed POST, its timings, an :class:`AttemptResult`.
 
 aiohttp was chosen by measurement (``make bench`` runs the client micro-benchmark): on this 2-core
 machine it sends 2-3x the POSTs per second of httpx over the aiohttp transport and 10-15x httpx's own.
-One session per dispatcher, keep-alive connections, redirects never followed.
+One session per process, keep-alive connections, redirects never followed, and every target checked
+(:mod:`hookline.shared.targets`): the scheme and a literal address before the request, the resolved
+addresses in the resolver, so the connection goes to an address that was checked.
 """
 
 from __future__ import annotations
 
+import enum
 import time
 from dataclasses import dataclass
 from types import SimpleNamespace, TracebackType
 from typing import Self
+from urllib.parse import urlsplit
 
 import aiohttp
 
-from hookline.dispatcher.outcome import ErrorKind
+from hookline.shared.targets import CheckedResolver, TargetRefusedError, literal_refusal, url_refusal
+
+
+class ErrorKind(enum.StrEnum):
+    """Why an attempt got no HTTP status."""
+
+    TIMEOUT = "timeout"
+    DNS = "dns"
+    CONNECT = "connect"
+    TLS = "tls"
+    NETWORK = "network"  # the connection broke mid-exchange
+    PROTOCOL = "protocol"  # the peer answered something that is not HTTP
+    REFUSED_TARGET = "refused_target"  # the address is not allowed (SSRF protection)
+    INVALID_URL = "invalid_url"
+
 
 #: What is kept of a response body: enough for the reason in a dead letter, never the whole thing.
 RESPONSE_SNIPPET_BYTES = 512
@@ -81,13 +99,21 @@ def _trace_config() -> aiohttp.TraceConfig:
 class DeliveryClient:
     """Owns the HTTP session; ``async with DeliveryClient(...) as client``."""
 
-    def __init__(self, *, max_connections: int, user_agent: str) -> None:
+    def __init__(
+        self, *, max_connections: int, user_agent: str, allow_http: bool, allow_private: bool
+    ) -> None:
         self._max_connections = max_connections
         self._user_agent = user_agent
+        self._allow_http = allow_http
+        self._allow_private = allow_private
         self._session: aiohttp.ClientSession | None = None
 
     async def __aenter__(self) -> Self:
-        connector = aiohttp.TCPConnector(limit=self._max_connections, ttl_dns_cache=60)
+        connector = aiohttp.TCPConnector(
+            limit=self._max_connections,
+            ttl_dns_cache=60,
+            resolver=None if self._allow_private else CheckedResolver(),
+        )
         self._session = aiohttp.ClientSession(
             connector=connector,
             trace_configs=[_trace_config()],
@@ -108,6 +134,9 @@ class DeliveryClient:
     ) -> AttemptResult:
         assert self._session is not None, "use DeliveryClient as an async context manager"
         clock = _Clock()
+        refusal = self.refusal(url)
+        if refusal is not None:
+            return _failed(ErrorKind.REFUSED_TARGET, refusal, clock)
         try:
             async with self._session.post(
                 url,
@@ -133,6 +162,14 @@ class DeliveryClient:
         except aiohttp.ClientError as exc:
             return _failed(_error_kind(exc), _describe(exc), clock)
 
+    def refusal(self, url: str) -> str | None:
+        """Why ``url`` may not be called, as far as can be told without DNS (the resolver does the rest)."""
+        refusal = url_refusal(url, allow_http=self._allow_http)
+        if refusal is None and not self._allow_private:
+            # aiohttp does not ask the resolver about literal addresses: they are checked here.
+            refusal = literal_refusal(urlsplit(url).hostname or "")
+        return refusal
+
 
 def _failed(kind: ErrorKind, detail: str, clock: _Clock) -> AttemptResult:
     return AttemptResult(status=None, error=kind, detail=detail, retry_after=None, timings=clock.timings())
@@ -140,6 +177,8 @@ def _failed(kind: ErrorKind, detail: str, clock: _Clock) -> AttemptResult:
 
 def _error_kind(exc: aiohttp.ClientError) -> ErrorKind:
     # Order matters: the TLS and DNS errors are subclasses of the connector error.
+    if isinstance(exc, aiohttp.ClientConnectorError) and isinstance(exc.os_error, TargetRefusedError):
+        return ErrorKind.REFUSED_TARGET
     if isinstance(exc, aiohttp.ClientSSLError | aiohttp.ServerFingerprintMismatch):
         return ErrorKind.TLS
     if isinstance(exc, aiohttp.ClientConnectorDNSError):
@@ -154,5 +193,7 @@ def _error_kind(exc: aiohttp.ClientError) -> ErrorKind:
 
 
 def _describe(exc: aiohttp.ClientError) -> str:
+    if isinstance(exc, aiohttp.ClientConnectorError) and isinstance(exc.os_error, TargetRefusedError):
+        return f"refused target: {exc.os_error}"
     text = str(exc) or type(exc).__name__
     return f"{type(exc).__name__}: {text}"[:300]

@@ -1,0 +1,65 @@
+"""Who is calling: the admin token sees everything; a tenant token sees and publishes for its tenant only.
+
+Tokens are compared in constant time, each of them, whatever matches first.
+"""
+
+from __future__ import annotations
+
+import hmac
+from dataclasses import dataclass
+from typing import Annotated
+
+from fastapi import Depends, Request
+
+from hookline.ingest.state import IngestState, ingest_state
+from hookline.shared.api import ApiError
+
+
+@dataclass(frozen=True)
+class Principal:
+    tenant: str | None  # None: the admin
+
+    def may_see(self, tenant: str) -> bool:
+        return self.tenant is None or self.tenant == tenant
+
+    def require(self, tenant: str) -> None:
+        """Refuse a request about another tenant's data (403)."""
+        if not self.may_see(tenant):
+            raise ApiError(403, "forbidden", f"this token is for tenant {self.tenant!r}, not {tenant!r}")
+
+    def scope(self, tenant: str | None) -> str | None:
+        """The tenant a listing is limited to: the token's own, or the filter the admin asked for."""
+        if self.tenant is None:
+            return tenant
+        self.require(tenant or self.tenant)
+        return self.tenant
+
+
+def parse_tenant_tokens(setting: str | None) -> dict[str, str]:
+    """``acme:tok1,globex:tok2`` → {token: tenant}."""
+    tokens: dict[str, str] = {}
+    for pair in (setting or "").split(","):
+        if pair.strip():
+            tenant, _, token = pair.strip().partition(":")
+            if not tenant or len(token) < 16:
+                raise ValueError(
+                    "HOOKLINE_TENANT_TOKENS takes tenant:token pairs with tokens of 16+ characters"
+                )
+            tokens[token] = tenant
+    return tokens
+
+
+def principal(request: Request, state: Annotated[IngestState, Depends(ingest_state)]) -> Principal:
+    scheme, _, presented = request.headers.get("authorization", "").partition(" ")
+    offered = presented.strip().encode()
+    admin = hmac.compare_digest(offered, state.settings.api_token.get_secret_value().encode())
+    tenant = None
+    for token, owner in state.tenant_tokens.items():
+        if hmac.compare_digest(offered, token.encode()):
+            tenant = owner
+    if scheme.lower() != "bearer" or not (admin or tenant):
+        raise ApiError(401, "unauthorized", "a valid bearer token is required")
+    return Principal(tenant=None if admin else tenant)
+
+
+Caller = Annotated[Principal, Depends(principal)]
