@@ -16,4 +16,5 @@ class Header(enum.StrEnum):
     LAST_STATUS = "x-hookline-last-status"
     LAST_ERROR = "x-hookline-last-error"
     DEAD_AT = "x-hookline-dead-at"
+    SEQUENCE = "x-hookline-seq"  # ordered endpoints: when the dispatcher first saw the event (ns)
     ACCEPTED_AT_MS = "x-hookline-accepted-at-ms"  # set by the ingest API: when the event was accepted

@@ -37,6 +37,7 @@ class Delays:
         next_attempt: int,
         first_attempt_at_s: float,
         delay_s: int,
+        sequence: int | None = None,
     ) -> None:
         """Publish the retry copy and wait for the broker's confirm; the caller acks the original after."""
         copy = aio_pika.Message(
@@ -45,7 +46,11 @@ class Delays:
             delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
             message_id=event_id,
             timestamp=timestamp,
-            headers={Header.ATTEMPT: next_attempt, Header.FIRST_ATTEMPT_AT: int(first_attempt_at_s)},
+            headers={
+                Header.ATTEMPT: next_attempt,
+                Header.FIRST_ATTEMPT_AT: int(first_attempt_at_s),
+                **({Header.SEQUENCE: sequence} if sequence is not None else {}),
+            },
         )
         queue = topology.endpoint_queue(endpoint_id)
         exchange = self._levels[topology.delay_entry(delay_s)]

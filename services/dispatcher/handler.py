@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import random
 import time
 import uuid
@@ -21,9 +22,11 @@ import structlog
 from aio_pika.abc import AbstractExchange, AbstractIncomingMessage
 
 from hookline.dispatcher import inbound, metrics
-from hookline.dispatcher.backoff import Jitter, RetryPolicy
+from hookline.dispatcher.backoff import Jitter, RetryPolicy, parse_retry_after
 from hookline.dispatcher.delays import Delays
+from hookline.dispatcher.ordering import SubjectOrder
 from hookline.dispatcher.outcome import Ack, DeadLetter, Retry, Settlement, classify, settle
+from hookline.dispatcher.pacing import Pacer
 from hookline.dispatcher.telemetry import Telemetry
 from hookline.shared import __version__, signing, topology
 from hookline.shared.amqp import BROKER_ERRORS
@@ -43,6 +46,9 @@ USER_AGENT = f"hookline/{__version__}"
 # A handler that crashes hands its message back after this pause; the queue's delivery limit turns a
 # message that keeps crashing it into a dead letter.
 CRASH_PAUSE_S = 1.0
+#: A delivery that must wait longer than this for its turn (rate limit, Retry-After) is deferred
+#: through the delay queues instead of holding its message.
+MAX_LOCAL_WAIT_S = 10.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,6 +83,8 @@ class Handler:
         self._telemetry = telemetry
         self._breakers = breakers
         self._signing_keys: dict[str, _Keys] = {}
+        self._pacer = Pacer()
+        self._order = SubjectOrder()
         self._sealer = sealer
 
     async def handle(
@@ -114,6 +122,11 @@ class Handler:
             return
 
         event = parsed.event
+        sequence = (parsed.sequence or time.time_ns()) if endpoint.ordered and event.subject else None
+        defer_s = await self._gate(endpoint, parsed, sequence)
+        if defer_s is not None:
+            await self._defer(message, endpoint, parsed, sequence, defer_s)
+            return
         started_s = time.time()
         result = await self._attempt(endpoint, event.id, message.body)
         outcome = classify(result.status, result.error)
@@ -174,7 +187,61 @@ class Handler:
             dead_letter_reason=dead_letter_reason,
             probe=probe or None,
         )
-        await self._apply(settlement, message, endpoint, event.id, parsed.attempt, first_attempt_at_s, result)
+        self._pacer.record(
+            endpoint.id,
+            status=result.status,
+            retry_after_s=parse_retry_after(result.retry_after, now=datetime.now(UTC)),
+            now_s=ended_s,
+        )
+        await self._apply(settlement, message, endpoint, parsed, first_attempt_at_s, result, sequence)
+
+    async def _gate(
+        self, endpoint: StoredEndpoint, parsed: inbound.Inbound, sequence: int | None
+    ) -> float | None:
+        """Wait for this delivery's turn (per-subject order, rate limit, 429 pause); or, when the wait
+        is long, return the seconds to defer the message by instead (no attempt is spent)."""
+        now_s = time.time()
+        if sequence is not None:
+            assert parsed.event.subject is not None
+            order_s = self._order.admit(
+                endpoint.id, parsed.event.subject, parsed.event.id, sequence, now_s=now_s
+            )
+            if order_s is not None:
+                return order_s
+        wait_s = self._pacer.wait_s(endpoint.id, endpoint.rate_limit_per_s, now_s=now_s)
+        if wait_s > MAX_LOCAL_WAIT_S:
+            if sequence is not None:
+                assert parsed.event.subject is not None
+                self._order.retrying(endpoint.id, parsed.event.subject, parsed.event.id, due_s=now_s + wait_s)
+            return wait_s
+        if wait_s > 0:
+            await asyncio.sleep(wait_s)
+        return None
+
+    async def _defer(
+        self,
+        message: AbstractIncomingMessage,
+        endpoint: StoredEndpoint,
+        parsed: inbound.Inbound,
+        sequence: int | None,
+        delay_s: float,
+    ) -> None:
+        """Not this event's turn yet: through the delay queues again, same attempt number, then ack."""
+        await self._delays.schedule(
+            message.body,
+            content_type=message.content_type,
+            timestamp=message.timestamp,
+            event_id=parsed.event.id,
+            endpoint_id=endpoint.id,
+            next_attempt=parsed.attempt,
+            first_attempt_at_s=parsed.first_attempt_at_s or time.time(),
+            delay_s=max(1, math.ceil(delay_s)),
+            sequence=sequence,
+        )
+        await message.ack()
+        log.info(
+            "delivery_deferred", event_id=parsed.event.id, endpoint_id=endpoint.id, delay_s=math.ceil(delay_s)
+        )
 
     def _policy(self, endpoint: StoredEndpoint) -> RetryPolicy:
         settings = self._settings
@@ -222,32 +289,42 @@ class Handler:
         settlement: Settlement,
         message: AbstractIncomingMessage,
         endpoint: StoredEndpoint,
-        event_id: str,
-        attempt: int,
+        parsed: inbound.Inbound,
         first_attempt_at_s: float,
         result: AttemptResult,
+        sequence: int | None,
     ) -> None:
+        event = parsed.event
         if isinstance(settlement, Retry):
             await self._delays.schedule(
                 message.body,
                 content_type=message.content_type,
                 timestamp=message.timestamp,
-                event_id=event_id,
+                event_id=event.id,
                 endpoint_id=endpoint.id,
-                next_attempt=attempt + 1,
+                next_attempt=parsed.attempt + 1,
                 first_attempt_at_s=first_attempt_at_s,
                 delay_s=settlement.delay_s,
+                sequence=sequence,
             )
         elif isinstance(settlement, DeadLetter):
             await self._dead_letter(
                 message, endpoint.id, endpoint.tenant, settlement.reason,
-                event_id=event_id, attempts=attempt, last_status=result.status, last_error=result.detail,
+                event_id=event.id, attempts=parsed.attempt, last_status=result.status, last_error=result.detail,
             )  # fmt: skip
             if settlement.disable:
                 await self._disable(endpoint, reason=result.detail)
         else:
             assert isinstance(settlement, Ack)
         await message.ack()
+        if sequence is not None:
+            assert event.subject is not None
+            if isinstance(settlement, Retry):
+                self._order.retrying(
+                    endpoint.id, event.subject, event.id, due_s=time.time() + settlement.delay_s
+                )
+            else:
+                self._order.done(endpoint.id, event.subject, event.id)
 
     async def _disable(self, endpoint: StoredEndpoint, *, reason: str) -> None:
         now = datetime.now(UTC)

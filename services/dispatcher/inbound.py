@@ -24,6 +24,7 @@ class Inbound:
     event: Event
     attempt: int  # the attempt this delivery is, starting at 1
     first_attempt_at_s: float | None  # unix seconds of attempt 1, when this is a retry
+    sequence: int | None = None  # ordered endpoints: the event's place in its subject
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,6 +68,7 @@ def parse(
         event=event,
         attempt=_positive_int(headers.get(Header.ATTEMPT), default=1),
         first_attempt_at_s=_float(headers.get(Header.FIRST_ATTEMPT_AT)),
+        sequence=_positive_int(headers.get(Header.SEQUENCE), default=0) or None,
     )
 
 

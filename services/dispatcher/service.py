@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import os
 import socket
 import uuid
@@ -72,18 +73,23 @@ class Consumers:
 
     def __init__(
         self,
+        connection: AbstractRobustConnection,
         channel: AbstractRobustChannel,
+        prefetch: int,
         registry: EndpointRegistry,
         breakers: BreakerView,
         handler: Handler,
         dispatcher_id: str,
     ) -> None:
         self._channel = channel
+        self._connection = connection
+        self._default_prefetch = prefetch
         self._registry = registry
         self._breakers = breakers
         self._handler = handler
         self._dispatcher_id = dispatcher_id
-        self._active: dict[str, tuple[AbstractRobustQueue, str]] = {}
+        self._active: dict[str, tuple[AbstractRobustQueue, str, int]] = {}  # queue, consumer tag, prefetch
+        self._channels: dict[int, AbstractRobustChannel] = {prefetch: channel}  # one per prefetch value
         self._probes: dict[str, int] = {}  # endpoint id -> the half-open version being probed
         self._changed: asyncio.Queue[str | None] = asyncio.Queue()
         self._tasks: set[asyncio.Task[None]] = set()
@@ -115,19 +121,23 @@ class Consumers:
         )
         breaker = self._breakers.state(endpoint_id)
         wanted = active and breaker is None
-        if wanted and endpoint_id not in self._active:
+        prefetch = self._prefetch(endpoint) if endpoint is not None else 0
+        current = self._active.get(endpoint_id)
+        if current is not None and (not wanted or current[2] != prefetch):
+            # Breaker open, endpoint paused or gone, or its cap changed: stop here; what is queued waits.
+            del self._active[endpoint_id]
+            await current[0].cancel(current[1])
+            current = None
+        if wanted and current is None:
             assert endpoint is not None
+            channel = await self._channel_for(prefetch)
             queue = await topology.endpoint_queue_declare(
-                self._channel, endpoint_id, single_consumer=endpoint.single_consumer
+                channel, endpoint_id, single_consumer=endpoint.single_consumer
             )
             # Idempotent; endpoints registered before the delay queues existed get their binding here.
             await queue.bind(topology.DELAY_DELIVERY, routing_key=topology.delay_delivery_binding(queue.name))
             tag = await queue.consume(partial(self._on_message, endpoint_id))
-            self._active[endpoint_id] = (queue, tag)
-        elif not wanted and endpoint_id in self._active:
-            # Breaker open, endpoint paused or gone: stop here; what is queued waits in the queue.
-            queue, tag = self._active.pop(endpoint_id)
-            await queue.cancel(tag)
+            self._active[endpoint_id] = (queue, tag, prefetch)
         if (
             active
             and breaker is not None
@@ -142,6 +152,29 @@ class Consumers:
             self._tasks.add(probe)
             probe.add_done_callback(self._tasks.discard)
         metrics.CONSUMERS.set(len(self._active))
+
+    def _prefetch(self, endpoint: StoredEndpoint) -> int:
+        """Unacked deliveries this dispatcher may hold for the endpoint: for a capped endpoint (served by
+        one dispatcher at a time) its ``max_in_flight``, and no more than 10 s of its rate limit."""
+        prefetch = endpoint.max_in_flight or self._default_prefetch
+        if endpoint.rate_limit_per_s is not None:
+            prefetch = min(prefetch, max(1, math.ceil(endpoint.rate_limit_per_s * 10)))
+        return prefetch
+
+    async def _channel_for(self, prefetch: int) -> AbstractRobustChannel:
+        # basic.qos applies to the consumers created after it, and a robust channel restores only its
+        # last qos after a reconnect: one channel per prefetch value keeps every consumer's cap right.
+        channel = self._channels.get(prefetch)
+        if channel is None:
+            channel = await self._connection.channel()
+            await channel.set_qos(prefetch_count=prefetch)
+            self._channels[prefetch] = channel
+        return channel
+
+    async def close_channels(self) -> None:
+        for channel in self._channels.values():
+            with contextlib.suppress(*amqp.BROKER_ERRORS):
+                await channel.close()
 
     async def _probe(self, endpoint_id: str, version: int) -> None:
         """Deliver exactly one message while the breaker is half open and this replica is the prober."""
@@ -188,7 +221,7 @@ class Consumers:
         self._stopping = True
         self._changed.put_nowait(None)
         await reconciler
-        for queue, tag in self._active.values():
+        for queue, tag, _ in self._active.values():
             # A channel already gone has stopped delivering anyway.
             with contextlib.suppress(*amqp.BROKER_ERRORS):
                 await queue.cancel(tag)
@@ -244,7 +277,15 @@ async def dispatching(
         breakers,
         sealer,
     )
-    consumers = Consumers(consumer_channel, endpoint_registry, breakers, handler, dispatcher_id)
+    consumers = Consumers(
+        connection,
+        consumer_channel,
+        settings.prefetch_per_endpoint,
+        endpoint_registry,
+        breakers,
+        handler,
+        dispatcher_id,
+    )
     consumers_ref.append(consumers)
     # The breaker states in force: the monitor snapshots them every few seconds, so reading the last
     # minutes of its log gives the current state, then the follower keeps up with changes.
@@ -278,7 +319,8 @@ async def dispatching(
         await asyncio.gather(telemetry_task, return_exceptions=True)
         await control.stop()
         # 3. close the channels: whatever is still unacked goes back to its queue.
-        for channel in (consumer_channel, publisher, telemetry_channel):
+        await consumers.close_channels()
+        for channel in (publisher, telemetry_channel):
             with contextlib.suppress(*amqp.BROKER_ERRORS):
                 await channel.close()
 

@@ -1,0 +1,65 @@
+"""Pacing (rate limit, 429 back-off) and per-subject ordering, as pure state machines."""
+
+from __future__ import annotations
+
+import pytest
+
+from hookline.dispatcher.ordering import SubjectOrder
+from hookline.dispatcher.pacing import Pacer
+
+
+def test_the_rate_limit_spaces_deliveries() -> None:
+    pacer = Pacer()
+    waits = [pacer.wait_s("ep", 10.0, now_s=100.0) for _ in range(25)]
+    # A burst of up to the rate goes at once, then one every 1/rate seconds.
+    assert waits[:10] == [0.0] * 10
+    assert waits[10] == pytest.approx(0.1)
+    assert waits[24] == pytest.approx(1.5)
+
+
+def test_without_a_limit_there_is_no_wait() -> None:
+    assert Pacer().wait_s("ep", None, now_s=0.0) == 0.0
+
+
+def test_a_429_halves_the_rate_and_honours_retry_after() -> None:
+    pacer = Pacer()
+    pacer.wait_s("ep", 10.0, now_s=0.0)
+    pacer.record("ep", status=429, retry_after_s=3.0, now_s=0.0)
+    assert pacer.wait_s("ep", 10.0, now_s=1.0) >= 2.0  # not before Retry-After
+    for _ in range(20):
+        pacer.record("ep", status=429, retry_after_s=None, now_s=0.0)
+    pace = pacer._paces["ep"]
+    assert pace.factor == pytest.approx(0.1), "never below a tenth of the limit"
+    for _ in range(100):
+        pacer.record("ep", status=204, retry_after_s=None, now_s=10.0)
+    assert pace.factor == 1.0, "successes give the rate back"
+
+
+def test_a_429_without_a_rate_limit_still_pauses_the_endpoint() -> None:
+    pacer = Pacer()
+    pacer.record("ep", status=429, retry_after_s=None, now_s=5.0)
+    assert pacer.wait_s("ep", None, now_s=5.0) == pytest.approx(1.0)
+
+
+def test_a_subject_goes_in_order_and_blocks_only_itself() -> None:
+    order = SubjectOrder()
+    assert order.admit("ep", "s1", "e1", 1, now_s=0) is None  # attempted
+    assert order.admit("ep", "s1", "e2", 2, now_s=0) == 1  # e1 outstanding: deferred
+    assert order.admit("ep", "s2", "x1", 3, now_s=0) is None  # another subject is not held back
+    order.retrying("ep", "s1", "e1", due_s=30)  # e1 failed: its retry is due in 30 s
+    assert order.admit("ep", "s1", "e2", 2, now_s=5) == 25  # deferred until then
+    assert order.admit("ep", "s1", "e1", 1, now_s=30) is None  # the retry comes back first
+    order.done("ep", "s1", "e1")
+    assert order.admit("ep", "s1", "e2", 2, now_s=31) is None  # now e2
+    order.done("ep", "s1", "e2")
+    assert order.admit("ep", "s1", "e3", 4, now_s=32) is None
+
+
+def test_a_later_event_never_overtakes_a_deferred_earlier_one() -> None:
+    order = SubjectOrder()
+    assert order.admit("ep", "s", "e1", 1, now_s=0) is None
+    assert order.admit("ep", "s", "e2", 2, now_s=0) == 1
+    order.done("ep", "s", "e1")
+    # e3 arrives before e2 comes back from its deferral: it waits behind e2.
+    assert order.admit("ep", "s", "e3", 3, now_s=0.5) is not None
+    assert order.admit("ep", "s", "e2", 2, now_s=1) is None
