@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 MIN_FACTOR = 0.1
+BURST_S = 0.1
 RECOVERY = 1.05
 
 
@@ -50,12 +51,12 @@ class Pacer:
         if rate_limit_per_s is None:
             return wait_s
         rate = rate_limit_per_s * pace.factor
+        # The burst after a quiet period: a tenth of a second's worth, at least one delivery.
+        capacity = max(1.0, rate * BURST_S)
         if pace.bucket is None:
-            pace.bucket = TokenBucket(
-                rate_per_s=rate, capacity=max(1.0, rate), tokens=max(1.0, rate), updated_s=now_s
-            )
+            pace.bucket = TokenBucket(rate_per_s=rate, capacity=capacity, tokens=capacity, updated_s=now_s)
         pace.bucket.rate_per_s = rate
-        pace.bucket.capacity = max(1.0, rate)
+        pace.bucket.capacity = capacity
         return max(wait_s, pace.bucket.reserve(now_s + wait_s) + wait_s)
 
     def record(

@@ -32,6 +32,8 @@ Responder = Callable[[Received], Reply]
 class Receiver:
     def __init__(self, responder: Responder | None = None) -> None:
         self.requests: list[Received] = []
+        self.in_flight = 0
+        self.max_in_flight = 0  # the most requests that were being answered at once
         self.responder: Responder = responder or (lambda _: Reply())
         self._arrived = asyncio.Condition()
         self._runner: web.AppRunner | None = None
@@ -65,8 +67,13 @@ class Receiver:
         async with self._arrived:
             self.requests.append(received)
             self._arrived.notify_all()
-        if reply.delay_s:
-            await asyncio.sleep(reply.delay_s)
+        self.in_flight += 1
+        self.max_in_flight = max(self.max_in_flight, self.in_flight)
+        try:
+            if reply.delay_s:
+                await asyncio.sleep(reply.delay_s)
+        finally:
+            self.in_flight -= 1
         if reply.close:
             assert request.transport is not None
             request.transport.close()

@@ -11,10 +11,13 @@ from hookline.dispatcher.pacing import Pacer
 def test_the_rate_limit_spaces_deliveries() -> None:
     pacer = Pacer()
     waits = [pacer.wait_s("ep", 10.0, now_s=100.0) for _ in range(25)]
-    # A burst of up to the rate goes at once, then one every 1/rate seconds.
-    assert waits[:10] == [0.0] * 10
-    assert waits[10] == pytest.approx(0.1)
-    assert waits[24] == pytest.approx(1.5)
+    # A burst of a tenth of a second's worth (at least one) goes at once, then one every 1/rate s.
+    assert waits[0] == 0.0
+    assert waits[1] == pytest.approx(0.1)
+    assert waits[24] == pytest.approx(2.4)
+    burst = [pacer.wait_s("big", 100.0, now_s=0.0) for _ in range(12)]
+    assert burst[:10] == [0.0] * 10
+    assert burst[10] == pytest.approx(0.01)
 
 
 def test_without_a_limit_there_is_no_wait() -> None:
