@@ -187,10 +187,11 @@ class Handler:
             dead_letter_reason=dead_letter_reason,
             probe=probe or None,
         )
+        throttled = result.status == 429
         self._pacer.record(
             endpoint.id,
             status=result.status,
-            retry_after_s=parse_retry_after(result.retry_after, now=datetime.now(UTC)),
+            retry_after_s=parse_retry_after(result.retry_after, now=datetime.now(UTC)) if throttled else None,
             now_s=ended_s,
         )
         await self._apply(settlement, message, endpoint, parsed, first_attempt_at_s, result, sequence)
