@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import asyncio
 
+import httpx
 import pytest
 from conftest import System, tenant
 from support.amqp import publish_event
+from support.broker import Broker
 from support.receiver import Received, Receiver, Reply
+from support.waiting import eventually
 from test_delivery_path import event
 
 pytestmark = pytest.mark.e2e
@@ -78,3 +81,39 @@ async def test_an_endpoint_that_drops_the_connection_is_retried(system: System, 
     assert {a.headers["webhook-id"] for a in attempts} == {"evt_drop_1"}
     await asyncio.sleep(0.5)
     assert '"error":"network"' in system.logs()
+
+
+async def test_services_survive_a_broker_restart(
+    system: System, receiver: Receiver, rabbitmq: Broker
+) -> None:
+    acme = tenant()
+    system.add_endpoint(acme, receiver.url("/restart"), ["#"])
+    for n in range(10):
+        await publish_event(system.amqp_url, event(acme, "a.b", f"evt_before_{n}"), f"{acme}.a.b")
+    await receiver.wait_for(10, path="/restart")
+
+    # The broker goes away and comes back (the RabbitMQ application, not the machine).
+    await asyncio.to_thread(rabbitmq.ctl, ["stop_app"])
+    await asyncio.to_thread(rabbitmq.ctl, ["start_app"])
+    await asyncio.to_thread(rabbitmq.ctl, ["await_startup"])
+
+    async def published_after() -> bool:
+        try:
+            await publish_event(system.amqp_url, event(acme, "a.b", "evt_after_0"), f"{acme}.a.b")
+        except Exception:
+            return False
+        return True
+
+    await eventually(published_after, timeout_s=60, every_s=1)
+    for n in range(1, 10):
+        await publish_event(system.amqp_url, event(acme, "a.b", f"evt_after_{n}"), f"{acme}.a.b")
+    # Every dispatcher reconnected and resumed consuming (the endpoint log followed, too).
+    delivered = await receiver.wait_for(20, path="/restart", timeout_s=90)
+    assert {r.headers["webhook-id"] for r in delivered} >= {f"evt_after_{n}" for n in range(10)}
+    # A new endpoint registered after the restart reaches the dispatchers through the endpoint log.
+    system.add_endpoint(acme, receiver.url("/after-restart"), ["x.y"])
+    await publish_event(system.amqp_url, event(acme, "x.y", "evt_new_endpoint"), f"{acme}.x.y")
+    await receiver.wait_for(1, path="/after-restart", timeout_s=30)
+    for service in (system.ingest, *system.dispatchers, system.monitor):
+        ready = await asyncio.to_thread(httpx.get, f"{service.base_url}/readyz", timeout=5)
+        assert ready.status_code == 200, service.name
