@@ -11,7 +11,15 @@ from datetime import datetime
 from typing import Annotated, Any, Literal
 from urllib.parse import urlsplit
 
-from pydantic import AfterValidator, AwareDatetime, BaseModel, ConfigDict, Field, StringConstraints
+from pydantic import (
+    AfterValidator,
+    AwareDatetime,
+    BaseModel,
+    ConfigDict,
+    Field,
+    StringConstraints,
+    ValidationError,
+)
 
 EventId = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_.:\-]{1,128}$")]
 # A routing key is at most 255 bytes: the tenant (64) and a dot leave 190 for the type.
@@ -25,6 +33,14 @@ EndpointId = Annotated[str, StringConstraints(pattern=r"^ep_[0-9A-Z]{26}$")]
 
 class Model(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+def error_summary(exc: ValidationError, *, limit: int = 3) -> str:
+    """Where and why validation failed, never the input: a record may carry secrets or payload."""
+    return "; ".join(
+        f"{'.'.join(str(part) for part in error['loc']) or 'body'}: {error['msg']}"
+        for error in exc.errors()[:limit]
+    )
 
 
 # --- events -------------------------------------------------------------------------------------

@@ -24,12 +24,19 @@ from aio_pika.abc import (
 from pydantic import TypeAdapter, ValidationError
 
 from hookline.shared import topology
-from hookline.shared.models import ChangeRecord, EndpointDeleted, EndpointUpserted, StoredEndpoint
+from hookline.shared.models import (
+    ChangeRecord,
+    EndpointDeleted,
+    EndpointUpserted,
+    StoredEndpoint,
+    error_summary,
+)
 from hookline.shared.streams import StreamFollower
 
 log = structlog.get_logger(__name__)
 
 _records: TypeAdapter[ChangeRecord] = TypeAdapter(ChangeRecord)
+_LEGACY_SYNC = b'{"kind":"sync"'
 
 #: Called with (before, after) for every endpoint that changed; either side is None on create/delete.
 Listener = Callable[[StoredEndpoint | None, StoredEndpoint | None], None]
@@ -105,12 +112,14 @@ class ChangeLog:
         await self._follower.sync(timeout_s=timeout_s)
 
     def _on_record(self, message: AbstractIncomingMessage) -> None:
+        if message.body.startswith(_LEGACY_SYNC):
+            return  # read-back markers of versions that wrote them as records
         try:
             record = _records.validate_json(message.body)
         except ValidationError as exc:
             # A record this version cannot read is skipped loudly rather than stopping the service.
             offset = (message.headers or {}).get("x-stream-offset")
-            log.error("endpoint_log_record_unreadable", offset=offset, error=str(exc.errors()[:1]))
+            log.error("endpoint_log_record_unreadable", offset=offset, error=error_summary(exc))
             return
         self.registry.apply(record)
 

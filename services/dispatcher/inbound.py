@@ -14,7 +14,7 @@ from pydantic import ValidationError
 
 from hookline.shared import topology
 from hookline.shared.headers import Header
-from hookline.shared.models import Event
+from hookline.shared.models import Event, error_summary
 
 _MAX_REASONS = 3
 
@@ -54,7 +54,7 @@ def parse(
     try:
         event = Event.model_validate_json(body)
     except ValidationError as exc:
-        return Invalid(_describe(exc), message_id)
+        return Invalid(error_summary(exc, limit=_MAX_REASONS), message_id)
     if event.id != message_id:
         return Invalid(f"message_id {message_id!r} differs from the body's id", message_id)
     if exchange == topology.EVENTS_EXCHANGE and routing_key != topology.event_routing_key(
@@ -70,14 +70,6 @@ def parse(
         first_attempt_at_s=_float(headers.get(Header.FIRST_ATTEMPT_AT)),
         sequence=_positive_int(headers.get(Header.SEQUENCE), default=0) or None,
     )
-
-
-def _describe(exc: ValidationError) -> str:
-    parts = []
-    for error in exc.errors()[:_MAX_REASONS]:
-        field = ".".join(str(part) for part in error["loc"]) or "body"
-        parts.append(f"{field}: {error['msg']}")
-    return "; ".join(parts)
 
 
 def _positive_int(value: object, *, default: int) -> int:

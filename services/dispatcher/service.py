@@ -35,7 +35,7 @@ from hookline.shared import amqp, lifecycle, registry, topology
 from hookline.shared import logging as hookline_logging
 from hookline.shared.control import BreakerState, BreakerView, control_record
 from hookline.shared.delivery import DeliveryClient
-from hookline.shared.models import EndpointStatus, StoredEndpoint
+from hookline.shared.models import EndpointStatus, StoredEndpoint, error_summary
 from hookline.shared.registry import ChangeLog, EndpointRegistry
 from hookline.shared.sealing import SealedSecretError, Sealer
 from hookline.shared.settings import DispatcherSettings, load
@@ -61,7 +61,7 @@ def _apply_control(breakers: BreakerView, consumers: Consumers, message: Abstrac
     try:
         record = control_record.validate_json(message.body)
     except ValidationError as exc:
-        log.error("control_record_unreadable", error=str(exc.errors()[:1]))
+        log.error("control_record_unreadable", error=error_summary(exc))
         return
     consumers.on_breakers(breakers.apply(record))
 

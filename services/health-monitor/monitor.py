@@ -34,7 +34,7 @@ from hookline.shared.control import BreakerCommand, BreakerState, BreakerView, C
 from hookline.shared.deadletters import DeadLetterIndex, counts_since
 from hookline.shared.headers import Header
 from hookline.shared.ids import new_id
-from hookline.shared.models import EndpointStatus, EndpointUpserted, Event
+from hookline.shared.models import EndpointStatus, EndpointUpserted, Event, error_summary
 from hookline.shared.registry import ChangeLog
 from hookline.shared.settings import MonitorSettings
 from hookline.shared.streams import StreamFollower, read_until_now
@@ -99,7 +99,7 @@ class Monitor:
         try:
             records = batch.validate_json(message.body)
         except ValidationError as exc:
-            log.error("telemetry_unreadable", error=str(exc.errors()[:1]))
+            log.error("telemetry_unreadable", error=error_summary(exc))
             return
         now_s = time.time()
         for record in records:

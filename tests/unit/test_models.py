@@ -117,3 +117,16 @@ def test_endpoint_update_cannot_change_ordering_or_tenant() -> None:
     for field, value in (("ordered", True), ("tenant", "other")):
         with pytest.raises(ValidationError):
             EndpointUpdate.model_validate({field: value})
+
+
+def test_error_summaries_name_the_field_and_never_show_the_input() -> None:
+    from hookline.shared.models import error_summary
+
+    secret_value = "whsec_" + "S" * 44
+    with pytest.raises(ValidationError) as caught:
+        EndpointCreate.model_validate(
+            {**ENDPOINT, "url": "ftp://x", "description": secret_value, "extra": secret_value}
+        )
+    summary = error_summary(caught.value)
+    assert "url:" in summary
+    assert secret_value not in summary
