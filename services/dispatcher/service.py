@@ -44,6 +44,7 @@ from hookline.shared.streams import StreamFollower
 log = structlog.get_logger(__name__)
 
 PROBE_POLL_S = 1.0
+RECONCILE_RETRY_S = 2.0
 BREAKER_LOOKBACK = timedelta(minutes=2)
 
 
@@ -107,9 +108,17 @@ class Consumers:
         """Apply changes until :meth:`stop_intake`. Never cancelled mid-way: aiormq closes a channel
         whose RPC is cancelled."""
         for endpoint in self._registry.all():
-            await self._reconcile(endpoint.id)
+            await self._reconcile_or_retry(endpoint.id)
         while (endpoint_id := await self._changed.get()) is not None:
+            await self._reconcile_or_retry(endpoint_id)
+
+    async def _reconcile_or_retry(self, endpoint_id: str) -> None:
+        try:
             await self._reconcile(endpoint_id)
+        except amqp.BROKER_ERRORS as exc:
+            # The channel is reconnecting (or refused something): try this endpoint again shortly.
+            log.warning("consumer_reconcile_failed", endpoint_id=endpoint_id, error=type(exc).__name__)
+            asyncio.get_running_loop().call_later(RECONCILE_RETRY_S, self._changed.put_nowait, endpoint_id)
 
     async def _reconcile(self, endpoint_id: str) -> None:
         endpoint = self._registry.get(endpoint_id)
@@ -185,9 +194,13 @@ class Consumers:
 
         queue = await self._channel.get_queue(topology.endpoint_queue(endpoint_id), ensure=False)
         while still_mine():
-            message = await queue.get(no_ack=False, fail=False)
+            try:
+                message = await queue.get(no_ack=False, fail=False)
+            except amqp.BROKER_ERRORS as exc:
+                log.warning("breaker_probe_get_failed", endpoint_id=endpoint_id, error=type(exc).__name__)
+                message = None
             if message is None:
-                await asyncio.sleep(PROBE_POLL_S)  # nothing to probe with yet
+                await asyncio.sleep(PROBE_POLL_S)  # nothing to probe with yet, or the channel is back soon
                 continue
             log.info("breaker_probe", endpoint_id=endpoint_id, version=version)
             await handle_safely(self._handler, endpoint_id, message, probe=True)

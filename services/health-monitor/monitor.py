@@ -111,7 +111,14 @@ class Monitor:
     async def publish_commands(self, control: AbstractExchange) -> None:
         while True:
             command = await self._outbox.get()
-            await self._publish_control(control, command)
+            try:
+                await self._publish_control(control, command)
+            except BROKER_ERRORS as exc:
+                # Not lost: the next snapshot (every few seconds) carries the state anyway.
+                log.warning(
+                    "breaker_command_unpublished", endpoint_id=command.endpoint_id, error=type(exc).__name__
+                )
+                continue
             log.warning(
                 "breaker_changed",
                 endpoint_id=command.endpoint_id,
@@ -143,7 +150,11 @@ class Monitor:
     async def poll_queues(self) -> None:
         """Queue depths by passive declares: ready messages per endpoint queue and in the delay levels."""
         while True:
-            channel = await self._connection.channel()
+            try:
+                channel = await self._connection.channel()
+            except BROKER_ERRORS:
+                await asyncio.sleep(self.settings.queue_poll_s)
+                continue
             try:
                 self.awaiting_retry = sum(
                     [
@@ -155,11 +166,13 @@ class Monitor:
                     self.health.endpoint(endpoint.id).queue_depth = await _depth(
                         channel, topology.endpoint_queue(endpoint.id)
                     )
-            except aio_pika.exceptions.ChannelNotFoundEntity:
-                pass  # an endpoint deleted meanwhile; the next round reads it without
+            except BROKER_ERRORS as exc:
+                # An endpoint deleted meanwhile (its queue is gone), or the broker is away: next round.
+                log.debug("queue_poll_incomplete", error=type(exc).__name__)
             finally:
                 if not channel.is_closed:
-                    await channel.close()
+                    with contextlib.suppress(*BROKER_ERRORS):
+                        await channel.close()
             await asyncio.sleep(self.settings.queue_poll_s)
 
     # --- actions -------------------------------------------------------------------------------
