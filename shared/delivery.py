@@ -14,11 +14,16 @@ import time
 from dataclasses import dataclass
 from types import SimpleNamespace, TracebackType
 from typing import Self
-from urllib.parse import urlsplit
 
 import aiohttp
 
-from hookline.shared.targets import CheckedResolver, TargetRefusedError, literal_refusal, url_refusal
+from hookline.shared.targets import (
+    CheckedResolver,
+    TargetRefusedError,
+    connect_host,
+    literal_refusal,
+    url_refusal,
+)
 
 
 class ErrorKind(enum.StrEnum):
@@ -167,7 +172,7 @@ class DeliveryClient:
         refusal = url_refusal(url, allow_http=self._allow_http)
         if refusal is None and not self._allow_private:
             # aiohttp does not ask the resolver about literal addresses: they are checked here.
-            refusal = literal_refusal(urlsplit(url).hostname or "")
+            refusal = literal_refusal(connect_host(url))
         return refusal
 
 

@@ -11,6 +11,7 @@ import sys
 
 import orjson
 import structlog
+import structlog.tracebacks
 
 
 def configure(*, service: str, level: str = "info") -> None:
@@ -20,7 +21,10 @@ def configure(*, service: str, level: str = "info") -> None:
             structlog.contextvars.merge_contextvars,
             structlog.processors.add_log_level,
             structlog.processors.TimeStamper(fmt="iso", utc=True, key="ts"),
-            structlog.processors.dict_tracebacks,
+            # Tracebacks as data, without local variables: locals hold events and endpoint secrets.
+            structlog.processors.ExceptionRenderer(
+                structlog.tracebacks.ExceptionDictTransformer(show_locals=False)
+            ),
             structlog.processors.JSONRenderer(serializer=orjson.dumps),
         ],
         wrapper_class=structlog.make_filtering_bound_logger(level_no),

@@ -17,6 +17,7 @@ import socket
 from urllib.parse import urlsplit
 
 import aiohttp
+import yarl
 from aiohttp.abc import AbstractResolver, ResolveResult
 
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
@@ -33,6 +34,8 @@ def address_refusal(address: IPAddress) -> str | None:
         if embedded is not None:
             inner = address_refusal(embedded)
             return f"{inner} (inside {address})" if inner else None
+    if isinstance(address, ipaddress.IPv6Address) and address.is_site_local:
+        return f"{address} is a site-local address"
     for test, what in (
         (address.is_loopback, "loopback"),
         (address.is_link_local, "link-local (cloud metadata lives here)"),
@@ -48,18 +51,26 @@ def address_refusal(address: IPAddress) -> str | None:
     return None
 
 
+def connect_host(url: str) -> str:
+    """The host aiohttp will connect to: yarl's normalisation (IDNA, Unicode digits and dots folded),
+    not what the URL looks like, so the check and the connection see the same host."""
+    try:
+        return (yarl.URL(url).host or "").strip("[]")
+    except (ValueError, UnicodeError):
+        return ""
+
+
 def url_refusal(url: str, *, allow_http: bool) -> str | None:
-    """What is wrong with the URL itself (scheme, a literal address), before any DNS lookup."""
-    parts = urlsplit(url)
-    if parts.scheme != "https" and not (allow_http and parts.scheme == "http"):
+    """What is wrong with the URL itself (scheme, host), before any DNS lookup."""
+    scheme = urlsplit(url).scheme
+    if scheme != "https" and not (allow_http and scheme == "http"):
         return (
             "only https URLs are allowed (HOOKLINE_ALLOW_HTTP is off)"
-            if parts.scheme == "http"
+            if scheme == "http"
             else "not an http(s) URL"
         )
-    host = (parts.hostname or "").strip("[]")
-    if not host:
-        return "the URL has no host"
+    if not connect_host(url):
+        return "the URL has no usable host"
     return None
 
 
@@ -103,7 +114,7 @@ async def registration_refusal(
     refusal = url_refusal(url, allow_http=allow_http)
     if refusal is not None or allow_private:
         return refusal
-    host = (urlsplit(url).hostname or "").strip("[]")
+    host = connect_host(url)
     with contextlib.suppress(ValueError):
         return address_refusal(ipaddress.ip_address(host))  # a literal address: no lookup
     resolver = CheckedResolver()

@@ -53,5 +53,6 @@ class Delays:
             },
         )
         queue = topology.endpoint_queue(endpoint_id)
+        delay_s = min(delay_s, topology.MAX_DELAY_S)
         exchange = self._levels[topology.delay_entry(delay_s)]
         await exchange.publish(copy, routing_key=topology.delay_routing_key(delay_s, queue))

@@ -89,16 +89,17 @@ class Handler:
 
     async def handle(
         self, endpoint_id: str, message: AbstractIncomingMessage, *, probe: bool = False
-    ) -> None:
+    ) -> bool:
+        """Handle one message to its settlement; True when an attempt was made (what a probe needs)."""
         if not probe and self._breakers.state(endpoint_id) is not None:
             # Delivered before the breaker opened reached us: back to the queue, not attempted.
             await message.nack(requeue=True)
-            return
+            return False
         endpoint = self._registry.get(endpoint_id)
         if endpoint is None:
             # Deleted while this message was on its way (the ingest moves the rest of the queue).
             await self._gone(message, endpoint_id)
-            return
+            return False
         parsed = inbound.parse(
             message.body,
             message_id=message.message_id,
@@ -119,14 +120,33 @@ class Handler:
                 "event_invalid",
                 endpoint_id=endpoint.id, tenant=endpoint.tenant, event_id=parsed.event_id, reason=parsed.reason,
             )  # fmt: skip
-            return
+            return False
 
         event = parsed.event
         sequence = (parsed.sequence or time.time_ns()) if endpoint.ordered and event.subject else None
-        defer_s = await self._gate(endpoint, parsed, sequence)
+        defer_s = await self._gate(endpoint, parsed, sequence, probe=probe)
         if defer_s is not None:
             await self._defer(message, endpoint, parsed, sequence, defer_s)
-            return
+            return False
+        try:
+            await self._attempt_and_settle(message, endpoint, parsed, sequence, probe=probe)
+        except BaseException:
+            if sequence is not None:  # never leave the subject blocked by an event that is not out
+                assert event.subject is not None
+                self._order.done(endpoint.id, event.subject, event.id)
+            raise
+        return True
+
+    async def _attempt_and_settle(
+        self,
+        message: AbstractIncomingMessage,
+        endpoint: StoredEndpoint,
+        parsed: inbound.Inbound,
+        sequence: int | None,
+        *,
+        probe: bool,
+    ) -> None:
+        event = parsed.event
         started_s = time.time()
         result = await self._attempt(endpoint, event.id, message.body)
         outcome = classify(result.status, result.error)
@@ -187,17 +207,21 @@ class Handler:
             dead_letter_reason=dead_letter_reason,
             probe=probe or None,
         )
-        throttled = result.status == 429
+        retry_after_s = (
+            parse_retry_after(result.retry_after, now=datetime.now(UTC)) if result.status == 429 else None
+        )
         self._pacer.record(
             endpoint.id,
             status=result.status,
-            retry_after_s=parse_retry_after(result.retry_after, now=datetime.now(UTC)) if throttled else None,
+            retry_after_s=min(retry_after_s, self._settings.retry_after_cap_s)
+            if retry_after_s is not None
+            else None,
             now_s=ended_s,
         )
         await self._apply(settlement, message, endpoint, parsed, first_attempt_at_s, result, sequence)
 
     async def _gate(
-        self, endpoint: StoredEndpoint, parsed: inbound.Inbound, sequence: int | None
+        self, endpoint: StoredEndpoint, parsed: inbound.Inbound, sequence: int | None, *, probe: bool
     ) -> float | None:
         """Wait for this delivery's turn (per-subject order, rate limit, 429 pause); or, when the wait
         is long, return the seconds to defer the message by instead (no attempt is spent)."""
@@ -209,7 +233,11 @@ class Handler:
             )
             if order_s is not None:
                 return order_s
-        wait_s = self._pacer.wait_s(endpoint.id, endpoint.rate_limit_per_s, now_s=now_s)
+        if probe:
+            return None  # the one delivery a half-open breaker lets through goes now
+        wait_s = self._pacer.wait_s(
+            endpoint.id, endpoint.rate_limit_per_s, now_s=now_s, max_wait_s=MAX_LOCAL_WAIT_S
+        )
         if wait_s > MAX_LOCAL_WAIT_S:
             if sequence is not None:
                 assert parsed.event.subject is not None
@@ -314,7 +342,7 @@ class Handler:
                 event_id=event.id, attempts=parsed.attempt, last_status=result.status, last_error=result.detail,
             )  # fmt: skip
             if settlement.disable:
-                await self._disable(endpoint, reason=result.detail)
+                await self._disable(endpoint.id, status=result.status)
         else:
             assert isinstance(settlement, Ack)
         await message.ack()
@@ -327,13 +355,18 @@ class Handler:
             else:
                 self._order.done(endpoint.id, event.subject, event.id)
 
-    async def _disable(self, endpoint: StoredEndpoint, *, reason: str) -> None:
+    async def _disable(self, endpoint_id: str, *, status: int | None) -> None:
+        # The current definition, not the one read before the attempt: a rotation or an edit made
+        # meanwhile must survive, and a deleted endpoint must stay deleted.
+        endpoint = self._registry.get(endpoint_id)
+        if endpoint is None or endpoint.status is EndpointStatus.DISABLED:
+            return
         now = datetime.now(UTC)
         disabled = endpoint.model_copy(update={"status": EndpointStatus.DISABLED, "updated_at": now})
         record = EndpointUpserted(change_id=f"chg_{uuid.uuid4().hex}", at=now, endpoint=disabled)
         await self._change_log.append(record, timeout_s=self._settings.connect_timeout_s)
         log.warning(
-            "endpoint_disabled", endpoint_id=endpoint.id, tenant=endpoint.tenant, reason=reason, alert=True
+            "endpoint_disabled", endpoint_id=endpoint.id, tenant=endpoint.tenant, status=status, alert=True
         )
 
     async def _gone(self, message: AbstractIncomingMessage, endpoint_id: str) -> None:
@@ -392,15 +425,19 @@ class Handler:
 
 async def handle_safely(
     handler: Handler, endpoint_id: str, message: AbstractIncomingMessage, *, probe: bool = False
-) -> None:
+) -> bool:
     """The consumer callback: a crash requeues the message (counted toward the poison limit), and a
-    lost channel leaves it to the broker to redeliver; neither stops the dispatcher."""
+    broker error hands it back if the channel still can; neither stops the dispatcher. Returns whether
+    an attempt was made."""
     metrics.IN_FLIGHT.inc()
     try:
-        await handler.handle(endpoint_id, message, probe=probe)
+        return await handler.handle(endpoint_id, message, probe=probe)
     except BROKER_ERRORS as exc:
-        # The channel went away mid-settlement: the broker redelivers what was not acked.
+        # A publish or read-back failed mid-settlement: hand the message back (on a lost channel the
+        # broker does that by itself); it is tried again.
         log.warning("settle_failed", endpoint_id=endpoint_id, error=type(exc).__name__)
+        with contextlib.suppress(*BROKER_ERRORS):
+            await message.nack(requeue=True)
     except Exception as exc:
         log.error("handler_crashed", endpoint_id=endpoint_id, error=type(exc).__name__, exc_info=exc)
         # reject (not nack) counts toward x-delivery-limit on every RabbitMQ version, so a message that
@@ -410,3 +447,4 @@ async def handle_safely(
             await message.reject(requeue=True)
     finally:
         metrics.IN_FLIGHT.dec()
+    return False

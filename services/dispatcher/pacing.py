@@ -44,11 +44,15 @@ class EndpointPace:
 class Pacer:
     _paces: dict[str, EndpointPace] = field(default_factory=dict)
 
-    def wait_s(self, endpoint_id: str, rate_limit_per_s: float | None, *, now_s: float) -> float:
-        """How long the next delivery to this endpoint must wait (0: go now)."""
+    def wait_s(
+        self, endpoint_id: str, rate_limit_per_s: float | None, *, now_s: float, max_wait_s: float
+    ) -> float:
+        """How long the next delivery to this endpoint must wait (0: go now). A wait longer than
+        ``max_wait_s`` means the delivery is put off: then no token is taken, so putting deliveries
+        off never runs the bucket into debt."""
         pace = self._paces.setdefault(endpoint_id, EndpointPace())
         wait_s = max(0.0, pace.not_before_s - now_s)
-        if rate_limit_per_s is None:
+        if rate_limit_per_s is None or wait_s > max_wait_s:
             return wait_s
         rate = rate_limit_per_s * pace.factor
         # The burst after a quiet period: a tenth of a second's worth, at least one delivery.
@@ -57,7 +61,10 @@ class Pacer:
             pace.bucket = TokenBucket(rate_per_s=rate, capacity=capacity, tokens=capacity, updated_s=now_s)
         pace.bucket.rate_per_s = rate
         pace.bucket.capacity = capacity
-        return max(wait_s, pace.bucket.reserve(now_s + wait_s) + wait_s)
+        total_s = wait_s + pace.bucket.reserve(now_s + wait_s)
+        if total_s > max_wait_s:
+            pace.bucket.tokens += 1  # put off: give the token back
+        return total_s
 
     def record(
         self, endpoint_id: str, *, status: int | None, retry_after_s: float | None, now_s: float

@@ -203,14 +203,15 @@ class Consumers:
                 await asyncio.sleep(PROBE_POLL_S)  # nothing to probe with yet, or the channel is back soon
                 continue
             log.info("breaker_probe", endpoint_id=endpoint_id, version=version)
-            await handle_safely(self._handler, endpoint_id, message, probe=True)
-            return
+            if await handle_safely(self._handler, endpoint_id, message, probe=True):
+                return
+            # No attempt came of it (an invalid event, a deferral, a failure): probe with the next one.
 
     async def _on_message(self, endpoint_id: str, message: AbstractIncomingMessage) -> None:
         await self.track(partial(handle_safely, self._handler, endpoint_id), message)
 
     async def track(
-        self, handle: Callable[[AbstractIncomingMessage], Awaitable[None]], message: AbstractIncomingMessage
+        self, handle: Callable[[AbstractIncomingMessage], Awaitable[object]], message: AbstractIncomingMessage
     ) -> None:
         """Run a message's handling as a task the shutdown drain waits for."""
         task = asyncio.current_task()

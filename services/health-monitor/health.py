@@ -22,6 +22,8 @@ RECENT_S, MINUTE_S = 300, 60
 MAX_TRACKED_RETRIES = 50_000
 #: A dispatcher silent this long is not asked to probe.
 DISPATCHER_STALE_S = 15.0
+#: A probe that has not reported back after this long is asked for again.
+PROBE_TIMEOUT_S = 120.0
 #: Fewer samples than this in the short window say nothing about p95.
 MIN_SAMPLES = 5
 
@@ -45,6 +47,7 @@ class EndpointHealth:
     retrying: dict[str, float] = field(default_factory=dict)  # event id -> first attempt, awaiting a retry
     queue_depth: int | None = None
     last_attempt_at_s: float | None = None
+    probe_asked_at_s: float = 0.0  # when a dispatcher was last asked to probe
 
     def p95_recent_ms(self, now_s: float) -> float | None:
         recent = self.recent.total(now_s=now_s)
@@ -136,11 +139,15 @@ class Health:
             if health.breaker.state is not BreakerState.HALF_OPEN:
                 continue
             prober = health.command.probe_by if health.command else None
-            if before.state is BreakerState.HALF_OPEN and prober in live:
+            waiting_s = now_s - health.probe_asked_at_s
+            if before.state is BreakerState.HALF_OPEN and prober in live and waiting_s < PROBE_TIMEOUT_S:
                 continue
             if not live:
                 continue  # nobody to probe: try again next tick
-            probe_by = live[hash(endpoint_id) % len(live)]
+            # A new prober when the cooldown has just ended, when the last one went silent, or when
+            # its probe has not reported back in time (it found nothing to deliver, or lost it).
+            probe_by = live[(hash(endpoint_id) + int(now_s // PROBE_TIMEOUT_S)) % len(live)]
+            health.probe_asked_at_s = now_s
             commands += self._command_if_changed(endpoint_id, health, before, probe_by=probe_by, now_s=now_s)
         return commands
 

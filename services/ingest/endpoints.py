@@ -273,9 +273,10 @@ async def delete_endpoint(
             "events_pending",
             f"{pending} events are waiting for this endpoint; delete with ?force=true to dead-letter them",
         )
-    # 1. No new events for it.
+    # 1. No new events for it, and no retries either: those become unroutable, then dead letters.
     for key in topology.binding_keys(endpoint.tenant, endpoint.event_types):
         await queue.unbind(state.events, routing_key=key)
+    await queue.unbind(topology.DELAY_DELIVERY, routing_key=topology.delay_delivery_binding(queue.name))
     # 2. Dispatchers stop consuming once they read the deletion.
     now = datetime.now(UTC)
     await state.change_log.append(

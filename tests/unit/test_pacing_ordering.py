@@ -10,25 +10,25 @@ from hookline.dispatcher.pacing import Pacer
 
 def test_the_rate_limit_spaces_deliveries() -> None:
     pacer = Pacer()
-    waits = [pacer.wait_s("ep", 10.0, now_s=100.0) for _ in range(25)]
+    waits = [pacer.wait_s("ep", 10.0, now_s=100.0, max_wait_s=60) for _ in range(25)]
     # A burst of a tenth of a second's worth (at least one) goes at once, then one every 1/rate s.
     assert waits[0] == 0.0
     assert waits[1] == pytest.approx(0.1)
     assert waits[24] == pytest.approx(2.4)
-    burst = [pacer.wait_s("big", 100.0, now_s=0.0) for _ in range(12)]
+    burst = [pacer.wait_s("big", 100.0, now_s=0.0, max_wait_s=60) for _ in range(12)]
     assert burst[:10] == [0.0] * 10
     assert burst[10] == pytest.approx(0.01)
 
 
 def test_without_a_limit_there_is_no_wait() -> None:
-    assert Pacer().wait_s("ep", None, now_s=0.0) == 0.0
+    assert Pacer().wait_s("ep", None, now_s=0.0, max_wait_s=60) == 0.0
 
 
 def test_a_429_halves_the_rate_and_honours_retry_after() -> None:
     pacer = Pacer()
-    pacer.wait_s("ep", 10.0, now_s=0.0)
+    pacer.wait_s("ep", 10.0, now_s=0.0, max_wait_s=60)
     pacer.record("ep", status=429, retry_after_s=3.0, now_s=0.0)
-    assert pacer.wait_s("ep", 10.0, now_s=1.0) >= 2.0  # not before Retry-After
+    assert pacer.wait_s("ep", 10.0, now_s=1.0, max_wait_s=60) >= 2.0  # not before Retry-After
     for _ in range(20):
         pacer.record("ep", status=429, retry_after_s=None, now_s=0.0)
     pace = pacer._paces["ep"]
@@ -41,7 +41,7 @@ def test_a_429_halves_the_rate_and_honours_retry_after() -> None:
 def test_a_429_without_a_rate_limit_still_pauses_the_endpoint() -> None:
     pacer = Pacer()
     pacer.record("ep", status=429, retry_after_s=None, now_s=5.0)
-    assert pacer.wait_s("ep", None, now_s=5.0) == pytest.approx(1.0)
+    assert pacer.wait_s("ep", None, now_s=5.0, max_wait_s=60) == pytest.approx(1.0)
 
 
 def test_a_subject_goes_in_order_and_blocks_only_itself() -> None:
@@ -66,3 +66,12 @@ def test_a_later_event_never_overtakes_a_deferred_earlier_one() -> None:
     # e3 arrives before e2 comes back from its deferral: it waits behind e2.
     assert order.admit("ep", "s", "e3", 3, now_s=0.5) is not None
     assert order.admit("ep", "s", "e2", 2, now_s=1) is None
+
+
+def test_putting_deliveries_off_never_runs_the_bucket_into_debt() -> None:
+    pacer = Pacer()
+    pacer.record("ep", status=429, retry_after_s=30.0, now_s=0.0)
+    for _ in range(1000):  # a backlog, every delivery put off while the endpoint pauses
+        assert pacer.wait_s("ep", 2.0, now_s=1.0, max_wait_s=10) > 10
+    # Once the pause is over, deliveries go at the (halved) rate again, not 500 s later.
+    assert pacer.wait_s("ep", 2.0, now_s=31.0, max_wait_s=10) <= 1.0

@@ -96,3 +96,20 @@ async def test_registration_accepts_a_public_literal() -> None:
         await registration_refusal("https://93.184.216.34/hook", allow_http=False, allow_private=False)
         is None
     )
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "https://\U0001fbf1\U0001fbf2\U0001fbf7.0.0.1:18181/",  # segmented digits, folded to 127.0.0.1
+        "https://\uff11\uff12\uff17.0.0.1/",  # fullwidth digits
+        "https://127\u30020.0.1/",  # ideographic full stop
+        "https://[fec0::1]/",  # old site-local IPv6
+    ],
+)
+async def test_hosts_are_checked_as_aiohttp_will_connect_to_them(url: str) -> None:
+    assert await registration_refusal(url, allow_http=False, allow_private=False) is not None
+    from hookline.shared.delivery import DeliveryClient
+
+    client = DeliveryClient(max_connections=1, user_agent="t", allow_http=False, allow_private=False)
+    assert client.refusal(url) is not None
