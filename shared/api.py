@@ -136,8 +136,9 @@ class BodyLimit:
         await response(scope, receive, send)
 
 
-def probes_router(is_ready: Callable[[], bool]) -> APIRouter:
-    """``/healthz`` (the process answers), ``/readyz`` (it can do its work) and ``/metrics``."""
+def probes_router(problems: Callable[[], list[str]]) -> APIRouter:
+    """``/healthz`` (the process answers), ``/readyz`` (it can do its work: ``problems`` says what is
+    missing, such as the broker or a loop that is not running) and ``/metrics``."""
     router = APIRouter(include_in_schema=False)
 
     @router.get("/healthz")
@@ -146,9 +147,11 @@ def probes_router(is_ready: Callable[[], bool]) -> APIRouter:
 
     @router.get("/readyz")
     async def readyz() -> Response:
-        if is_ready():
+        found = problems()
+        if not found:
             return JSONResponse({"status": "ready"})
-        return error_response(503, "not_ready", "not connected to the broker or the endpoint log yet")
+        details = [ErrorDetail(field=None, message=problem) for problem in found]
+        return error_response(503, "not_ready", "not ready: " + "; ".join(found), details)
 
     @router.get("/metrics")
     async def metrics() -> Response:

@@ -4,6 +4,10 @@ The monitor owns the breakers and publishes each change to the fanout exchange `
 which feeds the stream ``hookline.breakers`` (1 h). It also publishes a snapshot of every breaker that
 is not closed every few seconds, so a dispatcher that starts or reconnects reads the last minutes of
 the stream and knows the current states, not only future changes. Versions make applying idempotent.
+
+Those snapshots are also a lease: a breaker that no command or snapshot has renewed for the lease time
+is closed by the dispatchers themselves, so a monitor that went silent (killed, partitioned) never keeps
+an endpoint blocked for ever. A monitor that comes back renews or reopens it with its next snapshot.
 """
 
 from __future__ import annotations
@@ -48,37 +52,63 @@ control_record: TypeAdapter[ControlRecord] = TypeAdapter(ControlRecord)
 
 
 class BreakerView:
-    """A dispatcher's knowledge of the breakers, from the commands and snapshots it has read."""
+    """A dispatcher's knowledge of the breakers, from the commands and snapshots it has read.
 
-    def __init__(self) -> None:
+    ``lease_s`` None: breakers never expire (the monitor's own view, rebuilt from its log).
+    Times are monotonic seconds, passed in.
+    """
+
+    def __init__(self, *, lease_s: float | None = None) -> None:
         self._commands: dict[str, BreakerCommand] = {}
-        self._snapshot_version = 0
+        self._renewed_s: dict[str, float] = {}
+        self._lease_s = lease_s
 
     def state(self, endpoint_id: str) -> BreakerCommand | None:
         """The command in force, or None when the breaker is closed."""
         command = self._commands.get(endpoint_id)
         return command if command is not None and command.state is not BreakerState.CLOSED else None
 
-    def apply(self, record: ControlRecord) -> set[str]:
+    def apply(self, record: ControlRecord, *, now_s: float = 0.0) -> set[str]:
         """Apply a record; returns the endpoints whose breaker changed."""
         if isinstance(record, BreakerCommand):
-            return {record.endpoint_id} if self._apply(record) else set()
-        changed = {command.endpoint_id for command in record.breakers if self._apply(command)}
+            return {record.endpoint_id} if self._apply(record, now_s) else set()
+        changed = {command.endpoint_id for command in record.breakers if self._apply(command, now_s)}
         listed = {command.endpoint_id for command in record.breakers}
         for endpoint_id, command in list(self._commands.items()):
             if endpoint_id not in listed and command.version < record.version:
-                del self._commands[endpoint_id]
+                self._forget(endpoint_id)
                 if command.state is not BreakerState.CLOSED:
                     changed.add(endpoint_id)
         return changed
+
+    def expire(self, *, now_s: float) -> list[BreakerCommand]:
+        """Forget the breakers nobody renewed within the lease; returns them (each once)."""
+        if self._lease_s is None:
+            return []
+        lease_s = self._lease_s
+        expired = [
+            command
+            for endpoint_id, command in self._commands.items()
+            if command.state is not BreakerState.CLOSED and now_s - self._renewed_s[endpoint_id] > lease_s
+        ]
+        for command in expired:
+            self._forget(command.endpoint_id)
+        return expired
 
     def commands(self) -> list[BreakerCommand]:
         """Every breaker that is not closed, as last commanded."""
         return [command for command in self._commands.values() if command.state is not BreakerState.CLOSED]
 
-    def _apply(self, command: BreakerCommand) -> bool:
+    def _apply(self, command: BreakerCommand, now_s: float) -> bool:
         current = self._commands.get(command.endpoint_id)
         if current is not None and current.version >= command.version:
+            if current.version == command.version:
+                self._renewed_s[command.endpoint_id] = now_s  # the same state, said again
             return False
         self._commands[command.endpoint_id] = command
+        self._renewed_s[command.endpoint_id] = now_s
         return current is None or (current.state, current.probe_by) != (command.state, command.probe_by)
+
+    def _forget(self, endpoint_id: str) -> None:
+        self._commands.pop(endpoint_id, None)
+        self._renewed_s.pop(endpoint_id, None)

@@ -134,13 +134,15 @@ class EndpointCreate(Model):
 
 
 class EndpointUpdate(Model):
-    """``PATCH``: only the fields present change. ``ordered`` is fixed at creation (it shapes the queue)."""
+    """``PATCH``: only the fields present change; ``null`` removes a limit. Adding or removing
+    ``rate_limit_per_s``, ``max_in_flight`` or ``ordered`` moves the endpoint to a new queue."""
 
     url: Url | None = None
     event_types: Patterns | None = None
     description: str | None = Field(None, max_length=1000)
     rate_limit_per_s: float | None = Field(None, gt=0, le=100_000)
     max_in_flight: int | None = Field(None, ge=1, le=1000)
+    ordered: bool | None = None
     timeout_s: TimeoutS | None = None
     retry_schedule_s: RetrySchedule | None = None
     max_attempts: MaxAttempts | None = None
@@ -177,6 +179,9 @@ class Endpoint(Model):
     verification: Verification | None = None
     created_at: AwareDatetime
     updated_at: AwareDatetime
+    version: int = Field(
+        0, description="increases with every change; send it as If-Match to change only that version"
+    )
 
     @property
     def single_consumer(self) -> bool:
@@ -192,12 +197,24 @@ class SigningSecret(Model):
 
 
 class StoredEndpoint(Endpoint):
-    """An endpoint as the change log keeps it: with its signing secrets, newest first."""
+    """An endpoint as the change log keeps it: with its signing secrets (newest first) and its queues.
+
+    ``queue_generation`` names the queue events go to now (:func:`topology.endpoint_queue`); a change
+    of the options that shape a queue moves the endpoint to the next generation, and the queues it
+    left are ``retired_queues``: dispatchers keep draining them into the current one.
+    """
 
     secrets: list[SigningSecret] = Field(min_length=1)
+    queue_generation: int = Field(0, ge=0)
+    retired_queues: list[str] = Field(default_factory=list, max_length=100)
+    # False for endpoints registered before route exchanges existed: their queue is bound to ``events``
+    # directly until the ingest upgrades them at its start.
+    routed: bool = False
 
     def public(self) -> Endpoint:
-        return Endpoint.model_validate(self.model_dump(exclude={"secrets"}))
+        return Endpoint.model_validate(
+            self.model_dump(exclude={"secrets", "queue_generation", "retired_queues", "routed"})
+        )
 
 
 class EndpointCreated(Endpoint):
@@ -229,11 +246,17 @@ class EndpointList(Model):
 # --- the endpoint change log --------------------------------------------------------------------
 
 
+# A change applies only if the endpoint is still at ``base_version`` when a reader reaches the record
+# (0: the endpoint must not exist yet); every reader applies the same rule in the same order, so all
+# agree on which of two concurrent writes won. None: unconditional (records of earlier versions).
+
+
 class EndpointUpserted(Model):
     kind: Literal["endpoint.upserted"] = "endpoint.upserted"
     change_id: str
     at: AwareDatetime
     endpoint: StoredEndpoint
+    base_version: int | None = None
 
 
 class EndpointDeleted(Model):
@@ -241,6 +264,7 @@ class EndpointDeleted(Model):
     change_id: str
     at: AwareDatetime
     endpoint_id: EndpointId
+    base_version: int | None = None
 
 
 ChangeRecord = Annotated[EndpointUpserted | EndpointDeleted, Field(discriminator="kind")]

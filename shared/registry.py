@@ -5,41 +5,57 @@ service replays it from the first offset at start and then follows it live, so a
 later (or restarted) knows every endpoint without another database. :class:`EndpointRegistry` is the
 in-memory result; :class:`ChangeLog` does the I/O.
 
-To know when the replay has caught up, a reader appends a marker of its own and waits until it reads
-it back (:mod:`hookline.shared.streams`). Writers wait for their own record the same way, which gives
-read-your-writes (``POST`` then ``GET`` on any ingest replica sees the endpoint).
+Changes are conditional (``base_version``): the stream has no compare-and-set, but every reader applies
+records in the same order with the same rule, so a writer learns whether it won by reading its own
+record back (:meth:`ChangeLog.write`). A stale write (based on a version that another write replaced
+meanwhile) changes nothing: the API answers 409, internal writers re-read and try again
+(:meth:`ChangeLog.update`).
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import UTC, datetime
 
 import aio_pika
 import structlog
-from aio_pika.abc import (
-    AbstractIncomingMessage,
-    AbstractRobustConnection,
-)
+from aio_pika.abc import AbstractIncomingMessage
 from pydantic import TypeAdapter, ValidationError
 
 from hookline.shared import topology
+from hookline.shared.amqp import Broker, Publisher
+from hookline.shared.ids import new_id
 from hookline.shared.models import (
     ChangeRecord,
-    EndpointDeleted,
     EndpointUpserted,
     StoredEndpoint,
     error_summary,
 )
-from hookline.shared.streams import StreamFollower
+from hookline.shared.streams import StreamFollower, offset_of
+from hookline.shared.supervision import Supervisor
 
 log = structlog.get_logger(__name__)
 
 _records: TypeAdapter[ChangeRecord] = TypeAdapter(ChangeRecord)
 _LEGACY_SYNC = b'{"kind":"sync"'
+LOOP = "endpoint-log"
 
 #: Called with (before, after) for every endpoint that changed; either side is None on create/delete.
 Listener = Callable[[StoredEndpoint | None, StoredEndpoint | None], None]
+
+
+@dataclass(frozen=True, slots=True)
+class Stale:
+    """A conditional change that lost: the endpoint is at another version (or gone, or exists already)."""
+
+    current: StoredEndpoint | None
+
+
+class StaleWriteError(Exception):
+    def __init__(self, current: StoredEndpoint | None) -> None:
+        super().__init__("the endpoint changed meanwhile")
+        self.current = current
 
 
 class EndpointRegistry:
@@ -47,8 +63,10 @@ class EndpointRegistry:
 
     def __init__(self) -> None:
         self._endpoints: dict[str, StoredEndpoint] = {}
-        # Deleted endpoints' last definitions: messages still on their way can be dead-lettered by tenant.
+        # Deleted endpoints' last definitions: messages still on their way can be dead-lettered by tenant,
+        # and their queues drained.
         self._deleted: dict[str, StoredEndpoint] = {}
+        self._deleted_at: dict[str, datetime] = {}
         self._listeners: list[Listener] = []
 
     def get(self, endpoint_id: str) -> StoredEndpoint | None:
@@ -61,22 +79,33 @@ class EndpointRegistry:
     def all(self) -> list[StoredEndpoint]:
         return list(self._endpoints.values())
 
+    def deleted_since(self, since: datetime) -> list[StoredEndpoint]:
+        """Endpoints deleted at or after ``since`` (their queues may still hold messages to drain)."""
+        return [self._deleted[i] for i, at in self._deleted_at.items() if at >= since]
+
     def __len__(self) -> int:
         return len(self._endpoints)
 
     def subscribe(self, listener: Listener) -> None:
         self._listeners.append(listener)
 
-    def apply(self, record: ChangeRecord) -> None:
+    def apply(self, record: ChangeRecord) -> StoredEndpoint | Stale | None:
+        """Apply one record: the endpoint as it now is (None once deleted), or :class:`Stale`."""
+        endpoint_id = record.endpoint.id if isinstance(record, EndpointUpserted) else record.endpoint_id
+        before = self._endpoints.get(endpoint_id)
+        if record.base_version is not None and record.base_version != (before.version if before else 0):
+            return Stale(before)
         if isinstance(record, EndpointUpserted):
-            before = self._endpoints.get(record.endpoint.id)
-            self._endpoints[record.endpoint.id] = record.endpoint
-            self._notify(before, record.endpoint)
-        elif isinstance(record, EndpointDeleted):
-            before = self._endpoints.pop(record.endpoint_id, None)
-            if before is not None:
-                self._deleted[before.id] = before
-                self._notify(before, None)
+            after = record.endpoint.model_copy(update={"version": (before.version if before else 0) + 1})
+            self._endpoints[endpoint_id] = after
+            self._notify(before, after)
+            return after
+        if before is not None:
+            del self._endpoints[endpoint_id]
+            self._deleted[endpoint_id] = before
+            self._deleted_at[endpoint_id] = record.at
+            self._notify(before, None)
+        return None
 
     def _notify(self, before: StoredEndpoint | None, after: StoredEndpoint | None) -> None:
         for listener in self._listeners:
@@ -84,54 +113,95 @@ class EndpointRegistry:
 
 
 class ChangeLog:
-    """Reads the endpoint change log into a registry and appends records to it."""
+    """Reads the endpoint change log into a registry (a supervised loop) and appends records to it."""
 
-    def __init__(self, connection: AbstractRobustConnection, registry: EndpointRegistry) -> None:
+    def __init__(self, broker: Broker, publisher: Publisher, registry: EndpointRegistry) -> None:
         self.registry = registry
-        self._follower = StreamFollower(connection, topology.ENDPOINT_LOG, self._on_record)
+        self._follower = StreamFollower(broker, topology.ENDPOINT_LOG, self._on_record, publisher=publisher)
 
-    async def start(self, *, sync_timeout_s: float) -> None:
-        await self._follower.start()
-        await self._follower.sync(timeout_s=sync_timeout_s)
-
-    async def stop(self) -> None:
-        await self._follower.stop()
-
-    async def append(self, record: ChangeRecord, *, timeout_s: float) -> None:
-        """Append a record and wait until this process has applied it (read-your-writes)."""
+    async def write(self, record: ChangeRecord, *, timeout_s: float) -> StoredEndpoint | None:
+        """Append a record and wait until this process has applied it (read-your-writes): the endpoint
+        as it now is (None when deleted). Raises :class:`StaleWriteError` when a conditional change lost."""
         message = aio_pika.Message(
             _records.dump_json(record),
             content_type="application/json",
             delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
             message_id=record.change_id,
         )
-        await self._follower.append(message, timeout_s=timeout_s)
+        result = await self._follower.append(message, timeout_s=timeout_s)
+        if isinstance(result, Stale):
+            raise StaleWriteError(result.current)
+        assert result is None or isinstance(result, StoredEndpoint)
+        return result
+
+    async def upsert(
+        self, endpoint: StoredEndpoint, *, base_version: int, timeout_s: float
+    ) -> StoredEndpoint:
+        """Write ``endpoint`` if it is still at ``base_version`` (0: create); the stored result."""
+        record = EndpointUpserted(
+            change_id=new_id("chg"), at=datetime.now(UTC), endpoint=endpoint, base_version=base_version
+        )
+        written = await self.write(record, timeout_s=timeout_s)
+        assert written is not None
+        return written
+
+    async def update(
+        self,
+        endpoint_id: str,
+        change: Callable[[StoredEndpoint], StoredEndpoint | None],
+        *,
+        timeout_s: float,
+        attempts: int = 5,
+    ) -> StoredEndpoint | None:
+        """An internal writer's change, applied to the current definition and retried when another write
+        wins meanwhile. ``change`` returns the new definition, or None when there is nothing (more) to
+        do; the result is the endpoint as written, or None when nothing was written."""
+        for _ in range(attempts):
+            await self.sync(timeout_s=timeout_s)
+            current = self.registry.get(endpoint_id)
+            if current is None:
+                return None
+            after = change(current)
+            if after is None:
+                return None
+            try:
+                return await self.upsert(after, base_version=current.version, timeout_s=timeout_s)
+            except StaleWriteError:
+                log.info("endpoint_change_retried", endpoint_id=endpoint_id)
+        raise StaleWriteError(self.registry.get(endpoint_id))
 
     async def sync(self, *, timeout_s: float) -> None:
         """Return once every record written before this call has been applied."""
         await self._follower.sync(timeout_s=timeout_s)
 
-    def _on_record(self, message: AbstractIncomingMessage) -> None:
+    def _on_record(self, message: AbstractIncomingMessage) -> object:
         if message.body.startswith(_LEGACY_SYNC):
-            return  # read-back markers of versions that wrote them as records
+            return None  # read-back markers of versions that wrote them as records
         try:
             record = _records.validate_json(message.body)
         except ValidationError as exc:
             # A record this version cannot read is skipped loudly rather than stopping the service.
-            offset = (message.headers or {}).get("x-stream-offset")
-            log.error("endpoint_log_record_unreadable", offset=offset, error=error_summary(exc))
-            return
-        self.registry.apply(record)
+            log.error("endpoint_log_record_unreadable", offset=offset_of(message), error=error_summary(exc))
+            return None
+        result = self.registry.apply(record)
+        if isinstance(result, Stale):
+            endpoint_id = record.endpoint.id if isinstance(record, EndpointUpserted) else record.endpoint_id
+            log.info("endpoint_change_stale", endpoint_id=endpoint_id, base_version=record.base_version)
+        return result
 
 
-@asynccontextmanager
 async def follow(
-    connection: AbstractRobustConnection, registry: EndpointRegistry, *, sync_timeout_s: float
-) -> AsyncIterator[ChangeLog]:
-    """Replay the change log into ``registry``, keep following it, and stop on exit."""
-    change_log = ChangeLog(connection, registry)
-    try:
-        await change_log.start(sync_timeout_s=sync_timeout_s)
-        yield change_log
-    finally:
-        await change_log.stop()
+    broker: Broker,
+    publisher: Publisher,
+    supervisor: Supervisor,
+    registry: EndpointRegistry,
+    *,
+    sync_timeout_s: float,
+) -> ChangeLog:
+    """Replay the change log into ``registry`` and keep following it under ``supervisor``; returns once
+    caught up (a service is not ready before it knows every endpoint)."""
+    change_log = ChangeLog(broker, publisher, registry)
+    supervisor.spawn(LOOP, change_log._follower.run)
+    await supervisor.wait_up(LOOP, timeout_s=sync_timeout_s)
+    await change_log.sync(timeout_s=sync_timeout_s)
+    return change_log

@@ -8,6 +8,7 @@ service with one line naming the variable (:func:`load`).
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 from typing import Annotated, Literal, TypeVar
 
 from pydantic import Field, SecretStr, ValidationError, field_validator
@@ -31,6 +32,15 @@ class CommonSettings(BaseSettings):
     event_log_max_age_s: int = Field(
         604_800, ge=3600, description="How long accepted events are kept for replay (stream retention)."
     )
+    state_dir: Path = Field(
+        Path(".hookline/state"),
+        description="Where each replica keeps its local views (SQLite); rebuilt from the streams if lost.",
+    )
+
+    def state_file(self, service: str, port: int) -> Path:
+        """This replica's view file: one per service and port, so replicas on one host never share one."""
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        return self.state_dir / f"{service}-{port}.sqlite"
 
     @field_validator("amqp_url")
     @classmethod
@@ -97,6 +107,11 @@ class DispatcherSettings(DeliveryPolicySettings):
         3600.0, ge=0, description="Longest delay a Retry-After header can ask for."
     )
     max_payload_bytes: int = Field(262_144, ge=1024, le=16 * 1024 * 1024)
+    breaker_lease_s: float = Field(
+        30.0,
+        ge=10,
+        description="An open breaker no health monitor renewed for this long is closed (monitors renew every 5 s).",
+    )
 
     @field_validator("retry_schedule_s", mode="before")
     @classmethod
@@ -139,7 +154,16 @@ class MonitorSettings(CommonSettings):
     )
     oldest_pending_alert_s: float = Field(1800.0, gt=0)
     tick_s: float = Field(1.0, gt=0, le=60, description="How often breakers and alerts are evaluated.")
-    queue_poll_s: float = Field(5.0, gt=0, description="How often queue depths are read.")
+    queue_poll_s: float = Field(
+        5.0,
+        gt=0,
+        description="How often queue depths are read and missing queues and streams declared again.",
+    )
+    retired_queue_grace_s: float = Field(
+        300.0,
+        gt=0,
+        description="A queue an endpoint left (moved or deleted) is removed after staying empty this long.",
+    )
 
     @field_validator("api_token")
     @classmethod

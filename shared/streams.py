@@ -1,10 +1,11 @@
 """Reading a RabbitMQ stream from an offset, following it live, and knowing when we have caught up.
 
-Streams are hookline's durable, re-readable logs (endpoint changes, dead letters, accepted events).
-A :class:`StreamFollower` consumes one from a starting offset, resumes at the next unread offset after
-a reconnect (a robust consumer would start again from its original offset), and can wait until it
-has read a given message: :meth:`StreamFollower.sync` appends a marker of its own and waits for it,
-which proves that everything written before the marker has been handled.
+Streams are hookline's durable, re-readable logs (endpoint changes, dead letters, accepted events,
+telemetry, breaker commands). A :class:`StreamFollower` is a supervised loop body: it consumes the
+stream from its next unread offset, and when its channel goes (broker restart, closed connection) the
+supervisor runs it again and it resumes exactly where it was. :meth:`StreamFollower.sync` appends a
+marker of its own and waits until it has read it back, which proves that everything written before the
+marker has been handled; :meth:`StreamFollower.append` does the same for a record (read-your-writes).
 """
 
 from __future__ import annotations
@@ -13,10 +14,14 @@ import asyncio
 import uuid
 from collections.abc import Callable
 from datetime import datetime
+from functools import partial
 
 import aio_pika
 import structlog
-from aio_pika.abc import AbstractIncomingMessage, AbstractRobustChannel, AbstractRobustConnection
+from aio_pika.abc import AbstractChannel, AbstractIncomingMessage
+
+from hookline.shared.amqp import Broker, Publisher, close_quietly, on_cancel, passive_queue, until_closed
+from hookline.shared.supervision import Loop
 
 log = structlog.get_logger(__name__)
 
@@ -24,53 +29,63 @@ log = structlog.get_logger(__name__)
 MARKER_HEADER = "x-hookline-marker"
 
 Offset = int | str | datetime  # an offset, "first", "last", "next", or a point in time
-Handler = Callable[[AbstractIncomingMessage], None]
+#: Applies one record; what it returns is handed to whoever waits for that record (see ``append``).
+Handler = Callable[[AbstractIncomingMessage], object]
+
+
+def offset_of(message: AbstractIncomingMessage) -> int | None:
+    offset = (message.headers or {}).get("x-stream-offset")
+    return offset if isinstance(offset, int) else None
 
 
 class StreamFollower:
     def __init__(
         self,
-        connection: AbstractRobustConnection,
+        broker: Broker,
         stream: str,
         handler: Handler,
         *,
+        publisher: Publisher | None = None,
         start: Offset = "first",
         prefetch: int = 500,
     ) -> None:
-        self._connection = connection
-        self._stream = stream
+        self._broker = broker
+        self.stream = stream
         self._handler = handler
-        self._next_offset: Offset = start
+        self._publisher = publisher
+        self.next_offset: Offset = start
         self._prefetch = prefetch
-        self._read_channel: AbstractRobustChannel | None = None
-        self._write_channel: AbstractRobustChannel | None = None
-        self._waiting: dict[str, asyncio.Future[None]] = {}
+        self._waiting: dict[str, asyncio.Future[object]] = {}
 
-    async def start(self) -> None:
-        # on_return_raises: an unroutable write raises instead of passing for a confirm.
-        self._write_channel = await self._connection.channel(publisher_confirms=True, on_return_raises=True)
-        self._read_channel = await self._connection.channel()
-        # A stream consumer must set a prefetch; its acks only return credit.
-        await self._read_channel.set_qos(prefetch_count=self._prefetch)
-        await self._subscribe()
-        self._connection.reconnect_callbacks.add(self._on_reconnect)
+    async def run(self, loop: Loop) -> None:
+        """Consume from the next unread offset until the channel goes (then the supervisor calls again)."""
+        async with self._broker.channel(prefetch=self._prefetch) as channel:
+            queue = await passive_queue(channel, self.stream)
+            # A stream consumer must set a prefetch; its acks only return credit.
+            await queue.consume(self._on_message, arguments={"x-stream-offset": self.next_offset})
+            await on_cancel(channel, partial(self._on_stream_deleted, channel))
+            if isinstance(self.next_offset, int):
+                log.info("stream_following", stream=self.stream, offset=self.next_offset)
+            loop.mark_up()
+            await until_closed(channel)
 
-    async def stop(self) -> None:
-        self._connection.reconnect_callbacks.discard(self._on_reconnect)
-        for channel in (self._read_channel, self._write_channel):
-            if channel is not None and not channel.is_closed:
-                await channel.close()
+    def _on_stream_deleted(self, channel: AbstractChannel, _: object) -> None:
+        # The broker cancels a stream's consumers when the stream is deleted; when it is declared again
+        # (the monitor does that) its offsets start over, so read the new one from its start.
+        log.error("stream_deleted", stream=self.stream, alert=True)
+        self.next_offset = "first"
+        asyncio.get_running_loop().create_task(close_quietly(channel))
 
-    async def append(self, message: aio_pika.Message, *, timeout_s: float) -> None:
-        """Write ``message`` to the stream and wait until this follower has read it back."""
-        assert self._write_channel is not None, "start() first"
+    async def append(self, message: aio_pika.Message, *, timeout_s: float) -> object:
+        """Write ``message`` to the stream, wait until this follower has applied it, and return what the
+        handler returned for it (for instance whether a conditional change won)."""
+        assert self._publisher is not None, "a follower that appends needs a publisher"
         assert message.message_id, "appended messages need a unique message_id"
         read_back = self._expect(message.message_id)
         try:
-            await self._write_channel.default_exchange.publish(
-                message, routing_key=self._stream, timeout=timeout_s
-            )
-            await asyncio.wait_for(read_back, timeout_s)
+            async with asyncio.timeout(timeout_s):
+                await self._publisher.publish(message, exchange="", routing_key=self.stream)
+                return await read_back
         finally:
             self._waiting.pop(message.message_id, None)
 
@@ -80,35 +95,29 @@ class StreamFollower:
         marker = aio_pika.Message(b"", message_id=token, headers={MARKER_HEADER: token})
         await self.append(marker, timeout_s=timeout_s)
 
-    def _expect(self, message_id: str) -> asyncio.Future[None]:
-        future = asyncio.get_running_loop().create_future()
+    def _expect(self, message_id: str) -> asyncio.Future[object]:
+        future: asyncio.Future[object] = asyncio.get_running_loop().create_future()
         self._waiting[message_id] = future
         return future
 
-    async def _subscribe(self) -> None:
-        assert self._read_channel is not None
-        queue = await self._read_channel.declare_queue(self._stream, passive=True, robust=False)
-        await queue.consume(self._on_message, arguments={"x-stream-offset": self._next_offset}, robust=False)
-
-    async def _on_reconnect(self, *_: object) -> None:
-        log.info("stream_resubscribe", stream=self._stream, offset=str(self._next_offset))
-        await self._subscribe()
-
     async def _on_message(self, message: AbstractIncomingMessage) -> None:
-        headers = message.headers or {}
-        offset = headers.get("x-stream-offset")
-        if isinstance(offset, int):
-            self._next_offset = offset + 1
-        if MARKER_HEADER not in headers:
-            self._handler(message)
+        # Runs before the first await, in delivery order: records are applied in stream order.
+        offset = offset_of(message)
+        if offset is not None:
+            if isinstance(self.next_offset, int) and offset < self.next_offset:
+                await message.ack()
+                return  # read twice across a resubscription: applied already
+            self.next_offset = offset + 1
+        result = None if MARKER_HEADER in (message.headers or {}) else self._handler(message)
         waiter = self._waiting.pop(message.message_id or "", None)
         if waiter is not None and not waiter.done():
-            waiter.set_result(None)
+            waiter.set_result(result)
         await message.ack()
 
 
 async def read_until_now(
-    connection: AbstractRobustConnection,
+    broker: Broker,
+    publisher: Publisher,
     stream: str,
     handler: Handler,
     *,
@@ -116,9 +125,13 @@ async def read_until_now(
     timeout_s: float,
 ) -> None:
     """Hand every message from ``start`` to the present to ``handler``, then stop."""
-    follower = StreamFollower(connection, stream, handler, start=start)
-    await follower.start()
-    try:
-        await follower.sync(timeout_s=timeout_s)
-    finally:
-        await follower.stop()
+    follower = StreamFollower(broker, stream, handler, publisher=publisher, start=start)
+    token = f"marker_{uuid.uuid4().hex}"
+    read_back = follower._expect(token)
+    async with asyncio.timeout(timeout_s), broker.channel(prefetch=500) as channel:
+        queue = await passive_queue(channel, stream)
+        tag = await queue.consume(follower._on_message, arguments={"x-stream-offset": start})
+        marker = aio_pika.Message(b"", message_id=token, headers={MARKER_HEADER: token})
+        await publisher.publish(marker, exchange="", routing_key=stream)
+        await read_back
+        await queue.cancel(tag)

@@ -43,6 +43,9 @@ class Heartbeat(Model):
     dispatcher_id: str
     in_flight: int
     consumers: int
+    # Messages this dispatcher holds unacked, per endpoint (only those with some): what a queue's
+    # ready count does not show, for the ingest's "events pending" check before a delete.
+    unacked: dict[str, int] = Field(default_factory=dict)
 
 
 TelemetryRecord = Annotated[AttemptRecord | Heartbeat, Field(discriminator="kind")]

@@ -3,17 +3,29 @@
 All queues are durable (quorum or stream) so the same code runs on RabbitMQ 3.10 through 4.x. A queue's
 arguments come from one function each: redeclaring with different arguments is a channel error.
 
-    events (topic) ──<tenant>.<pattern>──▶ hookline.endpoint.<id> (quorum, one per endpoint)
+    events (topic) ──<tenant>.<pattern>──▶ hookline.route.<id> (fanout, one per endpoint)
       │  ├─ "#" ──▶ hookline.events.log (stream: every accepted event, for replay)
       │  └─ alternate exchange ──▶ hookline.unrouted (only if the event log is missing)
+    hookline.route.<id> ──▶ the endpoint's current queue (even generation)
+      └─ alternate exchange hookline.route.<id>.alt ──▶ the current queue (odd generation)
     hookline.delay.27 … hookline.delay.00 (topic + quorum TTL queue of 2^NN s each)
-      └─▶ hookline.delay.delivery (topic) ──"*"x28.<queue>──▶ hookline.endpoint.<id>
-            └─ alternate exchange ──▶ hookline.delay.unroutable (the endpoint queue is gone)
+      └─▶ hookline.delay.delivery (topic) ──"*"x28.hookline.route.<id>──▶ hookline.route.<id>
+            └─ alternate exchange ──▶ hookline.delay.unroutable (the endpoint is gone)
     hookline.dead (fanout) ──▶ hookline.dead-letters (stream: listable, redrivable)
     hookline.endpoints (stream): the endpoint change log every service replays and follows
     hookline.telemetry (fanout) ──▶ hookline.telemetry.log (stream, 25 h): attempt records, heartbeats
     hookline.control (fanout) ──▶ hookline.breakers (stream, 1 h): breaker commands and snapshots
     alerts (topic, <alert>.<state>): alerts firing and resolved, for whoever binds a queue
+
+Queues per endpoint: ``hookline.endpoint.<id>`` (generation 0), then ``hookline.endpoint.<id>.g<N>``.
+A queue's arguments are fixed when it is declared, so an endpoint whose options need other arguments
+(a rate limit added or removed: single active consumer) moves to a queue of the next generation. The
+move is one binding operation, which is what makes it exact: the route exchange delivers to its bound
+queue, and only when it has none, to its alternate exchange. Going from an even generation (bound to
+the route exchange) to an odd one: bind the new queue to the alternate (no effect yet), then unbind
+the old one (from now on every event takes the alternate). From odd to even: binding the new queue to
+the route exchange is the switch. Either way no event goes to both queues or to neither, and retries,
+addressed to the route exchange rather than to a queue, follow the switch.
 
 Delays (reference/rabbitmq-techniques.md §1): a retry is published to the level of the highest set bit
 of its delay in seconds, with a routing key of the 28 bits, most significant first, then the endpoint
@@ -28,13 +40,10 @@ from typing import Any
 
 import aio_pika
 import structlog
-from aio_pika.abc import (
-    AbstractChannel,
-    AbstractExchange,
-    AbstractRobustChannel,
-    AbstractRobustConnection,
-    AbstractRobustQueue,
-)
+from aio_pika.abc import AbstractChannel, AbstractExchange, AbstractQueue
+
+from hookline.shared.amqp import Broker
+from hookline.shared.models import StoredEndpoint
 
 EVENTS_EXCHANGE = "events"
 UNROUTED = "hookline.unrouted"
@@ -58,6 +67,8 @@ TELEMETRY_MAX_BYTES = 4_000_000_000
 CONTROL_EXCHANGE = "hookline.control"
 BREAKER_LOG = "hookline.breakers"
 ALERTS_EXCHANGE = "alerts"
+# Held (declared exclusive) by the health monitor that leads; the broker deletes it with its connection.
+MONITOR_LEADER_LOCK = "hookline.monitor.leader"
 
 DELAY_BITS = 28
 MAX_DELAY_S = 2**DELAY_BITS - 1
@@ -69,11 +80,11 @@ def delay_level(level: int) -> str:
     return f"hookline.delay.{level:02d}"
 
 
-def delay_routing_key(delay_s: int, queue: str) -> str:
-    """28 words of bits of ``delay_s``, most significant first, then the destination queue's name."""
+def delay_routing_key(delay_s: int, destination: str) -> str:
+    """28 words of bits of ``delay_s``, most significant first, then the destination's name."""
     if not 0 <= delay_s <= MAX_DELAY_S:
         raise ValueError(f"a delay must be between 0 and {MAX_DELAY_S} s")
-    return ".".join(format(delay_s, f"0{DELAY_BITS}b")) + "." + queue
+    return ".".join(format(delay_s, f"0{DELAY_BITS}b")) + "." + destination
 
 
 def delay_entry(delay_s: int) -> str:
@@ -81,13 +92,44 @@ def delay_entry(delay_s: int) -> str:
     return delay_level(max(delay_s.bit_length() - 1, 0))
 
 
-def delay_delivery_binding(queue: str) -> str:
-    # Exactly 28 bit words: "#.<queue>" would also match any queue whose name ends with ".<queue>".
-    return "*." * DELAY_BITS + queue
+def delay_delivery_binding(destination: str) -> str:
+    # Exactly 28 bit words: "#.<name>" would also match any name that ends with ".<name>".
+    return "*." * DELAY_BITS + destination
 
 
-def endpoint_queue(endpoint_id: str) -> str:
-    return ENDPOINT_QUEUE_PREFIX + endpoint_id
+def delay_destination(routing_key: str) -> str:
+    """The destination named by a delayed message's routing key (its part after the 28 bits)."""
+    return routing_key.split(".", DELAY_BITS)[-1]
+
+
+ROUTE_EXCHANGE_PREFIX = "hookline.route."
+
+
+def endpoint_queue(endpoint_id: str, generation: int = 0) -> str:
+    name = ENDPOINT_QUEUE_PREFIX + endpoint_id
+    return name if generation == 0 else f"{name}.g{generation}"
+
+
+def route_exchange(endpoint_id: str) -> str:
+    return ROUTE_EXCHANGE_PREFIX + endpoint_id
+
+
+def route_alternate(endpoint_id: str) -> str:
+    return route_exchange(endpoint_id) + ".alt"
+
+
+def endpoint_of(name: str) -> str | None:
+    """The endpoint a queue, route exchange or retry destination belongs to (None if none does)."""
+    for prefix in (ENDPOINT_QUEUE_PREFIX, ROUTE_EXCHANGE_PREFIX):
+        if name.startswith(prefix):
+            return name.removeprefix(prefix).split(".", 1)[0] or None
+    return None
+
+
+def retry_destination(endpoint: StoredEndpoint) -> str:
+    """Where a retry is addressed: the route exchange (it follows queue moves); an endpoint registered
+    before route exchanges existed still has its queue bound to the delay exchange directly."""
+    return route_exchange(endpoint.id) if endpoint.routed else endpoint_queue(endpoint.id)
 
 
 def binding_keys(tenant: str, patterns: Iterable[str]) -> set[str]:
@@ -114,24 +156,21 @@ def endpoint_queue_arguments(*, single_consumer: bool) -> dict[str, Any]:
     return arguments
 
 
-async def declare(connection: AbstractRobustConnection, *, event_log_max_age_s: int) -> None:
+async def declare(broker: Broker, *, event_log_max_age_s: int) -> None:
     """Declare everything every service relies on, on a channel of its own (idempotent).
 
     Something that exists with other arguments (say, the event log declared with another retention;
     change that with a policy instead) stops the service at start with the broker's words.
     """
-    channel = await connection.channel()
     try:
-        await declare_core(channel, event_log_max_age_s=event_log_max_age_s)
+        async with broker.channel() as channel:
+            await declare_core(channel, event_log_max_age_s=event_log_max_age_s)
     except aio_pika.exceptions.ChannelPreconditionFailed as exc:
         structlog.get_logger(__name__).error("topology_mismatch", detail=str(exc))
         raise SystemExit(1) from None
-    finally:
-        if not channel.is_closed:
-            await channel.close()
 
 
-async def declare_core(channel: AbstractRobustChannel, *, event_log_max_age_s: int) -> None:
+async def declare_core(channel: AbstractChannel, *, event_log_max_age_s: int) -> None:
     unrouted = await channel.declare_exchange(UNROUTED, aio_pika.ExchangeType.FANOUT, durable=True)
     unrouted_queue = await channel.declare_queue(
         UNROUTED,
@@ -159,7 +198,7 @@ async def declare_core(channel: AbstractRobustChannel, *, event_log_max_age_s: i
     await _declare_health(channel)
 
 
-async def _declare_health(channel: AbstractRobustChannel) -> None:
+async def _declare_health(channel: AbstractChannel) -> None:
     telemetry = await channel.declare_exchange(TELEMETRY_EXCHANGE, aio_pika.ExchangeType.FANOUT, durable=True)
     telemetry_log = await channel.declare_queue(
         TELEMETRY_LOG,
@@ -182,7 +221,7 @@ async def _declare_health(channel: AbstractRobustChannel) -> None:
     await channel.declare_exchange(ALERTS_EXCHANGE, aio_pika.ExchangeType.TOPIC, durable=True)
 
 
-async def _declare_delays(channel: AbstractRobustChannel) -> None:
+async def _declare_delays(channel: AbstractChannel) -> None:
     unroutable = await channel.declare_exchange(DELAY_UNROUTABLE, aio_pika.ExchangeType.FANOUT, durable=True)
     unroutable_queue = await channel.declare_queue(
         DELAY_UNROUTABLE, durable=True, arguments={"x-queue-type": "quorum"}
@@ -233,20 +272,102 @@ async def dead_letter_exchange(channel: AbstractChannel) -> AbstractExchange:
     return await channel.declare_exchange(DEAD_LETTER_EXCHANGE, aio_pika.ExchangeType.FANOUT, durable=True)
 
 
-async def endpoint_log(channel: AbstractRobustChannel) -> AbstractRobustQueue:
+async def endpoint_log(channel: AbstractChannel) -> AbstractQueue:
     # No retention limit: the log is the only copy of the endpoint definitions.
     return await channel.declare_queue(ENDPOINT_LOG, durable=True, arguments={"x-queue-type": "stream"})
 
 
 async def endpoint_queue_declare(
-    channel: AbstractRobustChannel, endpoint_id: str, *, single_consumer: bool, robust: bool = True
-) -> AbstractRobustQueue:
+    channel: AbstractChannel, endpoint: StoredEndpoint, generation: int | None = None
+) -> AbstractQueue:
+    """Declare (create if missing) the endpoint's queue of ``generation`` (default: its current one)."""
+    generation = endpoint.queue_generation if generation is None else generation
     return await channel.declare_queue(
-        endpoint_queue(endpoint_id),
+        endpoint_queue(endpoint.id, generation),
         durable=True,
-        arguments=endpoint_queue_arguments(single_consumer=single_consumer),
-        robust=robust,
+        arguments=endpoint_queue_arguments(single_consumer=endpoint.single_consumer),
     )
+
+
+def _feeding_exchange(endpoint_id: str, generation: int) -> str:
+    return route_exchange(endpoint_id) if generation % 2 == 0 else route_alternate(endpoint_id)
+
+
+async def provision(channel: AbstractChannel, endpoint: StoredEndpoint) -> None:
+    """Everything the endpoint needs, declared and bound (idempotent): its route exchanges, its current
+    queue fed by the right one, its patterns on ``events``, and retries addressed to it."""
+    alternate = await channel.declare_exchange(
+        route_alternate(endpoint.id), aio_pika.ExchangeType.FANOUT, durable=True
+    )
+    route = await channel.declare_exchange(
+        route_exchange(endpoint.id),
+        aio_pika.ExchangeType.FANOUT,
+        durable=True,
+        arguments={"alternate-exchange": alternate.name},
+    )
+    queue = await endpoint_queue_declare(channel, endpoint)
+    await queue.bind(_feeding_exchange(endpoint.id, endpoint.queue_generation))
+    for key in sorted(binding_keys(endpoint.tenant, endpoint.event_types)):
+        await route.bind(EVENTS_EXCHANGE, routing_key=key)
+    await route.bind(DELAY_DELIVERY, routing_key=delay_delivery_binding(route.name))
+    if not endpoint.routed:
+        # Bindings of the version before route exchanges: the route exchange feeds the queue now (a
+        # message reaching one queue by two paths is queued once, so nothing falls in between).
+        for key in sorted(binding_keys(endpoint.tenant, endpoint.event_types)):
+            await queue.unbind(EVENTS_EXCHANGE, routing_key=key)
+
+
+async def rebind(channel: AbstractChannel, before: StoredEndpoint, after: StoredEndpoint) -> None:
+    """New patterns on ``events``: the new ones are bound before the old ones go, so no event matching
+    both falls between them (and one reaching the route exchange twice is queued once)."""
+    old_keys = binding_keys(before.tenant, before.event_types)
+    new_keys = binding_keys(after.tenant, after.event_types)
+    route = await channel.get_exchange(route_exchange(after.id), ensure=False)
+    for key in sorted(new_keys - old_keys):
+        await route.bind(EVENTS_EXCHANGE, routing_key=key)
+    for key in sorted(old_keys - new_keys):
+        await route.unbind(EVENTS_EXCHANGE, routing_key=key)
+
+
+async def switch_queue(channel: AbstractChannel, endpoint: StoredEndpoint, from_generation: int) -> None:
+    """Feed the endpoint's current queue instead of the one of ``from_generation`` (see the module
+    docstring: bind the new one, then unbind the old one, is exact in both directions)."""
+    new = await channel.get_queue(endpoint_queue(endpoint.id, endpoint.queue_generation), ensure=False)
+    await new.bind(_feeding_exchange(endpoint.id, endpoint.queue_generation))
+    old = await channel.get_queue(endpoint_queue(endpoint.id, from_generation), ensure=False)
+    await old.unbind(_feeding_exchange(endpoint.id, from_generation))
+
+
+async def unroute(channel: AbstractChannel, endpoint: StoredEndpoint) -> None:
+    """No new events nor retries for a deleted endpoint: deleting its route exchanges removes every
+    binding to them (retries still on their way become unroutable, then ``endpoint_gone`` dead letters).
+    Its queues stay until they are drained."""
+    await channel.exchange_delete(route_exchange(endpoint.id))
+    await channel.exchange_delete(route_alternate(endpoint.id))
+    if not endpoint.routed:
+        queue = await channel.get_queue(endpoint_queue(endpoint.id), ensure=False)
+        for key in sorted(binding_keys(endpoint.tenant, endpoint.event_types)):
+            await queue.unbind(EVENTS_EXCHANGE, routing_key=key)
+        await queue.unbind(DELAY_DELIVERY, routing_key=delay_delivery_binding(queue.name))
+
+
+def core_queues() -> list[str]:
+    """The queues and streams every service relies on (what :func:`declare_core` creates)."""
+    return [
+        UNROUTED,
+        EVENT_LOG,
+        DEAD_LETTER_STREAM,
+        ENDPOINT_LOG,
+        TELEMETRY_LOG,
+        BREAKER_LOG,
+        DELAY_UNROUTABLE,
+        *(delay_level(level) for level in range(DELAY_BITS)),
+    ]
+
+
+def endpoint_queues(endpoint: StoredEndpoint) -> list[str]:
+    """Every queue of the endpoint that may hold its messages: the current one and those it left."""
+    return [endpoint_queue(endpoint.id, endpoint.queue_generation), *endpoint.retired_queues]
 
 
 def topic_matches(pattern: str, routing_key: str) -> bool:

@@ -78,16 +78,23 @@ def decide(
 
 
 def parse_retry_after(value: str | None, *, now: datetime) -> float | None:
-    """``Retry-After`` as seconds from ``now``: delta-seconds or an HTTP date; None if absent or garbled."""
+    """``Retry-After`` as seconds from ``now``: delta-seconds or an HTTP date; None if absent or garbled.
+
+    Whatever a receiver sends, this never raises: ``"²".isdigit()`` is true in Python, but ``float("²")``
+    is not a number, so only ASCII digits count as delta-seconds.
+    """
     if value is None:
         return None
     value = value.strip()
-    if value.isdigit():
-        return float(value)
+    if value.isascii() and value.isdigit():
+        return float(value)  # may be inf for absurd lengths; callers cap it
     try:
         when = parsedate_to_datetime(value)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, IndexError, OverflowError):
         return None
     if when.tzinfo is None:
         return None
-    return max(0.0, (when - now).total_seconds())
+    try:
+        return max(0.0, (when - now).total_seconds())
+    except OverflowError:
+        return None

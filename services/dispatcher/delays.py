@@ -10,21 +10,15 @@ from __future__ import annotations
 from datetime import datetime
 
 import aio_pika
-from aio_pika.abc import AbstractExchange, AbstractRobustChannel
 
 from hookline.shared import topology
+from hookline.shared.amqp import Publisher
 from hookline.shared.headers import Header
 
 
 class Delays:
-    def __init__(self, levels: dict[str, AbstractExchange]) -> None:
-        self._levels = levels
-
-    @classmethod
-    async def open(cls, channel: AbstractRobustChannel) -> Delays:
-        """Exchange handles for every level, made once (they are declared by :func:`topology.declare`)."""
-        names = [topology.delay_level(level) for level in range(topology.DELAY_BITS)]
-        return cls({name: await channel.get_exchange(name, ensure=False) for name in names})
+    def __init__(self, publisher: Publisher) -> None:
+        self._publisher = publisher
 
     async def schedule(
         self,
@@ -33,7 +27,7 @@ class Delays:
         content_type: str | None,
         timestamp: datetime | None,
         event_id: str,
-        endpoint_id: str,
+        destination: str,
         next_attempt: int,
         first_attempt_at_s: float,
         delay_s: int,
@@ -52,7 +46,9 @@ class Delays:
                 **({Header.SEQUENCE: sequence} if sequence is not None else {}),
             },
         )
-        queue = topology.endpoint_queue(endpoint_id)
         delay_s = min(delay_s, topology.MAX_DELAY_S)
-        exchange = self._levels[topology.delay_entry(delay_s)]
-        await exchange.publish(copy, routing_key=topology.delay_routing_key(delay_s, queue))
+        await self._publisher.publish(
+            copy,
+            exchange=topology.delay_entry(delay_s),
+            routing_key=topology.delay_routing_key(delay_s, destination),
+        )

@@ -13,13 +13,13 @@ import contextlib
 import math
 import random
 import time
-import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
+import aio_pika
 import structlog
-from aio_pika.abc import AbstractExchange, AbstractIncomingMessage
+from aio_pika.abc import AbstractIncomingMessage
 
 from hookline.dispatcher import inbound, metrics
 from hookline.dispatcher.backoff import Jitter, RetryPolicy, parse_retry_after
@@ -29,11 +29,11 @@ from hookline.dispatcher.outcome import Ack, DeadLetter, Retry, Settlement, clas
 from hookline.dispatcher.pacing import Pacer
 from hookline.dispatcher.telemetry import Telemetry
 from hookline.shared import __version__, signing, topology
-from hookline.shared.amqp import BROKER_ERRORS
+from hookline.shared.amqp import BROKER_ERRORS, Publisher
 from hookline.shared.control import BreakerView
 from hookline.shared.deadletters import dead_letter_message
 from hookline.shared.delivery import AttemptResult, DeliveryClient
-from hookline.shared.models import DeadLetterReason, EndpointStatus, EndpointUpserted, StoredEndpoint
+from hookline.shared.models import DeadLetterReason, EndpointStatus, StoredEndpoint
 from hookline.shared.registry import ChangeLog, EndpointRegistry
 from hookline.shared.sealing import Sealer
 from hookline.shared.settings import DispatcherSettings
@@ -65,7 +65,7 @@ class Handler:
         registry: EndpointRegistry,
         change_log: ChangeLog,
         client: DeliveryClient,
-        dead_letters: AbstractExchange,
+        publisher: Publisher,
         delays: Delays,
         telemetry: Telemetry,
         breakers: BreakerView,
@@ -77,7 +77,7 @@ class Handler:
         self._registry = registry
         self._change_log = change_log
         self._client = client
-        self._dead_letters = dead_letters
+        self._publisher = publisher
         self._delays = delays
         self._random_unit = random_unit
         self._telemetry = telemetry
@@ -97,8 +97,8 @@ class Handler:
             return False
         endpoint = self._registry.get(endpoint_id)
         if endpoint is None:
-            # Deleted while this message was on its way (the ingest moves the rest of the queue).
-            await self._gone(message, endpoint_id)
+            # Deleted while this message was on its way: its queue is drained into the dead letters.
+            await self.gone(endpoint_id, message)
             return False
         parsed = inbound.parse(
             message.body,
@@ -261,7 +261,7 @@ class Handler:
             content_type=message.content_type,
             timestamp=message.timestamp,
             event_id=parsed.event.id,
-            endpoint_id=endpoint.id,
+            destination=topology.retry_destination(endpoint),
             next_attempt=parsed.attempt,
             first_attempt_at_s=parsed.first_attempt_at_s or time.time(),
             delay_s=max(1, math.ceil(delay_s)),
@@ -330,7 +330,7 @@ class Handler:
                 content_type=message.content_type,
                 timestamp=message.timestamp,
                 event_id=event.id,
-                endpoint_id=endpoint.id,
+                destination=topology.retry_destination(endpoint),
                 next_attempt=parsed.attempt + 1,
                 first_attempt_at_s=first_attempt_at_s,
                 delay_s=settlement.delay_s,
@@ -356,20 +356,25 @@ class Handler:
                 self._order.done(endpoint.id, event.subject, event.id)
 
     async def _disable(self, endpoint_id: str, *, status: int | None) -> None:
-        # The current definition, not the one read before the attempt: a rotation or an edit made
-        # meanwhile must survive, and a deleted endpoint must stay deleted.
-        endpoint = self._registry.get(endpoint_id)
-        if endpoint is None or endpoint.status is EndpointStatus.DISABLED:
-            return
-        now = datetime.now(UTC)
-        disabled = endpoint.model_copy(update={"status": EndpointStatus.DISABLED, "updated_at": now})
-        record = EndpointUpserted(change_id=f"chg_{uuid.uuid4().hex}", at=now, endpoint=disabled)
-        await self._change_log.append(record, timeout_s=self._settings.connect_timeout_s)
-        log.warning(
-            "endpoint_disabled", endpoint_id=endpoint.id, tenant=endpoint.tenant, status=status, alert=True
-        )
+        # A conditional change of the current definition, retried if another write wins meanwhile: a
+        # rotation or an edit made while this attempt ran must survive, a deleted endpoint stays deleted.
+        def disabled(endpoint: StoredEndpoint) -> StoredEndpoint | None:
+            if endpoint.status is EndpointStatus.DISABLED:
+                return None
+            return endpoint.model_copy(
+                update={"status": EndpointStatus.DISABLED, "updated_at": datetime.now(UTC)}
+            )
 
-    async def _gone(self, message: AbstractIncomingMessage, endpoint_id: str) -> None:
+        written = await self._change_log.update(
+            endpoint_id, disabled, timeout_s=self._settings.connect_timeout_s
+        )
+        if written is not None:
+            log.warning(
+                "endpoint_disabled", endpoint_id=endpoint_id, tenant=written.tenant, status=status, alert=True
+            )
+
+    async def gone(self, endpoint_id: str, message: AbstractIncomingMessage) -> None:
+        """A message of an endpoint that was deleted: kept as an ``endpoint_gone`` dead letter."""
         gone = self._registry.last_known(endpoint_id)
         await self._dead_letter(
             message, endpoint_id, gone.tenant if gone else None, DeadLetterReason.ENDPOINT_GONE,
@@ -377,18 +382,43 @@ class Handler:
         )  # fmt: skip
         await message.ack()
 
+    async def forward(self, endpoint_id: str, message: AbstractIncomingMessage) -> None:
+        """A message in a queue the endpoint has left: into its current queue (confirmed), then acked.
+        Addressed by name, not through the route exchange, which may still feed the old queue for a
+        moment while the move completes."""
+        endpoint = self._registry.get(endpoint_id)
+        if endpoint is None:
+            await self.gone(endpoint_id, message)
+            return
+        headers = {
+            key: value
+            for key, value in (message.headers or {}).items()
+            if key not in ("x-death", "x-delivery-count") and not key.startswith("x-first-death")
+        }
+        copy = aio_pika.Message(
+            message.body,
+            headers=headers,
+            content_type=message.content_type,
+            delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
+            message_id=message.message_id,
+            timestamp=message.timestamp,
+        )
+        queue = topology.endpoint_queue(endpoint.id, endpoint.queue_generation)
+        await self._publisher.publish(copy, exchange="", routing_key=queue)
+        await message.ack()
+
     async def handle_unroutable(self, message: AbstractIncomingMessage) -> None:
-        """A retry whose endpoint queue disappeared while it waited in the delay queues."""
-        queue = (message.routing_key or "").split(".", topology.DELAY_BITS)[-1]
-        endpoint_id = queue.removeprefix(topology.ENDPOINT_QUEUE_PREFIX)
+        """A retry whose destination disappeared while it waited in the delay queues."""
+        destination = topology.delay_destination(message.routing_key or "")
+        endpoint_id = topology.endpoint_of(destination) or destination
         known = self._registry.get(endpoint_id)
         if known is None:
-            await self._gone(message, endpoint_id)
+            await self.gone(endpoint_id, message)
             return
         await self._dead_letter(
             message, endpoint_id, known.tenant, DeadLetterReason.UNROUTABLE,
             event_id=message.message_id, attempts=0, last_status=None,
-            last_error=f"no queue {queue} for a retry",
+            last_error=f"nothing bound for {destination} to take a retry",
         )  # fmt: skip
         await message.ack()
 
@@ -405,7 +435,7 @@ class Handler:
         last_error: str,
     ) -> None:
         """Publish the dead letter and wait for the broker's confirm; the caller acks only after this."""
-        await self._dead_letters.publish(
+        await self._publisher.publish(
             dead_letter_message(
                 message.body,
                 reason=reason,
@@ -418,6 +448,7 @@ class Handler:
                 now=datetime.now(UTC),
                 content_type=message.content_type,
             ),
+            exchange=topology.DEAD_LETTER_EXCHANGE,
             routing_key="",
         )
         metrics.DEAD_LETTERS.labels(reason.value).inc()

@@ -6,6 +6,7 @@ Upstreams may publish anything to ``events``; whatever fails these checks is dea
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -63,6 +64,10 @@ def parse(
         return Invalid(f"routing key {routing_key!r} does not match the body's tenant and type", event.id)
     if event.tenant != endpoint_tenant:
         return Invalid("the event's tenant is not the endpoint's tenant", event.id)
+    if exchange == topology.EVENTS_EXCHANGE:
+        # Straight from an upstream: hookline's own headers on it are not hookline's (a publisher could
+        # otherwise claim attempt 999, or an old first attempt, and have the event dead at once).
+        return Inbound(event=event, attempt=1, first_attempt_at_s=None)
     headers = headers or {}
     return Inbound(
         event=event,
@@ -73,8 +78,10 @@ def parse(
 
 
 def _positive_int(value: object, *, default: int) -> int:
-    return value if isinstance(value, int) and value >= 1 else default
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 1 else default
 
 
 def _float(value: object) -> float | None:
-    return float(value) if isinstance(value, int | float) else None
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    return float(value) if math.isfinite(value) else None

@@ -30,10 +30,16 @@ TELEMETRY_DROPPED = prometheus_client.Counter(
 CONSUMERS = prometheus_client.Gauge(
     "hookline_dispatcher_consumers", "Endpoint queues this dispatcher consumes."
 )
+QUEUES_REDECLARED = prometheus_client.Counter(
+    "hookline_endpoint_queues_redeclared", "Endpoint queues found missing and declared again."
+)
+BREAKERS_EXPIRED = prometheus_client.Counter(
+    "hookline_breakers_expired", "Open breakers closed here because no health monitor renewed them."
+)
 
 
 @asynccontextmanager
-async def probe_server(host: str, port: int, *, is_ready: Callable[[], bool]) -> AsyncIterator[int]:
+async def probe_server(host: str, port: int, *, problems: Callable[[], list[str]]) -> AsyncIterator[int]:
     """Serve ``/metrics``, ``/healthz`` and ``/readyz``; yields the bound port (``port=0`` picks one)."""
 
     async def metrics(_: web.Request) -> web.Response:
@@ -46,10 +52,16 @@ async def probe_server(host: str, port: int, *, is_ready: Callable[[], bool]) ->
         return web.json_response({"status": "ok"})
 
     async def readyz(_: web.Request) -> web.Response:
-        if is_ready():
+        found = problems()
+        if not found:
             return web.json_response({"status": "ready"})
         return web.json_response(
-            {"error": "not_ready", "message": "not consuming yet", "details": []}, status=503
+            {
+                "error": "not_ready",
+                "message": "not ready: " + "; ".join(found),
+                "details": [{"field": None, "message": problem} for problem in found],
+            },
+            status=503,
         )
 
     app = web.Application()

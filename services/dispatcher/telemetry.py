@@ -14,10 +14,11 @@ from collections.abc import Callable
 
 import aio_pika
 import structlog
-from aio_pika.abc import AbstractExchange
 
 from hookline.dispatcher import metrics
-from hookline.shared.amqp import BROKER_ERRORS
+from hookline.shared import topology
+from hookline.shared.amqp import Publisher
+from hookline.shared.supervision import Loop
 from hookline.shared.telemetry import AttemptRecord, Heartbeat, TelemetryRecord, batch
 
 log = structlog.get_logger(__name__)
@@ -29,11 +30,11 @@ HEARTBEAT_INTERVAL_S = 5.0
 
 class Telemetry:
     def __init__(
-        self, exchange: AbstractExchange, dispatcher_id: str, *, load: Callable[[], tuple[int, int]]
+        self, publisher: Publisher, dispatcher_id: str, *, load: Callable[[], tuple[int, int, dict[str, int]]]
     ) -> None:
-        self._exchange = exchange
+        self._publisher = publisher
         self.dispatcher_id = dispatcher_id
-        self._load = load  # () -> (in flight, consumers), for heartbeats
+        self._load = load  # () -> (in flight, consumers, unacked per endpoint), for heartbeats
         self._buffer: list[TelemetryRecord] = []
         self._full = asyncio.Event()
 
@@ -42,19 +43,22 @@ class Telemetry:
         if len(self._buffer) >= MAX_BATCH:
             self._full.set()
 
-    async def run(self) -> None:
+    async def run(self, loop: Loop) -> None:
         """Flush periodically and send heartbeats until cancelled (then flush what is left)."""
         next_heartbeat_s = 0.0
+        loop.mark_up()
         try:
             while True:
+                loop.beat()
                 if time.monotonic() >= next_heartbeat_s:
-                    in_flight, consumers = self._load()
+                    in_flight, consumers, unacked = self._load()
                     self._buffer.append(
                         Heartbeat(
                             at_s=time.time(),
                             dispatcher_id=self.dispatcher_id,
                             in_flight=in_flight,
                             consumers=consumers,
+                            unacked=unacked,
                         )
                     )
                     next_heartbeat_s = time.monotonic() + HEARTBEAT_INTERVAL_S
@@ -70,9 +74,11 @@ class Telemetry:
             return
         records, self._buffer = self._buffer, []
         try:
-            await self._exchange.publish(
-                aio_pika.Message(batch.dump_json(records), content_type="application/json"), routing_key=""
+            await self._publisher.publish(
+                aio_pika.Message(batch.dump_json(records), content_type="application/json"),
+                exchange=topology.TELEMETRY_EXCHANGE,
+                routing_key="",
             )
-        except BROKER_ERRORS as exc:
+        except Exception as exc:  # whatever the broker did, the delivery path must not notice
             metrics.TELEMETRY_DROPPED.inc(len(records))
             log.warning("telemetry_dropped", records=len(records), error=type(exc).__name__)

@@ -39,10 +39,17 @@ def evaluate(
     endpoints: Mapping[str, StoredEndpoint],
     *,
     recent_dead_letters: Callable[[str], int],
+    missing: Mapping[str, str | None] = {},
     now_s: float,
     policy: AlertPolicy,
 ) -> dict[AlertKey, Alert]:
-    alerts: list[Alert] = []
+    """``missing``: queues and streams found missing (each mapped to its endpoint, None for the core
+    ones every service needs); they are declared again, but whatever they held is lost."""
+    alerts: list[Alert] = [
+        Alert("topology_missing", None, None, f"{name} was missing and has been declared again")
+        for name, endpoint_id in sorted(missing.items()) if endpoint_id is None
+    ]  # fmt: skip
+    missing_endpoints = {endpoint_id: name for name, endpoint_id in missing.items() if endpoint_id}
     for endpoint_id, endpoint in endpoints.items():
         tenant = endpoint.tenant
 
@@ -51,6 +58,8 @@ def evaluate(
 
         if endpoint.status is EndpointStatus.DISABLED:
             alert("endpoint_disabled", "the endpoint is disabled; nothing is delivered until it is resumed")
+        if endpoint_id in missing_endpoints:
+            alert("queue_missing", f"its queue {missing_endpoints[endpoint_id]} was missing; declared again")
         dead = recent_dead_letters(endpoint_id)
         if dead >= policy.dead_letters_min:
             alert("dead_letters_growing", f"{dead} new dead letters in the last 5 minutes")

@@ -9,39 +9,57 @@ import structlog
 from fastapi import Depends, FastAPI
 
 from hookline.health_monitor import status
-from hookline.health_monitor.monitor import monitoring
-from hookline.shared import __version__, amqp, lifecycle, registry, topology
+from hookline.health_monitor.monitor import Monitor, monitoring
+from hookline.shared import __version__, lifecycle, registry, topology
 from hookline.shared import logging as hookline_logging
+from hookline.shared.amqp import Broker, Publisher
 from hookline.shared.api import bearer_token_guard, install_error_handlers, probes_router, serve
 from hookline.shared.settings import MonitorSettings, load
+from hookline.shared.supervision import Supervisor
 
 log = structlog.get_logger(__name__)
 
 
 def create_app(settings: MonitorSettings) -> FastAPI:
+    supervisor = Supervisor()
+
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        async with amqp.connection(
+        async with Broker(
             settings.amqp_url, name="hookline-health-monitor", connect_timeout_s=settings.connect_timeout_s
-        ) as connection:
-            await topology.declare(connection, event_log_max_age_s=settings.event_log_max_age_s)
-            endpoint_registry = registry.EndpointRegistry()
-            async with (
-                registry.follow(
-                    connection, endpoint_registry, sync_timeout_s=settings.connect_timeout_s
-                ) as change_log,
-                monitoring(settings, connection, change_log) as monitor,
-            ):
-                app.state.monitor = monitor
-                log.info("monitor_ready", endpoints=len(endpoint_registry))
-                yield
+        ) as broker:
+            await topology.declare(broker, event_log_max_age_s=settings.event_log_max_age_s)
+            publisher = Publisher(broker)
+            app.state.broker = broker
+            try:
+                change_log = await registry.follow(
+                    broker,
+                    publisher,
+                    supervisor,
+                    registry.EndpointRegistry(),
+                    sync_timeout_s=settings.connect_timeout_s,
+                )
+                async with monitoring(settings, broker, publisher, supervisor, change_log) as monitor:
+                    app.state.monitor = monitor
+                    log.info("monitor_ready", endpoints=len(change_log.registry))
+                    yield
+            finally:
+                await supervisor.stop()
+                await publisher.close()
+
+    def problems() -> list[str]:
+        monitor: Monitor | None = getattr(app.state, "monitor", None)
+        broker: Broker | None = getattr(app.state, "broker", None)
+        if monitor is None or broker is None:
+            return ["starting"]
+        return ([] if broker.connected else ["broker: not connected"]) + supervisor.problems()
 
     app = FastAPI(title="hookline health monitor", version=__version__, lifespan=lifespan)
     install_error_handlers(app)
     app.include_router(
         status.router, dependencies=[Depends(bearer_token_guard(settings.api_token.get_secret_value()))]
     )
-    app.include_router(probes_router(lambda: getattr(app.state, "monitor", None) is not None))
+    app.include_router(probes_router(problems))
     return app
 
 

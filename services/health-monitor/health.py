@@ -20,8 +20,13 @@ DAY_S, HOUR_S = 86_400, 3_600
 RECENT_S, MINUTE_S = 300, 60
 #: Events awaiting a retry that are remembered per endpoint (the oldest survive; it only bounds memory).
 MAX_TRACKED_RETRIES = 50_000
+#: An event awaiting a retry with no news for this long is forgotten: its last records were lost (or its
+#: endpoint deleted), and a monitor that rebuilt from the 24 h telemetry log would not know it either.
+RETRY_FORGET_S = DAY_S
 #: A dispatcher silent this long is not asked to probe.
 DISPATCHER_STALE_S = 15.0
+#: A dispatcher silent this long is forgotten (replicas come and go with new ids).
+DISPATCHER_FORGET_S = 3_600.0
 #: A probe that has not reported back after this long is asked for again.
 PROBE_TIMEOUT_S = 120.0
 #: Fewer samples than this in the short window say nothing about p95.
@@ -44,7 +49,8 @@ class EndpointHealth:
     recent: RollingStats = field(default_factory=lambda: RollingStats(window_s=RECENT_S, slot_s=MINUTE_S))
     breaker: Breaker = field(default_factory=Breaker)
     command: BreakerCommand | None = None  # the last one published
-    retrying: dict[str, float] = field(default_factory=dict)  # event id -> first attempt, awaiting a retry
+    # Event id -> (first attempt, last record) of the events awaiting a retry, in order of last record.
+    retrying: dict[str, tuple[float, float]] = field(default_factory=dict)
     queue_depth: int | None = None
     last_attempt_at_s: float | None = None
     probe_asked_at_s: float = 0.0  # when a dispatcher was last asked to probe
@@ -55,7 +61,7 @@ class EndpointHealth:
 
     def oldest_pending_s(self, now_s: float) -> float | None:
         """Age of the oldest event still owed to this endpoint, as far as telemetry shows."""
-        oldest = min(self.retrying.values(), default=None)
+        oldest = min((first_s for first_s, _ in self.retrying.values()), default=None)
         opened_at_s = self.breaker.first_opened_at_s
         if self.breaker.state is not BreakerState.CLOSED and opened_at_s is not None and self.queue_depth:
             # Whatever is queued has waited at least since the breaker opened.
@@ -67,6 +73,7 @@ class EndpointHealth:
 class TypeHealth:
     day: RollingStats = field(default_factory=lambda: RollingStats(window_s=DAY_S, slot_s=HOUR_S))
     recent: RollingStats = field(default_factory=lambda: RollingStats(window_s=RECENT_S, slot_s=MINUTE_S))
+    last_attempt_at_s: float | None = None
 
 
 class Health:
@@ -94,10 +101,14 @@ class Health:
         types = self.types.setdefault(record.type, TypeHealth())
         types.day.add(record, now_s=now_s)
         types.recent.add(record, now_s=now_s)
+        types.last_attempt_at_s = max(types.last_attempt_at_s or 0, record.at_s)
         health.last_attempt_at_s = max(health.last_attempt_at_s or 0, record.at_s)
         if record.outcome == "retry" and record.dead_letter_reason is None:
-            if len(health.retrying) < MAX_TRACKED_RETRIES or record.event_id in health.retrying:
-                health.retrying[record.event_id] = record.first_attempt_at_s
+            known = health.retrying.pop(record.event_id, None)
+            if known is not None or len(health.retrying) < MAX_TRACKED_RETRIES:
+                # Re-inserted at the end, so that the oldest news comes first for prune().
+                last_s = record.at_s if known is None else max(record.at_s, known[1])
+                health.retrying[record.event_id] = (record.first_attempt_at_s, last_s)
         else:
             health.retrying.pop(record.event_id, None)
         if not live:
@@ -215,8 +226,50 @@ class Health:
         )
         self._last_version = max(self._last_version, command.version)
 
+    def prune(self, *, now_s: float) -> None:
+        """Forget what no window, breaker or retry needs any more, so that memory (and the checkpoint)
+        is bounded by the endpoints, types and dispatchers of the last day, not by history."""
+        self.dispatchers = {
+            d: beat for d, beat in self.dispatchers.items() if now_s - beat.at_s <= DISPATCHER_FORGET_S
+        }
+        for endpoint_id, health in list(self.endpoints.items()):
+            _forget_stale_retries(health.retrying, before_s=now_s - RETRY_FORGET_S)
+            if (
+                not _in_window(health.day, health.last_attempt_at_s, now_s=now_s)
+                and health.breaker.state is BreakerState.CLOSED
+                and not health.retrying
+                and not health.queue_depth  # e.g. a disabled endpoint's queue: the status counts it
+            ):
+                del self.endpoints[endpoint_id]
+        for event_type, types in list(self.types.items()):
+            if not _in_window(types.day, types.last_attempt_at_s, now_s=now_s):
+                del self.types[event_type]
+
     def last_hour(self, *, now_s: float) -> Stats:
         merged = Stats()
         for health in self.endpoints.values():
             merged.merge(health.hour.total(now_s=now_s))
         return merged
+
+
+def _in_window(window: RollingStats, last_attempt_at_s: float | None, *, now_s: float) -> bool:
+    """Whether the newest record is still inside the window. The day window is the longest, and every
+    record is offered to all windows: when the newest one has left the day window, they all have."""
+    if last_attempt_at_s is None:
+        return False
+    return (
+        int(last_attempt_at_s // window.slot_s)
+        > int(now_s // window.slot_s) - window.window_s // window.slot_s
+    )
+
+
+def _forget_stale_retries(retrying: dict[str, tuple[float, float]], *, before_s: float) -> None:
+    # In order of last record (observe() re-inserts), so the stale ones are at the front: one pass that
+    # stops at the first fresh one (records arrive nearly in time order; a straggler waits a round).
+    stale: list[str] = []
+    for event_id, (_, last_s) in retrying.items():
+        if last_s >= before_s:
+            break
+        stale.append(event_id)
+    for event_id in stale:
+        del retrying[event_id]

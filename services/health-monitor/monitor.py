@@ -1,11 +1,19 @@
-"""The health monitor's I/O: it reads telemetry, dead letters and queue depths, and publishes breaker
-commands, snapshots, alerts and disabled-endpoint events. The decisions are in health.py and alerts.py.
+"""The health monitor's I/O: it reads telemetry, dead letters, the breaker log and queue depths, and (when
+it leads) publishes breaker commands, snapshots, alerts and disabled-endpoint events and repairs the
+topology. The decisions are in health.py and alerts.py.
+
+Any number of monitors may run; exactly one leads, the one holding the exclusive queue
+``hookline.monitor.leader`` (the broker deletes it with its owner's connection, so a standby takes over
+within a second of the leader's death, or within a heartbeat timeout of a network cut). Every monitor
+keeps statistics from telemetry and answers the status API; a standby mirrors the breaker states from
+the breaker log, and the leader alone moves them.
 
 Start-up, in order:
-1. the breaker log's last minutes give back the breaker states (the monitor owns them);
-2. the dead-letter stream is indexed (for the analysis and the "growing" alert);
-3. the telemetry log's last 24 h rebuild the statistics; records read during this replay move no
-   breaker; then the monitor is live.
+1. the checkpoint on local disk gives back the statistics and the telemetry offset they include;
+2. the breaker log's last minutes give back the breaker states;
+3. the dead-letter view catches up (from its own offset on disk);
+4. the telemetry log is read from the checkpoint's offset (or its last 24 h without one); records read
+   during this catch-up move no breaker; then the monitor is live and joins the leader election.
 """
 
 from __future__ import annotations
@@ -13,39 +21,48 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from datetime import UTC, datetime, timedelta
+from functools import partial
 
 import aio_pika
+import aiormq
 import orjson
 import prometheus_client
 import structlog
-from aio_pika.abc import AbstractExchange, AbstractIncomingMessage, AbstractRobustConnection
+from aio_pika.abc import AbstractChannel, AbstractIncomingMessage
 from pydantic import ValidationError
 
+from hookline.health_monitor import checkpoint
 from hookline.health_monitor.alerts import Alert, AlertBook, AlertPolicy, evaluate
-from hookline.health_monitor.breaker import BreakerPolicy
+from hookline.health_monitor.breaker import Breaker, BreakerPolicy
 from hookline.health_monitor.health import Health, HealthPolicy
 from hookline.shared import topology
-from hookline.shared.amqp import BROKER_ERRORS
+from hookline.shared.amqp import BROKER_ERRORS, CALL_TIMEOUT_S, Broker, Publisher, close_quietly, until_closed
 from hookline.shared.control import BreakerCommand, BreakerState, BreakerView, ControlRecord, control_record
-from hookline.shared.deadletters import DeadLetterIndex, counts_since
+from hookline.shared.deadletters import DeadLetterIndex
 from hookline.shared.headers import Header
 from hookline.shared.ids import new_id
-from hookline.shared.models import EndpointStatus, EndpointUpserted, Event, error_summary
+from hookline.shared.models import EndpointStatus, Event, StoredEndpoint, error_summary
 from hookline.shared.registry import ChangeLog
 from hookline.shared.settings import MonitorSettings
-from hookline.shared.streams import StreamFollower, read_until_now
+from hookline.shared.streams import StreamFollower, offset_of
+from hookline.shared.supervision import Loop, Supervisor
 from hookline.shared.telemetry import batch
+from hookline.shared.views import follow_view
 
 log = structlog.get_logger(__name__)
 
 SNAPSHOT_INTERVAL_S = 5.0
 EVALUATION_INTERVAL_S = 2.0
+CHECKPOINT_INTERVAL_S = 10.0
+LEADER_RETRY_S = 1.0
 BREAKER_LOOKBACK = timedelta(minutes=10)
 TELEMETRY_WINDOW = timedelta(hours=24)
+DEAD_LETTER_RETENTION = timedelta(days=30)
+#: Deleted endpoints whose queues are still watched until drained and removed.
+DELETED_WATCH_WINDOW = timedelta(days=1)
 DISABLED_EVENT_TYPE = "hookline.endpoint.disabled"
 
 BREAKER_STATE = prometheus_client.Gauge(
@@ -60,40 +77,56 @@ QUEUE_DEPTH = prometheus_client.Gauge(
 AWAITING_RETRY = prometheus_client.Gauge("hookline_awaiting_retry", "Messages waiting in the delay queues.")
 DEAD_LETTERS = prometheus_client.Gauge("hookline_dead_letters", "Dead letters not yet redriven.")
 ALERTS_FIRING = prometheus_client.Gauge("hookline_alerts_firing", "Alerts firing, by name.", ["alert"])
+LEADER = prometheus_client.Gauge("hookline_monitor_leader", "1 while this health monitor leads.")
+QUEUES_MISSING = prometheus_client.Gauge(
+    "hookline_queues_missing", "Queues and streams found missing at the last poll (declared again)."
+)
 _STATE_VALUE = {BreakerState.CLOSED: 0, BreakerState.HALF_OPEN: 1, BreakerState.OPEN: 2}
 
 
 class Monitor:
     def __init__(
-        self, settings: MonitorSettings, connection: AbstractRobustConnection, change_log: ChangeLog
+        self,
+        settings: MonitorSettings,
+        broker: Broker,
+        publisher: Publisher,
+        change_log: ChangeLog,
+        dead_letters: DeadLetterIndex,
+        health: Health | None,
     ) -> None:
         self.settings = settings
         self.registry = change_log.registry
-        self._connection = connection
+        self._broker = broker
+        self._publisher = publisher
         self._change_log = change_log
-        self.health = Health(
-            HealthPolicy(
-                breaker=BreakerPolicy(
-                    failure_threshold=settings.breaker_failure_threshold,
-                    cooldown_s=settings.breaker_cooldown_s,
-                    max_cooldown_s=settings.breaker_max_cooldown_s,
-                ),
-                slow_p95_ms=settings.slow_p95_ms,
-                very_slow_p95_ms=settings.very_slow_p95_ms,
-                very_slow_threshold=settings.breaker_slow_threshold,
-                disable_after_s=settings.disable_after_s,
-            )
+        policy = HealthPolicy(
+            breaker=BreakerPolicy(
+                failure_threshold=settings.breaker_failure_threshold,
+                cooldown_s=settings.breaker_cooldown_s,
+                max_cooldown_s=settings.breaker_max_cooldown_s,
+            ),
+            slow_p95_ms=settings.slow_p95_ms,
+            very_slow_p95_ms=settings.very_slow_p95_ms,
+            very_slow_threshold=settings.breaker_slow_threshold,
+            disable_after_s=settings.disable_after_s,
         )
+        self.health = health if health is not None else Health(policy)
+        self.health.policy = policy  # settings win over those a checkpoint was written with
         self.alert_policy = AlertPolicy(
             slow_p95_ms=settings.slow_p95_ms, oldest_pending_s=settings.oldest_pending_alert_s
         )
         self.alerts = AlertBook()
-        self.dead_letters = DeadLetterIndex()
+        self.dead_letters = dead_letters
         self.awaiting_retry = 0
-        self.live = False
+        self.missing: dict[str, str | None] = {}  # queue or stream -> its endpoint (None: core)
+        self.live = False  # caught up with telemetry: records now move breakers (when leading)
+        self.leader = False
+        self._breaker_log = BreakerView()  # the breaker states as the log says (a standby mirrors them)
         self._outbox: asyncio.Queue[BreakerCommand] = asyncio.Queue()
+        self._empty_since_s: dict[str, float] = {}  # retired queue -> when it was first seen empty
+        self._probe_channel: AbstractChannel | None = None
 
-    # --- telemetry ---------------------------------------------------------------------------
+    # --- what the streams say --------------------------------------------------------------------
 
     def on_telemetry(self, message: AbstractIncomingMessage) -> None:
         try:
@@ -102,17 +135,81 @@ class Monitor:
             log.error("telemetry_unreadable", error=error_summary(exc))
             return
         now_s = time.time()
+        moving = self.live and self.leader
         for record in records:
-            for command in self.health.observe(record, now_s=now_s, live=self.live):
+            for command in self.health.observe(record, now_s=now_s, live=moving):
                 self._outbox.put_nowait(command)
+
+    def on_breaker_log(self, message: AbstractIncomingMessage) -> None:
+        try:
+            record = control_record.validate_json(message.body)
+        except ValidationError as exc:
+            log.error("control_record_unreadable", offset=offset_of(message), error=error_summary(exc))
+            return
+        changed = self._breaker_log.apply(record)
+        if not self.leader:
+            for endpoint_id in changed:
+                self._mirror(endpoint_id)
+
+    def _mirror(self, endpoint_id: str) -> None:
+        """Take the breaker state of an endpoint from the log (what the leader decided)."""
+        command = self._breaker_log.state(endpoint_id)
+        if command is not None:
+            self.health.restore(command)
+        elif endpoint_id in self.health.endpoints:
+            health = self.health.endpoints[endpoint_id]
+            health.breaker, health.command = Breaker(), None
+
+    # --- leadership ------------------------------------------------------------------------------
+
+    async def lead_when_possible(self, loop: Loop) -> None:
+        """Hold the leader lock while this monitor's connection lives; otherwise stand by and try again
+        every second. Losing the channel (or the connection) ends the leadership at once."""
+        loop.mark_up()
+        while True:
+            async with self._broker.channel() as channel:
+                try:
+                    await channel.declare_queue(
+                        topology.MONITOR_LEADER_LOCK, exclusive=True, timeout=CALL_TIMEOUT_S
+                    )
+                except aiormq.exceptions.ChannelLockedResource:
+                    pass  # another monitor leads
+                else:
+                    self._take_over()
+                    try:
+                        await until_closed(channel)
+                    finally:
+                        self._stand_by()
+            loop.beat()
+            await asyncio.sleep(LEADER_RETRY_S)
+
+    def _take_over(self) -> None:
+        # The breakers as the previous leader left them (the log), then this monitor decides.
+        for endpoint_id in list(self.health.endpoints):
+            self._mirror(endpoint_id)
+        for command in self._breaker_log.commands():
+            self.health.restore(command)
+        self.leader = True
+        LEADER.set(1)
+        log.warning("monitor_leading", breakers_open=len(self._breaker_log.commands()))
+
+    def _stand_by(self) -> None:
+        if self.leader:
+            log.warning("monitor_standing_by")
+        self.leader = False
+        LEADER.set(0)
 
     # --- the loops -----------------------------------------------------------------------------
 
-    async def publish_commands(self, control: AbstractExchange) -> None:
+    async def publish_commands(self, loop: Loop) -> None:
+        loop.mark_up()
         while True:
             command = await self._outbox.get()
+            loop.beat()
+            if not self.leader:
+                continue
             try:
-                await self._publish_control(control, command)
+                await self._publish_control(command)
             except BROKER_ERRORS as exc:
                 # Not lost: the next snapshot (every few seconds) carries the state anyway.
                 log.warning(
@@ -127,80 +224,158 @@ class Monitor:
                 cooldown_s=command.cooldown_s,
             )
 
-    async def tick(
-        self, control: AbstractExchange, alerts: AbstractExchange, events: AbstractExchange
-    ) -> None:
+    async def tick(self, loop: Loop) -> None:
         next_snapshot_s = next_evaluation_s = 0.0
+        loop.mark_up()
         while True:
+            loop.beat()
             now_s = time.time()
-            for command in self.health.tick(now_s=now_s):
-                self._outbox.put_nowait(command)
-            for endpoint_id in self.health.to_disable(now_s=now_s):
-                await self._disable(endpoint_id, events, now_s=now_s)
-            if now_s >= next_snapshot_s:
-                await self._publish_control(control, self.health.snapshot(now_s=now_s))
-                next_snapshot_s = now_s + SNAPSHOT_INTERVAL_S
+            if self.leader:
+                for command in self.health.tick(now_s=now_s):
+                    self._outbox.put_nowait(command)
+                for endpoint_id in self.health.to_disable(now_s=now_s):
+                    await self._disable(endpoint_id, now_s=now_s)
+                if now_s >= next_snapshot_s:
+                    with contextlib.suppress(*BROKER_ERRORS):  # the next one, in a few seconds
+                        await self._publish_control(self.health.snapshot(now_s=now_s))
+                    next_snapshot_s = now_s + SNAPSHOT_INTERVAL_S
             if now_s >= next_evaluation_s:
                 # Alerts and metrics merge every endpoint's windows: every few ticks is enough.
-                await self._alert(alerts, now_s=now_s)
-                self._export_metrics(now_s)
+                await self._alert(now_s=now_s)
+                await self._export_metrics(now_s)
                 next_evaluation_s = now_s + max(self.settings.tick_s, EVALUATION_INTERVAL_S)
             await asyncio.sleep(self.settings.tick_s)
 
-    async def poll_queues(self) -> None:
-        """Queue depths by passive declares: ready messages per endpoint queue and in the delay levels."""
+    async def save_checkpoints(
+        self, store: checkpoint.CheckpointStore, telemetry: StreamFollower, loop: Loop
+    ) -> None:
+        """The statistics and the telemetry offset they include, to local disk every few seconds."""
+        identity = f"{self._broker.vhost}/{topology.TELEMETRY_LOG}"
+        loop.mark_up()
+        while True:
+            await asyncio.sleep(CHECKPOINT_INTERVAL_S)
+            offset = telemetry.next_offset
+            if isinstance(offset, int) and offset > 0:
+                self.health.prune(now_s=time.time())
+                # dump() runs on the loop: it must see a consistent Health, which only the loop changes.
+                await store.save(checkpoint.dump(self.health), offset=offset - 1, identity=identity)
+            await self.dead_letters.expire(datetime.now(UTC) - DEAD_LETTER_RETENTION)
+            loop.beat()
+
+    async def poll_queues(self, loop: Loop) -> None:
+        """Queue depths by passive declares; missing queues and streams found (and, when leading,
+        declared again); queues left behind removed once they have stayed empty long enough."""
+        loop.mark_up()
         while True:
             try:
-                channel = await self._connection.channel()
-            except BROKER_ERRORS:
-                await asyncio.sleep(self.settings.queue_poll_s)
-                continue
-            try:
-                self.awaiting_retry = sum(
-                    [
-                        await _depth(channel, topology.delay_level(level))
-                        for level in range(topology.DELAY_BITS)
-                    ]
-                )
-                for endpoint in self.registry.all():
-                    self.health.endpoint(endpoint.id).queue_depth = await _depth(
-                        channel, topology.endpoint_queue(endpoint.id)
-                    )
-            except BROKER_ERRORS as exc:
-                # An endpoint deleted meanwhile (its queue is gone), or the broker is away: next round.
-                log.debug("queue_poll_incomplete", error=type(exc).__name__)
+                await self._poll_once()
             finally:
-                if not channel.is_closed:
-                    with contextlib.suppress(*BROKER_ERRORS):
-                        await channel.close()
+                if self._probe_channel is not None:
+                    await close_quietly(self._probe_channel)
+                    self._probe_channel = None
+            loop.beat()
             await asyncio.sleep(self.settings.queue_poll_s)
+
+    async def _poll_once(self) -> None:
+        missing: dict[str, str | None] = {}
+        depths = [await self._depth(topology.delay_level(level)) for level in range(topology.DELAY_BITS)]
+        self.awaiting_retry = sum(depth or 0 for depth in depths)
+        for name in topology.core_queues():
+            if name.startswith("hookline.delay.") and name != topology.DELAY_UNROUTABLE:
+                depth = depths[int(name.rsplit(".", 1)[1])]
+            else:
+                depth = await self._depth(name)
+            if depth is None:
+                missing[name] = None
+        for endpoint in self.registry.all():
+            queue = topology.endpoint_queue(endpoint.id, endpoint.queue_generation)
+            depth = await self._depth(queue)
+            self.health.endpoint(endpoint.id).queue_depth = depth
+            if depth is None:
+                missing[queue] = endpoint.id
+        await self._sweep_retired()
+        self.missing = missing
+        if missing and self.leader:
+            await self._repair(missing)
+
+    async def _depth(self, queue: str) -> int | None:
+        """Ready messages in ``queue``; None when it does not exist."""
+        if self._probe_channel is None or self._probe_channel.is_closed:
+            connection = await self._broker.connection()
+            async with asyncio.timeout(CALL_TIMEOUT_S):
+                self._probe_channel = await connection.channel(publisher_confirms=False)
+        try:
+            declared = await self._probe_channel.declare_queue(queue, passive=True, timeout=CALL_TIMEOUT_S)
+        except aio_pika.exceptions.ChannelNotFoundEntity:
+            self._probe_channel = None  # the failed declare closed it
+            return None
+        return declared.declaration_result.message_count or 0
+
+    async def _repair(self, missing: dict[str, str | None]) -> None:
+        for name, endpoint_id in sorted(missing.items(), key=lambda item: item[0]):
+            log.error("queue_missing", queue=name, endpoint_id=endpoint_id, alert=True)
+        if any(endpoint_id is None for endpoint_id in missing.values()):
+            await topology.declare(self._broker, event_log_max_age_s=self.settings.event_log_max_age_s)
+        for endpoint_id in {endpoint_id for endpoint_id in missing.values() if endpoint_id}:
+            endpoint = self.registry.get(endpoint_id)
+            if endpoint is not None:
+                async with self._broker.channel() as channel:
+                    await topology.provision(channel, endpoint)
+        log.warning("topology_repaired", declared=sorted(missing))
+
+    async def _sweep_retired(self) -> None:
+        """Queues endpoints have left (a move, a deletion) are drained by the dispatchers; once one has
+        stayed empty for the grace period, nothing can come back to it any more and it is removed."""
+        since = datetime.now(UTC) - DELETED_WATCH_WINDOW
+        retired = [name for endpoint in self.registry.all() for name in endpoint.retired_queues]
+        retired += [
+            name
+            for endpoint in self.registry.deleted_since(since)
+            for name in topology.endpoint_queues(endpoint)
+        ]
+        now_s = time.monotonic()
+        for name in retired:
+            depth = await self._depth(name)
+            if depth != 0:
+                self._empty_since_s.pop(name, None)
+                continue
+            empty_since_s = self._empty_since_s.setdefault(name, now_s)
+            if self.leader and now_s - empty_since_s >= self.settings.retired_queue_grace_s:
+                async with self._broker.channel() as channel:
+                    await channel.queue_delete(name, timeout=CALL_TIMEOUT_S)
+                self._empty_since_s.pop(name, None)
+                log.info("queue_removed", queue=name, endpoint_id=topology.endpoint_of(name))
 
     # --- actions -------------------------------------------------------------------------------
 
-    async def _publish_control(self, control: AbstractExchange, record: ControlRecord) -> None:
-        await control.publish(
+    async def _publish_control(self, record: ControlRecord) -> None:
+        await self._publisher.publish(
             aio_pika.Message(
                 control_record.dump_json(record),
                 content_type="application/json",
                 delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
                 message_id=new_id("ctl"),
             ),
+            exchange=topology.CONTROL_EXCHANGE,
             routing_key="",
         )
 
-    async def _disable(self, endpoint_id: str, events: AbstractExchange, *, now_s: float) -> None:
+    async def _disable(self, endpoint_id: str, *, now_s: float) -> None:
         """Open longer than the limit: disable the endpoint and tell its tenant with an event."""
-        endpoint = self.registry.get(endpoint_id)
         for command in self.health.reset(endpoint_id, now_s=now_s):
             self._outbox.put_nowait(command)
-        if endpoint is None or endpoint.status is not EndpointStatus.ACTIVE:
-            return
         now = datetime.now(UTC)
-        disabled = endpoint.model_copy(update={"status": EndpointStatus.DISABLED, "updated_at": now})
-        await self._change_log.append(
-            EndpointUpserted(change_id=f"chg_{uuid.uuid4().hex}", at=now, endpoint=disabled),
-            timeout_s=self.settings.connect_timeout_s,
+
+        def disabled(endpoint: StoredEndpoint) -> StoredEndpoint | None:
+            if endpoint.status is not EndpointStatus.ACTIVE:
+                return None
+            return endpoint.model_copy(update={"status": EndpointStatus.DISABLED, "updated_at": now})
+
+        endpoint = await self._change_log.update(
+            endpoint_id, disabled, timeout_s=self.settings.connect_timeout_s
         )
+        if endpoint is None:
+            return
         reason = f"circuit breaker open for more than {self.settings.disable_after_s:.0f} s"
         event = Event(
             id=new_id("evt"),
@@ -214,7 +389,7 @@ class Monitor:
                 "disabled_at": now.isoformat(),
             },
         )
-        await events.publish(
+        await self._publisher.publish(
             aio_pika.Message(
                 event.model_dump_json(exclude_none=True).encode(),
                 content_type="application/json",
@@ -223,27 +398,52 @@ class Monitor:
                 timestamp=now,
                 headers={Header.ACCEPTED_AT_MS: int(now.timestamp() * 1000)},
             ),
+            exchange=topology.EVENTS_EXCHANGE,
             routing_key=topology.event_routing_key(endpoint.tenant, DISABLED_EVENT_TYPE),
         )
         log.warning(
             "endpoint_disabled", endpoint_id=endpoint.id, tenant=endpoint.tenant, reason=reason, alert=True
         )
 
-    async def _alert(self, alerts: AbstractExchange, *, now_s: float) -> None:
-        recent = counts_since(self.dead_letters, datetime.fromtimestamp(now_s, UTC) - timedelta(minutes=5))
+    async def _alert(self, *, now_s: float) -> None:
+        recent = await self.dead_letters.counts_since(
+            datetime.fromtimestamp(now_s, UTC) - timedelta(minutes=5)
+        )
         current = evaluate(
             self.health,
             {endpoint.id: endpoint for endpoint in self.registry.all()},
             recent_dead_letters=lambda endpoint_id: recent.get(endpoint_id, 0),
+            missing=self.missing,
             now_s=now_s,
             policy=self.alert_policy,
         )
         fired, resolved = self.alerts.update(current)
+        if not self.leader:
+            return  # a standby knows what fires (its API says so); the leader tells the world
         for state, changed in (("firing", fired), ("resolved", resolved)):
             for alert in changed:
-                await _publish_alert(alerts, alert, state, now_s)
+                await self._publish_alert(alert, state, now_s)
 
-    def _export_metrics(self, now_s: float) -> None:
+    async def _publish_alert(self, alert: Alert, state: str, now_s: float) -> None:
+        body = {
+            "alert": alert.name,
+            "state": state,
+            "endpoint_id": alert.endpoint_id,
+            "tenant": alert.tenant,
+            "detail": alert.detail,
+            "at": datetime.fromtimestamp(now_s, UTC).isoformat(),
+        }
+        log.warning("alert", **body)
+        with contextlib.suppress(*BROKER_ERRORS):
+            await self._publisher.publish(
+                aio_pika.Message(
+                    orjson.dumps(body), content_type="application/json", message_id=new_id("alert")
+                ),
+                exchange=topology.ALERTS_EXCHANGE,
+                routing_key=f"{alert.name}.{state}",
+            )
+
+    async def _export_metrics(self, now_s: float) -> None:
         for gauge in (BREAKER_STATE, ENDPOINT_P95_MS, QUEUE_DEPTH, ALERTS_FIRING):
             gauge.clear()
         for endpoint_id, health in self.health.endpoints.items():
@@ -257,94 +457,91 @@ class Monitor:
         for name, _ in self.alerts.firing:
             ALERTS_FIRING.labels(name).inc()
         AWAITING_RETRY.set(self.awaiting_retry)
-        DEAD_LETTERS.set(len(self.dead_letters))
+        DEAD_LETTERS.set(await self.dead_letters.count())
+        QUEUES_MISSING.set(len(self.missing))
 
 
-async def _depth(channel: aio_pika.abc.AbstractChannel, queue: str) -> int:
-    declared = await channel.declare_queue(queue, passive=True)
-    return declared.declaration_result.message_count or 0
-
-
-async def _publish_alert(alerts: AbstractExchange, alert: Alert, state: str, now_s: float) -> None:
-    body = {
-        "alert": alert.name,
-        "state": state,
-        "endpoint_id": alert.endpoint_id,
-        "tenant": alert.tenant,
-        "detail": alert.detail,
-        "at": datetime.fromtimestamp(now_s, UTC).isoformat(),
-    }
-    log.warning("alert", **body)
-    with contextlib.suppress(*BROKER_ERRORS):
-        await alerts.publish(
-            aio_pika.Message(orjson.dumps(body), content_type="application/json", message_id=new_id("alert")),
-            routing_key=f"{alert.name}.{state}",
-        )
-
-
-async def _restore_breakers(
-    connection: AbstractRobustConnection, health: Health, *, timeout_s: float
-) -> None:
-    view = BreakerView()
-
-    def apply(message: AbstractIncomingMessage) -> None:
-        with contextlib.suppress(ValidationError):
-            view.apply(control_record.validate_json(message.body))
-
-    await read_until_now(
-        connection,
-        topology.BREAKER_LOG,
-        apply,
-        start=datetime.now(UTC) - BREAKER_LOOKBACK,
-        timeout_s=timeout_s,
-    )
-    for command in view.commands():
-        health.restore(command)
-    if view.commands():
-        log.info("breakers_restored", open=len(view.commands()))
+async def _load_checkpoint(
+    store: checkpoint.CheckpointStore, identity: str
+) -> tuple[Health | None, int | None]:
+    found = await store.read(identity)
+    if found is None:
+        return None, None
+    data, offset = found
+    try:
+        health = checkpoint.load(data, policy=HealthPolicy())
+    except checkpoint.CheckpointError as exc:
+        log.warning("checkpoint_unusable", error=str(exc)[:200])
+        return None, None
+    return health, offset
 
 
 @asynccontextmanager
 async def monitoring(
-    settings: MonitorSettings, connection: AbstractRobustConnection, change_log: ChangeLog
+    settings: MonitorSettings,
+    broker: Broker,
+    publisher: Publisher,
+    supervisor: Supervisor,
+    change_log: ChangeLog,
 ) -> AsyncIterator[Monitor]:
-    monitor = Monitor(settings, connection, change_log)
-    await _restore_breakers(connection, monitor.health, timeout_s=settings.connect_timeout_s)
+    telemetry_identity = f"{broker.vhost}/{topology.TELEMETRY_LOG}"
+    state_path = settings.state_file("health-monitor", settings.monitor_port)
+    async with (
+        checkpoint.CheckpointStore(state_path.with_suffix(".checkpoint.sqlite")) as store,
+        DeadLetterIndex(state_path, identity=f"{broker.vhost}/{topology.DEAD_LETTER_STREAM}") as dead_letters,
+    ):
+        started = time.monotonic()
+        health, offset = await _load_checkpoint(store, telemetry_identity)
+        monitor = Monitor(settings, broker, publisher, change_log, dead_letters, health)
+        wait_s = settings.connect_timeout_s
 
-    dead_letters = StreamFollower(connection, topology.DEAD_LETTER_STREAM, monitor.dead_letters.apply)
-    await dead_letters.start()
-    await dead_letters.sync(timeout_s=settings.connect_timeout_s)
+        breaker_log = StreamFollower(
+            broker, topology.BREAKER_LOG, monitor.on_breaker_log, publisher=publisher,
+            start=datetime.now(UTC) - BREAKER_LOOKBACK, prefetch=100,
+        )  # fmt: skip
+        supervisor.spawn("breaker-log", breaker_log.run)
+        await supervisor.wait_up("breaker-log", timeout_s=wait_s)
+        await breaker_log.sync(timeout_s=wait_s)
+        for command in monitor._breaker_log.commands():
+            monitor.health.restore(command)
 
-    started = time.monotonic()
-    telemetry = StreamFollower(
-        connection, topology.TELEMETRY_LOG, monitor.on_telemetry, start=datetime.now(UTC) - TELEMETRY_WINDOW
-    )
-    await telemetry.start()
-    await telemetry.sync(timeout_s=max(settings.connect_timeout_s, 300))
-    monitor.live = True
-    log.info(
-        "telemetry_replayed",
-        seconds=round(time.monotonic() - started, 2),
-        endpoints=len(monitor.health.endpoints),
-    )
+        dead_letter_log = StreamFollower(
+            broker, topology.DEAD_LETTER_STREAM, dead_letters.apply, publisher=publisher,
+            start=dead_letters.next_offset,
+        )  # fmt: skip
+        supervisor.spawn("dead-letters", partial(follow_view, dead_letter_log, dead_letters))
+        await supervisor.wait_up("dead-letters", timeout_s=wait_s)
+        await dead_letter_log.sync(timeout_s=wait_s)
 
-    publisher = await connection.channel(publisher_confirms=True)
-    control = await publisher.get_exchange(topology.CONTROL_EXCHANGE, ensure=False)
-    alerts = await publisher.get_exchange(topology.ALERTS_EXCHANGE, ensure=False)
-    events = await publisher.get_exchange(topology.EVENTS_EXCHANGE, ensure=False)
-    tasks = [
-        asyncio.create_task(monitor.publish_commands(control), name="breaker-commands"),
-        asyncio.create_task(monitor.tick(control, alerts, events), name="tick"),
-        asyncio.create_task(monitor.poll_queues(), name="queue-depths"),
-    ]
-    try:
-        yield monitor
-    finally:
-        # Stop the loops, then the followers, then the channel; nothing here holds a delivery.
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        await telemetry.stop()
-        await dead_letters.stop()
-        if not publisher.is_closed:
-            await publisher.close()
+        telemetry = StreamFollower(
+            broker, topology.TELEMETRY_LOG, monitor.on_telemetry, publisher=publisher,
+            start=offset + 1 if offset is not None else datetime.now(UTC) - TELEMETRY_WINDOW,
+        )  # fmt: skip
+        supervisor.spawn("telemetry", telemetry.run)
+        await supervisor.wait_up("telemetry", timeout_s=wait_s)
+        await telemetry.sync(timeout_s=max(wait_s, 300))
+        monitor.live = True
+        log.info(
+            "telemetry_caught_up",
+            seconds=round(time.monotonic() - started, 2),
+            from_checkpoint=offset is not None,
+            endpoints=len(monitor.health.endpoints),
+        )
+
+        supervisor.spawn("leadership", monitor.lead_when_possible)
+        supervisor.spawn("breaker-commands", monitor.publish_commands)
+        supervisor.spawn("tick", monitor.tick, stall_s=60)
+        supervisor.spawn("queues", monitor.poll_queues, stall_s=120)
+        supervisor.spawn("checkpoint", partial(monitor.save_checkpoints, store, telemetry), stall_s=120)
+        try:
+            yield monitor
+        finally:
+            # Stop the loops (leadership first: the lock goes with its channel), then the views close.
+            await supervisor.stop("leadership", "tick", "breaker-commands", "queues", "checkpoint")
+            offset_now = telemetry.next_offset
+            if isinstance(offset_now, int) and offset_now > 0:
+                monitor.health.prune(now_s=time.time())
+                await store.save(
+                    checkpoint.dump(monitor.health), offset=offset_now - 1, identity=telemetry_identity
+                )
+            await supervisor.stop("telemetry", "dead-letters", "breaker-log")

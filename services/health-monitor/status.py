@@ -39,6 +39,7 @@ class Summary(Model):
     breakers_open: int
     alerts_firing: int
     dispatchers: int
+    leader: bool  # this monitor leads (moves breakers, publishes alerts); a standby mirrors it
 
 
 class Percentiles(Model):
@@ -132,7 +133,7 @@ async def status(monitor: State) -> Summary:
         pending=sum(h.queue_depth or 0 for h in health.endpoints.values()),
         awaiting_retry=monitor.awaiting_retry,
         in_flight=sum(beat.in_flight for d, beat in health.dispatchers.items() if d in live),
-        dead_letter=len(monitor.dead_letters),
+        dead_letter=await monitor.dead_letters.count(),
         delivered_last_hour=hour.successes,
         failed_last_hour=hour.failures + hour.permanent,
         oldest_pending_age_s=max(ages, default=None),
@@ -141,6 +142,7 @@ async def status(monitor: State) -> Summary:
         breakers_open=sum(h.breaker.state is not BreakerState.CLOSED for h in health.endpoints.values()),
         alerts_firing=len(monitor.alerts.firing),
         dispatchers=len(live),
+        leader=monitor.leader,
     )
 
 
@@ -187,7 +189,7 @@ async def types_health(monitor: State) -> list[TypeHealthView]:
 
 @router.get("/dead-letters/analysis", response_model=list[DeadLetterAnalysis])
 async def dead_letter_analysis(monitor: State, tenant: str | None = None) -> list[DeadLetterAnalysis]:
-    return monitor.dead_letters.analysis(tenant=tenant)
+    return await monitor.dead_letters.analysis(tenant=tenant)
 
 
 @router.get("/alerts", response_model=list[AlertView])

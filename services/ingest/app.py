@@ -1,9 +1,12 @@
-"""The ingest HTTP application and its lifespan: one broker connection, the endpoint log, the routes."""
+"""The ingest HTTP application and its lifespan: the broker session, the endpoint log, the dead-letter
+view, its supervised loops, and the routes."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from functools import partial
 
 import structlog
 from fastapi import Depends, FastAPI
@@ -11,14 +14,17 @@ from fastapi import Depends, FastAPI
 from hookline.ingest import deadletters, endpoints, events, replay
 from hookline.ingest.auth import parse_tenant_tokens, principal
 from hookline.ingest.state import IngestState
-from hookline.shared import __version__, amqp, lifecycle, registry, topology
+from hookline.shared import __version__, lifecycle, registry, topology
 from hookline.shared import logging as hookline_logging
+from hookline.shared.amqp import Broker, Publisher
 from hookline.shared.api import BodyLimit, install_error_handlers, probes_router, serve
 from hookline.shared.deadletters import DeadLetterIndex
 from hookline.shared.delivery import DeliveryClient
 from hookline.shared.sealing import Sealer
 from hookline.shared.settings import IngestSettings, load
 from hookline.shared.streams import StreamFollower
+from hookline.shared.supervision import Loop, Supervisor
+from hookline.shared.views import follow_view
 
 log = structlog.get_logger(__name__)
 
@@ -29,53 +35,70 @@ _ENVELOPE_SLACK_BYTES = 8192
 def create_app(settings: IngestSettings) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        async with amqp.connection(
-            settings.amqp_url, name="hookline-ingest", connect_timeout_s=settings.connect_timeout_s
-        ) as connection:
-            await topology.declare(connection, event_log_max_age_s=settings.event_log_max_age_s)
-            publisher = await connection.channel(publisher_confirms=True, on_return_raises=True)
-            admin = await connection.channel(publisher_confirms=True, on_return_raises=True)
-            endpoint_registry = registry.EndpointRegistry()
-            tenant_tokens = parse_tenant_tokens(
-                settings.tenant_tokens.get_secret_value() if settings.tenant_tokens else None
-            )
-            dead_letter_index = DeadLetterIndex()
-            dead_letter_log = StreamFollower(connection, topology.DEAD_LETTER_STREAM, dead_letter_index.apply)
-            async with (
-                registry.follow(
-                    connection, endpoint_registry, sync_timeout_s=settings.connect_timeout_s
-                ) as change_log,
-                DeliveryClient(
-                    max_connections=32,
-                    user_agent=f"hookline/{__version__}",
-                    allow_http=settings.allow_http,
-                    allow_private=settings.allow_private_targets,
-                ) as client,
-            ):
-                await dead_letter_log.start()
+        supervisor = Supervisor()
+        state_path = settings.state_file("ingest", settings.ingest_port)
+        async with (
+            Broker(
+                settings.amqp_url, name="hookline-ingest", connect_timeout_s=settings.connect_timeout_s
+            ) as broker,
+            DeadLetterIndex(
+                state_path, identity=f"{broker.vhost}/{topology.DEAD_LETTER_STREAM}"
+            ) as dead_letters,
+            DeliveryClient(
+                max_connections=32,
+                user_agent=f"hookline/{__version__}",
+                allow_http=settings.allow_http,
+                allow_private=settings.allow_private_targets,
+            ) as client,
+        ):
+            await topology.declare(broker, event_log_max_age_s=settings.event_log_max_age_s)
+            publisher = Publisher(broker)
+            try:
+                endpoint_registry = registry.EndpointRegistry()
+                change_log = await registry.follow(
+                    broker,
+                    publisher,
+                    supervisor,
+                    endpoint_registry,
+                    sync_timeout_s=settings.connect_timeout_s,
+                )
+                dead_letter_log = StreamFollower(
+                    broker,
+                    topology.DEAD_LETTER_STREAM,
+                    dead_letters.apply,
+                    publisher=publisher,
+                    start=dead_letters.next_offset,
+                )
+                supervisor.spawn("dead-letters", partial(follow_view, dead_letter_log, dead_letters))
+                await supervisor.wait_up("dead-letters", timeout_s=settings.connect_timeout_s)
                 await dead_letter_log.sync(timeout_s=settings.connect_timeout_s)
-                app.state.ingest = IngestState(
+                state = IngestState(
                     settings=settings,
-                    connection=connection,
+                    broker=broker,
+                    supervisor=supervisor,
                     change_log=change_log,
                     registry=endpoint_registry,
                     publisher=publisher,
-                    events=await topology.events_exchange(publisher),
-                    dead_letters=await topology.dead_letter_exchange(admin),
-                    admin=admin,
                     dead_letters_log=dead_letter_log,
-                    dead_letters_index=dead_letter_index,
+                    dead_letters_index=dead_letters,
                     client=client,
                     sealer=Sealer(settings.secret_key.get_secret_value() if settings.secret_key else None),
-                    tenant_tokens=tenant_tokens,
+                    tenant_tokens=parse_tenant_tokens(
+                        settings.tenant_tokens.get_secret_value() if settings.tenant_tokens else None
+                    ),
                 )
+                supervisor.spawn("upgrade", partial(_upgrade_endpoints, state), required=False)
+                app.state.ingest = state
                 log.info(
-                    "ingest_ready", endpoints=len(endpoint_registry), dead_letters=len(dead_letter_index)
+                    "ingest_ready",
+                    endpoints=len(endpoint_registry),
+                    dead_letters=await dead_letters.count(),
                 )
-                try:
-                    yield
-                finally:
-                    await dead_letter_log.stop()
+                yield
+            finally:
+                # The HTTP server has finished its requests: stop the loops, then the channels.
+                await supervisor.stop()
+                await publisher.close()
 
     app = FastAPI(title="hookline ingest", version=__version__, lifespan=lifespan)
     install_error_handlers(app)
@@ -86,13 +109,24 @@ def create_app(settings: IngestSettings) -> FastAPI:
     app.include_router(endpoints.router, dependencies=[guard])
     app.include_router(replay.router, dependencies=[guard])
     app.include_router(deadletters.router, dependencies=[guard])
-    app.include_router(probes_router(lambda: _ready(app)))
+    app.include_router(probes_router(lambda: _problems(app)))
     return app
 
 
-def _ready(app: FastAPI) -> bool:
+def _problems(app: FastAPI) -> list[str]:
     state: IngestState | None = getattr(app.state, "ingest", None)
-    return state is not None and state.is_ready()
+    return ["starting"] if state is None else state.problems()
+
+
+async def _upgrade_endpoints(state: IngestState, loop: Loop) -> None:
+    """Endpoints registered before route exchanges existed get them, once (any ingest replica may do it:
+    provisioning is idempotent and the record is conditional)."""
+    loop.mark_up()
+    for endpoint in state.registry.all():
+        if not endpoint.routed:
+            await endpoints.upgrade(state, endpoint.id)
+            await asyncio.sleep(0)
+    await asyncio.Event().wait()  # done; stays "up" so that the supervisor does not run it again
 
 
 def main() -> None:

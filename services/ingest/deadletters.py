@@ -69,22 +69,25 @@ async def list_dead_letters(
     endpoint_id: str | None = None,
     tenant: str | None = None,
     reason: DeadLetterReason | None = None,
+    event_id: Annotated[str | None, Query(max_length=128)] = None,
     limit: Annotated[int, Query(ge=1, le=1000)] = 100,
     after: Annotated[str | None, Query(description="return dead letters after this id")] = None,
 ) -> DeadLetterList:
-    selected = state.dead_letters_index.select(
-        endpoint_id=endpoint_id, tenant=caller.scope(tenant), reason=reason
+    selected = await state.dead_letters_index.select(
+        endpoint_id=endpoint_id,
+        tenant=caller.scope(tenant),
+        reason=reason,
+        event_id=event_id,
+        after=after,
+        limit=limit + 1,
     )
-    after_offset = offset_of(after) if after else None
-    if after_offset is not None:
-        selected = [item for item in selected if (offset_of(item.id) or 0) > after_offset]
     page = selected[:limit]
     return DeadLetterList(data=page, next_after=page[-1].id if len(selected) > limit else None)
 
 
 @router.post("/redrive", response_model=RedriveResult)
 async def redrive(request: RedriveRequest, state: State, caller: Caller) -> RedriveResult:
-    chosen = state.dead_letters_index.select(
+    chosen = await state.dead_letters_index.select(
         endpoint_id=request.endpoint_id,
         tenant=caller.scope(request.tenant),
         reason=request.reason,
@@ -111,7 +114,8 @@ async def redrive(request: RedriveRequest, state: State, caller: Caller) -> Redr
 
     first = min(offset_of(dead_letter_id) or 0 for dead_letter_id in wanted)
     await read_until_now(
-        state.connection,
+        state.broker,
+        state.publisher,
         topology.DEAD_LETTER_STREAM,
         collect,
         start=first,

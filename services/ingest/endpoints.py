@@ -1,29 +1,32 @@
 """``/v1/endpoints``: register, read, change, verify, rotate, pause and delete a tenant's endpoints.
 
-A change is durable once it is in the endpoint change log; the endpoint's queue and its bindings to
-``events`` are set up before the record is written, so an event published right after a ``201`` is
-already queued for the new endpoint (it is delivered once the endpoint is verified).
+A change is durable once it is in the endpoint change log. Every write is conditional on the version it
+was based on: the caller's ``If-Match`` when given, else the version this request read; when another
+write got there first the answer is 409 with the current version, never a silent overwrite. The
+endpoint's exchanges, queue and bindings are set up before its record is written, so an event published
+right after a ``201`` is already queued for it (and delivered once the endpoint is verified).
 """
 
 from __future__ import annotations
 
-import uuid
+import contextlib
+import time
 from datetime import UTC, datetime, timedelta
 from typing import Annotated
 
+import aio_pika
+import orjson
 import structlog
-from aio_pika.abc import AbstractRobustQueue
-from fastapi import APIRouter, Depends, Query, Response
+from fastapi import APIRouter, Depends, Header, Query, Response
+from pydantic import ValidationError
 
 from hookline.ingest.auth import Caller
 from hookline.ingest.state import IngestState, ingest_state
 from hookline.ingest.verification import verify
 from hookline.shared import topology
 from hookline.shared.api import ApiError
-from hookline.shared.deadletters import dead_letter_message
 from hookline.shared.ids import new_id
 from hookline.shared.models import (
-    DeadLetterReason,
     Endpoint,
     EndpointCreate,
     EndpointCreated,
@@ -32,19 +35,28 @@ from hookline.shared.models import (
     EndpointSecret,
     EndpointStatus,
     EndpointUpdate,
-    EndpointUpserted,
     ErrorDetail,
     RotatedSecret,
     RotateSecret,
     SigningSecret,
     StoredEndpoint,
 )
+from hookline.shared.registry import StaleWriteError
 from hookline.shared.signing import generate_secret
+from hookline.shared.streams import read_until_now
 from hookline.shared.targets import registration_refusal
+from hookline.shared.telemetry import Heartbeat, batch
 
 log = structlog.get_logger(__name__)
 router = APIRouter(prefix="/v1/endpoints", tags=["endpoints"])
 State = Annotated[IngestState, Depends(ingest_state)]
+IfMatch = Annotated[
+    str | None,
+    Header(description="the endpoint version (its ETag) this change is based on; 409 if it is not current"),
+]
+
+#: How far back the delete check looks for dispatcher heartbeats (they come every 5 s).
+_HEARTBEAT_LOOKBACK = timedelta(seconds=12)
 
 
 def _invalid(field: str, message: str) -> ApiError:
@@ -70,37 +82,71 @@ def _stored(state: IngestState, endpoint_id: str, caller: Caller) -> StoredEndpo
     return endpoint
 
 
-async def _queue(state: IngestState, endpoint: StoredEndpoint) -> AbstractRobustQueue:
-    # Not robust: the ingest declares once; dispatchers own consuming and restoring.
-    return await topology.endpoint_queue_declare(
-        state.admin, endpoint.id, single_consumer=endpoint.single_consumer, robust=False
+def _base_version(endpoint: StoredEndpoint, if_match: str | None) -> int:
+    """The version a change is based on: the caller's ``If-Match`` (``"3"``, ``3`` or ``W/"3"``), or the
+    version this request read."""
+    if if_match is None:
+        return endpoint.version
+    text = if_match.strip().removeprefix("W/").strip('"')
+    if not text.isascii() or not text.isdigit():
+        raise ApiError(400, "invalid_if_match", "If-Match must be an endpoint version, as in its ETag")
+    if int(text) != endpoint.version:
+        raise _changed(endpoint)
+    return endpoint.version
+
+
+def _changed(current: StoredEndpoint | None) -> ApiError:
+    if current is None:
+        return ApiError(404, "not_found", "the endpoint was deleted meanwhile")
+    return ApiError(
+        409,
+        "endpoint_changed",
+        f"the endpoint changed meanwhile (now at version {current.version}); read it again and retry",
     )
 
 
-async def _write(state: IngestState, endpoint: StoredEndpoint, now: datetime) -> None:
-    record = EndpointUpserted(change_id=f"chg_{uuid.uuid4().hex}", at=now, endpoint=endpoint)
-    await state.change_log.append(record, timeout_s=state.settings.registry_wait_s)
+async def _write(state: IngestState, endpoint: StoredEndpoint, base_version: int) -> StoredEndpoint:
+    try:
+        return await state.change_log.upsert(
+            endpoint, base_version=base_version, timeout_s=state.settings.registry_wait_s
+        )
+    except StaleWriteError as exc:
+        raise _changed(exc.current) from None
 
 
-async def _verified(state: IngestState, endpoint: StoredEndpoint) -> StoredEndpoint:
-    """Run the handshake and record its result (deliveries start once ``verified`` is true)."""
+def _etag(response: Response, endpoint: StoredEndpoint) -> None:
+    response.headers["ETag"] = f'"{endpoint.version}"'
+
+
+async def _record_verification(state: IngestState, endpoint: StoredEndpoint) -> StoredEndpoint:
+    """Run the handshake, then record its result on the endpoint as it is by then: a rotation or an edit
+    made while the receiver was answering survives (the write is re-read and retried if another one
+    wins). A result for a URL that has changed meanwhile is not recorded."""
     result = await verify(state, endpoint)
-    after = endpoint.model_copy(
-        update={"verified": result.ok, "verification": result, "updated_at": result.at}
-    )
-    await _write(state, after, result.at)
+
+    def verified(current: StoredEndpoint) -> StoredEndpoint | None:
+        if current.url != endpoint.url:
+            return None
+        return current.model_copy(
+            update={"verified": result.ok, "verification": result, "updated_at": result.at}
+        )
+
+    written = await state.change_log.update(endpoint.id, verified, timeout_s=state.settings.registry_wait_s)
     log.info(
         "endpoint_verification",
         endpoint_id=endpoint.id,
         tenant=endpoint.tenant,
         ok=result.ok,
         status=result.status,
+        recorded=written is not None,
     )
-    return after
+    return written or state.registry.get(endpoint.id) or endpoint
 
 
 @router.post("", status_code=201, response_model=EndpointCreated)
-async def create_endpoint(spec: EndpointCreate, state: State, caller: Caller) -> EndpointCreated:
+async def create_endpoint(
+    spec: EndpointCreate, state: State, caller: Caller, response: Response
+) -> EndpointCreated:
     caller.require(spec.tenant)
     await _check_target(spec.url, state)
     now = datetime.now(UTC)
@@ -113,18 +159,15 @@ async def create_endpoint(spec: EndpointCreate, state: State, caller: Caller) ->
         created_at=now,
         updated_at=now,
         secrets=[SigningSecret(value=state.sealer.seal(secret), created_at=now)],
+        routed=True,
     )
-    queue = await _queue(state, endpoint)
-    for key in topology.binding_keys(endpoint.tenant, endpoint.event_types):
-        await queue.bind(state.events, routing_key=key, robust=False)
-    # Retries come back to the queue through the delay hierarchy's delivery exchange.
-    await queue.bind(
-        topology.DELAY_DELIVERY, routing_key=topology.delay_delivery_binding(queue.name), robust=False
-    )
-    await _write(state, endpoint, now)
+    async with state.broker.channel() as admin:
+        await topology.provision(admin, endpoint)
+    endpoint = await _write(state, endpoint, base_version=0)
     log.info("endpoint_created", endpoint_id=endpoint.id, tenant=endpoint.tenant)
     if spec.verify:
-        endpoint = await _verified(state, endpoint)
+        endpoint = await _record_verification(state, endpoint)
+    _etag(response, endpoint)
     return EndpointCreated(**endpoint.public().model_dump(), secret=secret)
 
 
@@ -151,8 +194,10 @@ async def list_endpoints(
 
 
 @router.get("/{endpoint_id}", response_model=Endpoint)
-async def get_endpoint(endpoint_id: str, state: State, caller: Caller) -> Endpoint:
-    return _stored(state, endpoint_id, caller).public()
+async def get_endpoint(endpoint_id: str, state: State, caller: Caller, response: Response) -> Endpoint:
+    endpoint = _stored(state, endpoint_id, caller)
+    _etag(response, endpoint)
+    return endpoint.public()
 
 
 @router.get("/{endpoint_id}/secret", response_model=EndpointSecret)
@@ -161,53 +206,124 @@ async def get_secret(endpoint_id: str, state: State, caller: Caller) -> Endpoint
 
 
 @router.patch("/{endpoint_id}", response_model=Endpoint)
-async def update_endpoint(endpoint_id: str, change: EndpointUpdate, state: State, caller: Caller) -> Endpoint:
+async def update_endpoint(
+    endpoint_id: str,
+    change: EndpointUpdate,
+    state: State,
+    caller: Caller,
+    response: Response,
+    if_match: IfMatch = None,
+) -> Endpoint:
     before = _stored(state, endpoint_id, caller)
+    base_version = _base_version(before, if_match)
     changes = change.model_dump(exclude_unset=True, exclude={"verify"})
-    for field in ("url", "event_types"):
+    for field in ("url", "event_types", "ordered"):
         if field in changes and changes[field] is None:
             raise _invalid(field, "must not be null")
     if "url" in changes:
         await _check_target(changes["url"], state)
-    after = StoredEndpoint.model_validate({**before.model_dump(), **changes, "updated_at": datetime.now(UTC)})
-    if after.single_consumer and not before.single_consumer:
-        # The limits are enforced by serving the endpoint from one dispatcher at a time, a property of
-        # its queue fixed when the queue was declared.
-        raise _invalid(
-            "max_in_flight" if "max_in_flight" in changes else "rate_limit_per_s",
-            "limits can only be changed on an endpoint created with one; create a new endpoint with the limit",
+    try:
+        after = StoredEndpoint.model_validate(
+            {**before.model_dump(), **changes, "updated_at": datetime.now(UTC), "routed": True}
         )
-    old_keys = topology.binding_keys(before.tenant, before.event_types)
-    new_keys = topology.binding_keys(after.tenant, after.event_types)
-    if old_keys != new_keys:
-        queue = await _queue(state, after)
-        # Bind the new patterns before unbinding the old ones, so no event falls between them.
-        for key in sorted(new_keys - old_keys):
-            await queue.bind(state.events, routing_key=key, robust=False)
-        for key in sorted(old_keys - new_keys):
-            await queue.unbind(state.events, routing_key=key)
+    except ValidationError as exc:
+        raise ApiError(
+            422, "invalid_fields", "invalid value", [ErrorDetail(message=str(exc)[:300])]
+        ) from None
     url_changed = after.url != before.url
     if url_changed and change.verify:
         after = after.model_copy(update={"verified": False})
-    await _write(state, after, after.updated_at)
-    log.info("endpoint_updated", endpoint_id=endpoint_id, tenant=after.tenant, fields=sorted(changes))
+    moving = after.single_consumer != before.single_consumer
+    async with state.broker.channel() as admin:
+        if not before.routed:
+            await topology.provision(admin, before)
+        if moving:
+            # The options that shape the queue changed: a queue of the next generation, with the new
+            # arguments, declared now; events switch to it once the record is written (see topology).
+            after = after.model_copy(
+                update={
+                    "queue_generation": before.queue_generation + 1,
+                    "retired_queues": [
+                        *await _live_queues(state, before.retired_queues),
+                        topology.endpoint_queue(before.id, before.queue_generation),
+                    ],
+                }
+            )
+            await topology.endpoint_queue_declare(admin, after)
+        await topology.rebind(admin, before, after)
+    try:
+        written = await _write(state, after, base_version)
+    except ApiError:
+        await _undo(state, before, after, moving=moving)
+        raise
+    if moving:
+        async with state.broker.channel() as admin:
+            await topology.switch_queue(admin, written, from_generation=before.queue_generation)
+        log.info(
+            "endpoint_queue_moved",
+            endpoint_id=endpoint_id,
+            from_queue=topology.endpoint_queue(before.id, before.queue_generation),
+            to_queue=topology.endpoint_queue(written.id, written.queue_generation),
+        )
+    log.info("endpoint_updated", endpoint_id=endpoint_id, tenant=written.tenant, fields=sorted(changes))
     if url_changed and change.verify:
-        after = await _verified(state, after)
-    return after.public()
+        written = await _record_verification(state, written)
+    _etag(response, written)
+    return written.public()
+
+
+async def _undo(state: IngestState, before: StoredEndpoint, after: StoredEndpoint, *, moving: bool) -> None:
+    """A change that lost to another write: its bindings go back, and a queue declared for it (empty,
+    bound to nothing, known to nobody) is deleted."""
+    async with state.broker.channel() as admin:
+        await topology.rebind(admin, after, before)
+        if moving:
+            await admin.queue_delete(topology.endpoint_queue(after.id, after.queue_generation))
+
+
+async def _live_queues(state: IngestState, queues: list[str]) -> list[str]:
+    """The queues that still exist (retired queues are removed by the monitor once drained)."""
+    live = []
+    for name in queues:
+        with contextlib.suppress(aio_pika.exceptions.ChannelNotFoundEntity):
+            async with state.broker.channel() as channel:
+                await channel.declare_queue(name, passive=True)
+                live.append(name)
+    return live
+
+
+async def upgrade(state: IngestState, endpoint_id: str) -> None:
+    """Give an endpoint of an earlier version its route exchanges (at start, once)."""
+    endpoint = state.registry.get(endpoint_id)
+    if endpoint is None or endpoint.routed:
+        return
+    async with state.broker.channel() as admin:
+        await topology.provision(admin, endpoint)
+
+    def routed(current: StoredEndpoint) -> StoredEndpoint | None:
+        return None if current.routed else current.model_copy(update={"routed": True})
+
+    await state.change_log.update(endpoint_id, routed, timeout_s=state.settings.registry_wait_s)
+    log.info("endpoint_upgraded", endpoint_id=endpoint_id)
 
 
 @router.post("/{endpoint_id}/verify", response_model=Endpoint)
 async def verify_endpoint(endpoint_id: str, state: State, caller: Caller) -> Endpoint:
     """Run the verification handshake again (after fixing the receiver)."""
-    return (await _verified(state, _stored(state, endpoint_id, caller))).public()
+    return (await _record_verification(state, _stored(state, endpoint_id, caller))).public()
 
 
 @router.post("/{endpoint_id}/rotate-secret", response_model=RotatedSecret)
 async def rotate_secret(
-    endpoint_id: str, state: State, caller: Caller, request: RotateSecret | None = None
+    endpoint_id: str,
+    state: State,
+    caller: Caller,
+    request: RotateSecret | None = None,
+    if_match: IfMatch = None,
 ) -> RotatedSecret:
     """A new secret signs from now on; the previous one keeps signing too until the overlap ends."""
     before = _stored(state, endpoint_id, caller)
+    base_version = _base_version(before, if_match)
     now = datetime.now(UTC)
     overlap_s = (
         request.overlap_s
@@ -227,32 +343,36 @@ async def rotate_secret(
             "updated_at": now,
         }
     )
-    await _write(state, after, now)
+    await _write(state, after, base_version)
     log.info("endpoint_secret_rotated", endpoint_id=endpoint_id, tenant=after.tenant, overlap_s=overlap_s)
     return RotatedSecret(secret=secret, previous_expires_at=expires_at)
 
 
 async def _set_status(
-    state: IngestState, endpoint_id: str, caller: Caller, status: EndpointStatus
+    state: IngestState, endpoint_id: str, caller: Caller, status: EndpointStatus, if_match: str | None
 ) -> Endpoint:
     before = _stored(state, endpoint_id, caller)
-    now = datetime.now(UTC)
-    after = before.model_copy(update={"status": status, "updated_at": now})
-    await _write(state, after, now)
+    base_version = _base_version(before, if_match)
+    after = before.model_copy(update={"status": status, "updated_at": datetime.now(UTC)})
+    written = await _write(state, after, base_version)
     log.info("endpoint_status_changed", endpoint_id=endpoint_id, tenant=after.tenant, status=status.value)
-    return after.public()
+    return written.public()
 
 
 @router.post("/{endpoint_id}/pause", response_model=Endpoint)
-async def pause_endpoint(endpoint_id: str, state: State, caller: Caller) -> Endpoint:
+async def pause_endpoint(
+    endpoint_id: str, state: State, caller: Caller, if_match: IfMatch = None
+) -> Endpoint:
     """Stop deliveries; events keep queueing for the endpoint and nothing is attempted."""
-    return await _set_status(state, endpoint_id, caller, EndpointStatus.PAUSED)
+    return await _set_status(state, endpoint_id, caller, EndpointStatus.PAUSED, if_match)
 
 
 @router.post("/{endpoint_id}/resume", response_model=Endpoint)
-async def resume_endpoint(endpoint_id: str, state: State, caller: Caller) -> Endpoint:
+async def resume_endpoint(
+    endpoint_id: str, state: State, caller: Caller, if_match: IfMatch = None
+) -> Endpoint:
     """Deliver again, a paused endpoint or one disabled after a 410: what queued meanwhile goes out."""
-    return await _set_status(state, endpoint_id, caller, EndpointStatus.ACTIVE)
+    return await _set_status(state, endpoint_id, caller, EndpointStatus.ACTIVE, if_match)
 
 
 @router.delete("/{endpoint_id}", status_code=204)
@@ -263,54 +383,68 @@ async def delete_endpoint(
     force: Annotated[
         bool, Query(description="delete even with events pending; they become dead letters")
     ] = False,
+    if_match: IfMatch = None,
 ) -> Response:
     endpoint = _stored(state, endpoint_id, caller)
-    queue = await _queue(state, endpoint)
-    pending = queue.declaration_result.message_count or 0
-    if pending and not force:
+    base_version = _base_version(endpoint, if_match)
+    ready = await _ready_messages(state, endpoint)
+    unacked = await _held_by_dispatchers(state, endpoint.id)
+    if (ready or unacked) and not force:
         raise ApiError(
             409,
             "events_pending",
-            f"{pending} events are waiting for this endpoint; delete with ?force=true to dead-letter them",
+            f"{ready} events are queued and {unacked} being delivered for this endpoint; "
+            "delete with ?force=true to dead-letter them",
         )
-    # 1. No new events for it, and no retries either: those become unroutable, then dead letters.
-    for key in topology.binding_keys(endpoint.tenant, endpoint.event_types):
-        await queue.unbind(state.events, routing_key=key)
-    await queue.unbind(topology.DELAY_DELIVERY, routing_key=topology.delay_delivery_binding(queue.name))
-    # 2. Dispatchers stop consuming once they read the deletion.
-    now = datetime.now(UTC)
-    await state.change_log.append(
-        EndpointDeleted(change_id=f"chg_{uuid.uuid4().hex}", at=now, endpoint_id=endpoint_id),
-        timeout_s=state.settings.registry_wait_s,
+    # 1. The deletion, conditional like every change: from here on every dispatcher drains the
+    #    endpoint's queues into endpoint_gone dead letters, including whatever comes back to them late
+    #    (a nack, a crashed handler, a dispatcher that lost its channel); the monitor removes the
+    #    queues once they have stayed empty for a while.
+    record = EndpointDeleted(
+        change_id=new_id("chg"), at=datetime.now(UTC), endpoint_id=endpoint_id, base_version=base_version
     )
-    # 3. What is still queued is kept as dead letters, never dropped with the queue. Deliveries that
-    #    dispatchers hold right now finish on their own: delivered, or dead-lettered as endpoint_gone.
-    #    (Quorum queues refuse queue.delete with if-empty, and unacked messages are invisible here.)
-    moved = await _drain_to_dead_letters(state, queue, endpoint, now)
-    await queue.delete(if_unused=False, if_empty=False)
-    log.info("endpoint_deleted", endpoint_id=endpoint_id, tenant=endpoint.tenant, dead_lettered=moved)
+    try:
+        await state.change_log.write(record, timeout_s=state.settings.registry_wait_s)
+    except StaleWriteError as exc:
+        raise _changed(exc.current) from None
+    # 2. No new events or retries for it: retries still waiting become endpoint_gone dead letters.
+    async with state.broker.channel() as admin:
+        await topology.unroute(admin, endpoint)
+    log.info(
+        "endpoint_deleted", endpoint_id=endpoint_id, tenant=endpoint.tenant, ready=ready, unacked=unacked
+    )
     return Response(status_code=204)
 
 
-async def _drain_to_dead_letters(
-    state: IngestState, queue: AbstractRobustQueue, endpoint: StoredEndpoint, now: datetime
-) -> int:
-    moved = 0
-    while (message := await queue.get(no_ack=False, fail=False)) is not None:
-        await state.dead_letters.publish(
-            dead_letter_message(
-                message.body,
-                reason=DeadLetterReason.ENDPOINT_GONE,
-                endpoint_id=endpoint.id,
-                tenant=endpoint.tenant,
-                event_id=message.message_id,
-                attempts=0,
-                last_status=None,
-                last_error="the endpoint was deleted",
-                now=now,
-            ),
-            routing_key="",
-        )
-        await message.ack()
-        moved += 1
-    return moved
+async def _ready_messages(state: IngestState, endpoint: StoredEndpoint) -> int:
+    total = 0
+    for name in topology.endpoint_queues(endpoint):
+        with contextlib.suppress(aio_pika.exceptions.ChannelNotFoundEntity):
+            async with state.broker.channel() as channel:
+                declared = await channel.declare_queue(name, passive=True)
+                total += declared.declaration_result.message_count or 0
+    return total
+
+
+async def _held_by_dispatchers(state: IngestState, endpoint_id: str) -> int:
+    """Messages of the endpoint that dispatchers hold unacked, from their last heartbeats (a queue's
+    ready count leaves them out). At most a heartbeat interval old: a delivery that started since is
+    not counted."""
+    latest: dict[str, Heartbeat] = {}
+
+    def collect(message: aio_pika.abc.AbstractIncomingMessage) -> None:
+        with contextlib.suppress(ValidationError, orjson.JSONDecodeError):
+            for record in batch.validate_json(message.body):
+                if isinstance(record, Heartbeat):
+                    latest[record.dispatcher_id] = record
+
+    await read_until_now(
+        state.broker,
+        state.publisher,
+        topology.TELEMETRY_LOG,
+        collect,
+        start=datetime.now(UTC) - _HEARTBEAT_LOOKBACK,
+        timeout_s=state.settings.registry_wait_s,
+    )
+    recent_s = time.time() - _HEARTBEAT_LOOKBACK.total_seconds()
+    return sum(beat.unacked.get(endpoint_id, 0) for beat in latest.values() if beat.at_s >= recent_s)

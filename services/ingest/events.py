@@ -67,10 +67,11 @@ async def publish_event(
             413, "payload_too_large", "the event exceeds HOOKLINE_MAX_PAYLOAD_BYTES once completed"
         )
     try:
-        await state.events.publish(
+        await state.publisher.publish(
             event_message(event, body, accepted_at=now),
+            exchange=topology.EVENTS_EXCHANGE,
             routing_key=topology.event_routing_key(event.tenant, event.type),
-            timeout=PUBLISH_TIMEOUT_S,
+            timeout_s=PUBLISH_TIMEOUT_S,
         )
     except BROKER_ERRORS as exc:
         log.warning("event_publish_failed", event_id=event.id, tenant=event.tenant, error=type(exc).__name__)

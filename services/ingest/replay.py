@@ -95,7 +95,8 @@ async def replay(endpoint_id: str, request: ReplayRequest, state: State, caller:
             found.setdefault(event["id"], message.body)  # the same event published twice is replayed once
 
     await read_until_now(
-        state.connection,
+        state.broker,
+        state.publisher,
         topology.EVENT_LOG,
         collect,
         start=request.since - _SEEK_MARGIN,

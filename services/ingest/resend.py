@@ -23,22 +23,25 @@ class Resend:
 
 
 async def resend(state: IngestState, items: Iterable[Resend]) -> int:
-    """Publish each event to its endpoint's queue (confirmed); returns how many were published.
+    """Publish each event to its endpoint's current queue (confirmed); returns how many were published.
 
     Without our attempt headers the dispatcher counts it as attempt 1 with the retention window
     starting now: a redriven or replayed event gets the whole retry schedule again.
     """
-    exchange = state.publisher.default_exchange
     pending = []
     sent = 0
     for item in items:
+        endpoint = state.registry.get(item.endpoint_id)
+        if endpoint is None:
+            continue
         message = aio_pika.Message(
             item.body,
             content_type="application/json",
             delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
             message_id=item.event_id,
         )
-        pending.append(exchange.publish(message, routing_key=topology.endpoint_queue(item.endpoint_id)))
+        queue = topology.endpoint_queue(endpoint.id, endpoint.queue_generation)
+        pending.append(state.publisher.publish(message, exchange="", routing_key=queue))
         if len(pending) >= WINDOW:
             await asyncio.gather(*pending)
             sent += len(pending)

@@ -73,7 +73,10 @@ def system(
     log_dir = tmp_path_factory.mktemp("logs")
     with rabbitmq.vhost(request.module.__name__.rsplit(".", 1)[-1].replace("_", "-")) as amqp_url:
         # A test module may shrink times through settings: SYSTEM_ENV = {"HOOKLINE_...": "..."}.
-        env = services.base_env(amqp_url, **getattr(request.module, "SYSTEM_ENV", {}))
+        # Each replica's local views (SQLite) live with the logs, never in the checkout.
+        env = services.base_env(
+            amqp_url, HOOKLINE_STATE_DIR=str(log_dir / "state"), **getattr(request.module, "SYSTEM_ENV", {})
+        )
         ingest = services.start("ingest", env, log_dir)
         dispatchers = [services.start("dispatcher", env, log_dir, name=f"dispatcher-{n}") for n in (1, 2)]
         monitor = services.start("health-monitor", env, log_dir)

@@ -2,18 +2,22 @@
 
 from __future__ import annotations
 
-import asyncio
 import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from datetime import UTC, datetime
 from urllib.parse import unquote, urlsplit
 
 import aio_pika
 import pytest
-from support.broker import Broker
+from support import broker as test_broker
+from support.waiting import eventually
 
-from hookline.shared import amqp, registry, topology
+from hookline.shared import registry, topology
+from hookline.shared.amqp import Broker, Publisher
 from hookline.shared.models import EndpointDeleted, EndpointUpserted, SigningSecret, StoredEndpoint
 from hookline.shared.signing import generate_secret
+from hookline.shared.supervision import Supervisor
 
 pytestmark = pytest.mark.integration
 NOW = datetime.now(UTC)
@@ -35,75 +39,110 @@ def _upsert(endpoint: StoredEndpoint) -> EndpointUpserted:
     return EndpointUpserted(change_id=f"chg_{uuid.uuid4().hex}", at=NOW, endpoint=endpoint)
 
 
-async def test_writes_are_seen_by_followers_and_replayed_by_newcomers(amqp_url: str) -> None:
-    async with (
-        amqp.connection(amqp_url, name="first", connect_timeout_s=10) as first_connection,
-        amqp.connection(amqp_url, name="second", connect_timeout_s=10) as second_connection,
-    ):
-        await topology.declare(first_connection, event_log_max_age_s=3600)
-        first, second = registry.EndpointRegistry(), registry.EndpointRegistry()
-        async with (
-            registry.follow(first_connection, first, sync_timeout_s=10) as writer,
-            registry.follow(second_connection, second, sync_timeout_s=10) as reader,
-        ):
-            await writer.append(_upsert(_endpoint(1)), timeout_s=10)
-            await writer.append(_upsert(_endpoint(2, "https://two.example/")), timeout_s=10)
-            await writer.append(
-                EndpointDeleted(change_id="chg_del", at=NOW, endpoint_id=_endpoint(1).id), timeout_s=10
-            )
-            # Read-your-writes on the writer, and the reader has caught up once its own marker is back.
-            assert [e.id for e in first.all()] == [_endpoint(2).id]
-            await reader.sync(timeout_s=10)
-            assert [(e.id, e.url) for e in second.all()] == [(_endpoint(2).id, "https://two.example/")]
+@asynccontextmanager
+async def follow(
+    amqp_url: str, state: registry.EndpointRegistry, *, name: str = "test"
+) -> AsyncIterator[registry.ChangeLog]:
+    """A service's view of the change log: its own connection, publisher and supervised follower."""
+    supervisor = Supervisor()
+    async with Broker(amqp_url, name=name, connect_timeout_s=10) as broker:
+        await topology.declare(broker, event_log_max_age_s=3600)
+        publisher = Publisher(broker)
+        try:
+            yield await registry.follow(broker, publisher, supervisor, state, sync_timeout_s=10)
+        finally:
+            await supervisor.stop()
+            await publisher.close()
 
-        late = registry.EndpointRegistry()
-        async with registry.follow(second_connection, late, sync_timeout_s=10):
-            assert [e.id for e in late.all()] == [_endpoint(2).id]
-            assert late.last_known(_endpoint(1).id) is not None, "a deleted endpoint is remembered"
+
+async def test_writes_are_seen_by_followers_and_replayed_by_newcomers(amqp_url: str) -> None:
+    first, second = registry.EndpointRegistry(), registry.EndpointRegistry()
+    async with (
+        follow(amqp_url, first, name="first") as writer,
+        follow(amqp_url, second, name="second") as reader,
+    ):
+        await writer.write(_upsert(_endpoint(1)), timeout_s=10)
+        await writer.write(_upsert(_endpoint(2, "https://two.example/")), timeout_s=10)
+        await writer.write(
+            EndpointDeleted(change_id="chg_del", at=NOW, endpoint_id=_endpoint(1).id), timeout_s=10
+        )
+        # Read-your-writes on the writer, and the reader has caught up once its own marker is back.
+        assert [e.id for e in first.all()] == [_endpoint(2).id]
+        await reader.sync(timeout_s=10)
+        assert [(e.id, e.url) for e in second.all()] == [(_endpoint(2).id, "https://two.example/")]
+
+    late = registry.EndpointRegistry()
+    async with follow(amqp_url, late):
+        assert [e.id for e in late.all()] == [_endpoint(2).id]
+        assert late.last_known(_endpoint(1).id) is not None, "a deleted endpoint is remembered"
+
+
+async def test_of_two_writes_based_on_one_version_exactly_one_wins_everywhere(amqp_url: str) -> None:
+    first, second = registry.EndpointRegistry(), registry.EndpointRegistry()
+    async with follow(amqp_url, first, name="first") as one, follow(amqp_url, second, name="second") as two:
+        created = await one.upsert(_endpoint(5), base_version=0, timeout_s=10)
+        assert created.version == 1
+        await two.sync(timeout_s=10)
+        # Both writers read version 1 and change it; the log orders them, every reader agrees.
+        a = created.model_copy(update={"url": "https://a.example/"})
+        b = created.model_copy(update={"url": "https://b.example/"})
+        assert (await one.upsert(a, base_version=1, timeout_s=10)).url == "https://a.example/"
+        with pytest.raises(registry.StaleWriteError) as stale:
+            await two.upsert(b, base_version=1, timeout_s=10)
+        assert stale.value.current is not None
+        assert stale.value.current.version == 2
+        await two.sync(timeout_s=10)
+        await one.sync(timeout_s=10)
+        for state in (first, second):
+            current = state.get(_endpoint(5).id)
+            assert current is not None
+            assert (current.url, current.version) == ("https://a.example/", 2)
+
+        # An internal writer re-reads and retries instead: its change lands on top of the winner's.
+        def described(endpoint: StoredEndpoint) -> StoredEndpoint:
+            return endpoint.model_copy(update={"description": "kept"})
+
+        updated = await two.update(_endpoint(5).id, described, timeout_s=10)
+        assert updated is not None
+        assert (updated.url, updated.description, updated.version) == ("https://a.example/", "kept", 3)
 
 
 async def test_an_unreadable_record_is_skipped_and_the_rest_applied(amqp_url: str) -> None:
-    async with amqp.connection(amqp_url, name="test", connect_timeout_s=10) as connection:
-        await topology.declare(connection, event_log_max_age_s=3600)
-        channel = await connection.channel()
-        await channel.default_exchange.publish(
-            aio_pika.Message(b'{"kind": "from.the.future"}'), topology.ENDPOINT_LOG
-        )
-        state = registry.EndpointRegistry()
-        async with registry.follow(connection, state, sync_timeout_s=10) as log:
-            await log.append(_upsert(_endpoint(3)), timeout_s=10)
-            assert [e.id for e in state.all()] == [_endpoint(3).id]
+    async with Broker(amqp_url, name="raw", connect_timeout_s=10) as broker:
+        await topology.declare(broker, event_log_max_age_s=3600)
+        async with broker.channel() as channel:
+            await channel.default_exchange.publish(
+                aio_pika.Message(b'{"kind": "from.the.future"}'), topology.ENDPOINT_LOG
+            )
+    state = registry.EndpointRegistry()
+    async with follow(amqp_url, state) as log:
+        await log.write(_upsert(_endpoint(3)), timeout_s=10)
+        assert [e.id for e in state.all()] == [_endpoint(3).id]
 
 
 async def test_a_follower_resumes_after_a_lost_connection_without_replaying(
-    amqp_url: str, rabbitmq: Broker
+    amqp_url: str, rabbitmq: test_broker.Broker
 ) -> None:
     vhost = unquote(urlsplit(amqp_url).path.lstrip("/"))
+    seen: list[str] = []
+    follower = registry.EndpointRegistry()
+    follower.subscribe(lambda _, after: seen.append(after.url if after else "deleted"))
     async with (
-        amqp.connection(
-            amqp_url + "?reconnect_interval=0.5", name="follower", connect_timeout_s=10
-        ) as follower_connection,
-        amqp.connection(
-            amqp_url + "?reconnect_interval=0.5", name="writer", connect_timeout_s=10
-        ) as writer_connection,
+        follow(amqp_url, follower, name="follower") as follower_log,
+        follow(amqp_url, registry.EndpointRegistry(), name="writer") as writer,
     ):
-        await topology.declare(writer_connection, event_log_max_age_s=3600)
-        seen: list[str] = []
-        follower = registry.EndpointRegistry()
-        follower.subscribe(lambda _, after: seen.append(after.url if after else "deleted"))
-        async with (
-            registry.follow(follower_connection, follower, sync_timeout_s=10) as follower_log,
-            registry.follow(writer_connection, registry.EndpointRegistry(), sync_timeout_s=10) as writer,
-        ):
-            await writer.append(_upsert(_endpoint(4, "https://before.example/")), timeout_s=10)
-            await follower_log.sync(timeout_s=10)
-            reconnected = asyncio.Event()
-            follower_connection.reconnect_callbacks.add(lambda *_: reconnected.set())
-            # The broker drops every connection of this vhost, the writer's too; both reconnect.
-            await asyncio.to_thread(rabbitmq.ctl, ["close_all_connections", "-p", vhost, "test"])
-            await asyncio.wait_for(reconnected.wait(), 30)
-            await writer_connection.connected.wait()
-            await asyncio.sleep(0.5)
-            await writer.append(_upsert(_endpoint(4, "https://after.example/")), timeout_s=20)
-            await follower_log.sync(timeout_s=20)
-        assert seen == ["https://before.example/", "https://after.example/"]
+        await writer.write(_upsert(_endpoint(4, "https://before.example/")), timeout_s=10)
+        await follower_log.sync(timeout_s=10)
+        # The broker drops every connection of this vhost, the writer's too; both connect again.
+        await rabbitmq.ctl_async(["close_all_connections", "-p", vhost, "test"])
+
+        async def written() -> bool:
+            try:
+                await writer.write(_upsert(_endpoint(4, "https://after.example/")), timeout_s=2)
+            except (TimeoutError, ConnectionError, aio_pika.exceptions.AMQPError):
+                return False
+            return True
+
+        await eventually(written, timeout_s=30)
+        await follower_log.sync(timeout_s=20)
+    assert seen == ["https://before.example/", "https://after.example/"]

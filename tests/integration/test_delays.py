@@ -6,48 +6,72 @@ import asyncio
 import random
 import time
 from collections.abc import AsyncIterator
+from datetime import UTC, datetime
 
 import aio_pika
 import pytest
-from aio_pika.abc import AbstractIncomingMessage, AbstractRobustConnection
+from aio_pika.abc import AbstractConnection, AbstractIncomingMessage, AbstractQueue
 from support.amqp import read_stream
 
 from hookline.dispatcher.delays import Delays
-from hookline.shared import amqp, topology
+from hookline.shared import topology
+from hookline.shared.amqp import Broker, Publisher
 from hookline.shared.deadletters import read_item
 from hookline.shared.headers import Header
-from hookline.shared.models import DeadLetterReason
+from hookline.shared.models import DeadLetterReason, SigningSecret, StoredEndpoint
 
 pytestmark = pytest.mark.integration
-ENDPOINT = "ep_01TESTDELAYS0000000000000"
+NOW = datetime.now(UTC)
+ENDPOINT = StoredEndpoint(
+    id="ep_01TESTDELAYS00000000000000",
+    tenant="acme",
+    url="https://example.com/",
+    event_types=["#"],
+    created_at=NOW,
+    updated_at=NOW,
+    secrets=[SigningSecret(value="whsec_" + "A" * 44, created_at=NOW)],
+    routed=True,
+)
 
 
 @pytest.fixture
-async def connection(amqp_url: str) -> AsyncIterator[AbstractRobustConnection]:
-    async with amqp.connection(amqp_url, name="test", connect_timeout_s=10) as conn:
-        await topology.declare(conn, event_log_max_age_s=3600)
-        yield conn
+async def broker(amqp_url: str) -> AsyncIterator[Broker]:
+    async with Broker(amqp_url, name="test", connect_timeout_s=10) as opened:
+        await topology.declare(opened, event_log_max_age_s=3600)
+        yield opened
 
 
-async def _endpoint_queue(connection: AbstractRobustConnection) -> aio_pika.abc.AbstractRobustQueue:
+@pytest.fixture
+async def connection(broker: Broker) -> AbstractConnection:
+    return await broker.connection()
+
+
+@pytest.fixture
+async def delays(broker: Broker) -> AsyncIterator[Delays]:
+    publisher = Publisher(broker)
+    yield Delays(publisher)
+    await publisher.close()
+
+
+async def _endpoint_queue(connection: AbstractConnection) -> AbstractQueue:
+    """The endpoint's queue, fed through its route exchange, as the ingest provisions it."""
     channel = await connection.channel()
-    queue = await topology.endpoint_queue_declare(channel, ENDPOINT, single_consumer=False)
-    await queue.bind(topology.DELAY_DELIVERY, routing_key=topology.delay_delivery_binding(queue.name))
-    return queue
+    await topology.provision(channel, ENDPOINT)
+    return await channel.get_queue(topology.endpoint_queue(ENDPOINT.id), ensure=False)
 
 
 async def _schedule(delays: Delays, event_id: str, delay_s: int) -> None:
     await delays.schedule(
-        b"{}", content_type="application/json", timestamp=None, event_id=event_id, endpoint_id=ENDPOINT,
-        next_attempt=2, first_attempt_at_s=time.time(), delay_s=delay_s,
+        b"{}", content_type="application/json", timestamp=None, event_id=event_id,
+        destination=topology.retry_destination(ENDPOINT), next_attempt=2, first_attempt_at_s=time.time(),
+        delay_s=delay_s,
     )  # fmt: skip
 
 
 async def test_mixed_delays_arrive_in_delay_order_within_a_second(
-    connection: AbstractRobustConnection,
+    connection: AbstractConnection, delays: Delays
 ) -> None:
     queue = await _endpoint_queue(connection)
-    delays = await Delays.open(await connection.channel(publisher_confirms=True, on_return_raises=True))
     arrived: list[tuple[str, float]] = []
     done = asyncio.Event()
 
@@ -71,9 +95,8 @@ async def test_mixed_delays_arrive_in_delay_order_within_a_second(
         assert delay_s - 0.05 <= at - sent_at <= delay_s + 1.0, (event_id, at - sent_at)
 
 
-async def test_a_burst_of_thousands_loses_nothing(connection: AbstractRobustConnection) -> None:
+async def test_a_burst_of_thousands_loses_nothing(connection: AbstractConnection, delays: Delays) -> None:
     queue = await _endpoint_queue(connection)
-    delays = await Delays.open(await connection.channel(publisher_confirms=True, on_return_raises=True))
     count = 3000
     received: set[str] = set()
     done = asyncio.Event()
@@ -95,7 +118,7 @@ async def test_a_burst_of_thousands_loses_nothing(connection: AbstractRobustConn
 
 
 async def test_a_message_returned_too_often_becomes_a_delivery_limit_dead_letter(
-    connection: AbstractRobustConnection, amqp_url: str
+    connection: AbstractConnection, amqp_url: str
 ) -> None:
     queue = await _endpoint_queue(connection)
     channel = await connection.channel(publisher_confirms=True)
@@ -118,5 +141,5 @@ async def test_a_message_returned_too_often_becomes_a_delivery_limit_dead_letter
         message_id=dead[0].message_id, timestamp=dead[0].timestamp,
     )  # fmt: skip
     assert (item.reason, item.endpoint_id, item.event_id, item.tenant) == (
-        DeadLetterReason.DELIVERY_LIMIT, ENDPOINT, "evt_poison", "acme",
+        DeadLetterReason.DELIVERY_LIMIT, ENDPOINT.id, "evt_poison", "acme",
     )  # fmt: skip

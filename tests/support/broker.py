@@ -7,6 +7,7 @@ that cannot be reached is a test failure, never a skip.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import shutil
 import socket
@@ -29,6 +30,9 @@ class Broker:
     def ctl(self, arguments: list[str]) -> None:
         """Run ``rabbitmqctl`` against this broker (locally, or inside its container)."""
         self._run_ctl(arguments)
+
+    async def ctl_async(self, arguments: list[str]) -> None:
+        await asyncio.to_thread(self._run_ctl, arguments)
 
     def url_for(self, vhost: str) -> str:
         parts = urlsplit(self.base_url)

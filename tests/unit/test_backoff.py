@@ -5,6 +5,8 @@ from __future__ import annotations
 from datetime import UTC, datetime
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from hookline.dispatcher.backoff import (
     GiveUp,
@@ -84,7 +86,23 @@ NOW = datetime(2026, 11, 29, 18, 0, 0, tzinfo=UTC)
         ("-5", None),
         ("", None),
         (None, None),
+        ("²", None),  # a Unicode digit: str.isdigit() says yes, float() says no
+        ("١٢", None),  # Arabic-Indic digits
+        ("1.5", None),
+        ("Sun, 29 Nov 99999 18:00:30 GMT", None),
+        ("Mon, 31 Feb 2026 18:00:30 GMT", None),
     ],
 )
 def test_parse_retry_after(header: str | None, expected: float | None) -> None:
     assert parse_retry_after(header, now=NOW) == expected
+
+
+@settings(max_examples=2000, deadline=None)
+@given(st.one_of(st.text(), st.from_regex(r"\A\s*[0-9]{1,400}\s*\Z"), st.from_regex(r"\A[A-Za-z]{3}, .*\Z")))
+def test_parse_retry_after_never_raises(header: str) -> None:
+    """Whatever a receiver sends in Retry-After: a number of seconds, or None."""
+    parsed = parse_retry_after(header, now=NOW)
+    assert parsed is None or parsed >= 0
+    if parsed is not None:
+        # and the delay it leads to is bounded by the cap, never an overflow
+        assert delay_s(1, DEFAULT, random=0.5, retry_after_s=parsed) <= DEFAULT.retry_after_cap_s

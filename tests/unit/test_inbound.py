@@ -50,6 +50,23 @@ def test_attempt_and_first_attempt_time_come_from_our_headers() -> None:
     assert (parsed.attempt, parsed.first_attempt_at_s) == (3, 1700000000.0)
 
 
+def test_headers_on_an_upstream_publish_are_not_believed() -> None:
+    """Only hookline publishes attempts, first-attempt times and sequences; on what arrives from
+    ``events`` they are an upstream's claim, and ignored."""
+    forged = {"x-hookline-attempt": 999, "x-hookline-first-attempt-at": 1, "x-hookline-seq": 5}
+    parsed = _parse(exchange="events", headers=forged)
+    assert isinstance(parsed, Inbound)
+    assert (parsed.attempt, parsed.first_attempt_at_s, parsed.sequence) == (1, None, None)
+
+
+@pytest.mark.parametrize("exchange", ["hookline.delay.delivery", ""])
+def test_headers_on_what_hookline_published_are_used(exchange: str) -> None:
+    ours = {"x-hookline-attempt": 4, "x-hookline-first-attempt-at": 1700000000, "x-hookline-seq": 5}
+    parsed = _parse(exchange=exchange, headers=ours)
+    assert isinstance(parsed, Inbound)
+    assert (parsed.attempt, parsed.first_attempt_at_s, parsed.sequence) == (4, 1700000000.0, 5)
+
+
 @pytest.mark.parametrize(
     ("body", "overrides", "reason_contains"),
     [

@@ -113,8 +113,8 @@ def test_endpoint_create_accepts_topic_patterns(patterns: list[str]) -> None:
     assert EndpointCreate.model_validate({**ENDPOINT, "event_types": patterns}).event_types == patterns
 
 
-def test_endpoint_update_cannot_change_ordering_or_tenant() -> None:
-    for field, value in (("ordered", True), ("tenant", "other")):
+def test_endpoint_update_cannot_change_the_tenant() -> None:
+    for field, value in (("tenant", "other"), ("id", "ep_" + "1" * 26), ("version", 3)):
         with pytest.raises(ValidationError):
             EndpointUpdate.model_validate({field: value})
 

@@ -1,0 +1,419 @@
+"""Which queues this dispatcher consumes, kept in line with the endpoint log and the breakers.
+
+For every endpoint:
+- its current queue is consumed for delivery while the endpoint is active, verified and its breaker
+  is closed (an open breaker leaves its messages waiting in the queue); one dispatcher, named by the
+  monitor, takes the half-open probe with ``basic.get``;
+- the queues it left behind (a queue move, see :mod:`hookline.shared.topology`) are consumed to forward
+  whatever is still in them, or comes back to them late, into the current queue;
+- once it is deleted, all its queues are consumed to turn what is left into ``endpoint_gone`` dead
+  letters, until the monitor removes them.
+
+A supervised loop applies the changes one at a time, so a quick create-then-delete never leaves a
+consumer behind. When a channel closes under it, the endpoints it served are reconciled again on a
+new one; when the connection is lost, the loop starts over and attaches to everything afresh. A current
+queue found missing (deleted by hand, lost with a node) is provisioned again, and said so.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+import time
+from collections import Counter
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from enum import Enum
+from functools import partial
+
+import aio_pika
+import aiormq
+import structlog
+from aio_pika.abc import AbstractChannel, AbstractIncomingMessage, AbstractQueue
+
+from hookline.dispatcher import metrics
+from hookline.dispatcher.handler import Handler, handle_safely
+from hookline.shared import topology
+from hookline.shared.amqp import (
+    BROKER_ERRORS,
+    CALL_TIMEOUT_S,
+    Broker,
+    ChannelLostError,
+    close_quietly,
+    on_cancel,
+)
+from hookline.shared.control import BreakerState, BreakerView
+from hookline.shared.models import EndpointStatus, StoredEndpoint
+from hookline.shared.registry import EndpointRegistry
+from hookline.shared.supervision import Loop
+
+log = structlog.get_logger(__name__)
+
+PROBE_POLL_S = 1.0
+RECONCILE_RETRY_S = 2.0
+#: Deleted endpoints whose queues are still drained: the monitor removes drained queues well before.
+DELETED_DRAIN_WINDOW = timedelta(days=1)
+
+
+class Mode(Enum):
+    DELIVER = "deliver"
+    FORWARD = "forward"  # a queue the endpoint left: into its current queue
+    GONE = "gone"  # a deleted endpoint's queue: into the dead letters
+
+
+@dataclass(frozen=True, slots=True)
+class _Wanted:
+    endpoint_id: str
+    mode: Mode
+    prefetch: int
+
+
+@dataclass(frozen=True, slots=True)
+class _Consumer:
+    wanted: _Wanted
+    queue: AbstractQueue
+    tag: str
+    channel: AbstractChannel
+
+
+class Consumers:
+    def __init__(
+        self,
+        broker: Broker,
+        registry: EndpointRegistry,
+        breakers: BreakerView,
+        handler: Handler,
+        dispatcher_id: str,
+        *,
+        default_prefetch: int,
+    ) -> None:
+        self._broker = broker
+        self._registry = registry
+        self._breakers = breakers
+        self._handler = handler
+        self._dispatcher_id = dispatcher_id
+        self._default_prefetch = default_prefetch
+        self._active: dict[str, _Consumer] = {}  # queue name ->
+        # basic.qos applies to the consumers created after it: one channel per prefetch value keeps
+        # every consumer's cap right.
+        self._channels: dict[int, AbstractChannel] = {}
+        self._admin: AbstractChannel | None = None  # declares; an error there closes it, not a consumer's
+        self._probes: dict[str, int] = {}  # endpoint id -> the half-open version being probed
+        self._changed: asyncio.Queue[str | None] = asyncio.Queue()
+        self._connection_lost = asyncio.Event()
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._unacked: Counter[str] = Counter()
+        self._stopping = False
+
+    # --- what changed ------------------------------------------------------------------------------
+
+    def on_change(self, before: StoredEndpoint | None, after: StoredEndpoint | None) -> None:
+        endpoint_id = (after or before).id  # type: ignore[union-attr]
+        self._changed.put_nowait(endpoint_id)
+
+    def on_breakers(self, endpoint_ids: set[str] | list[str]) -> None:
+        for endpoint_id in endpoint_ids:
+            self._changed.put_nowait(endpoint_id)
+
+    # --- the loop -----------------------------------------------------------------------------------
+
+    async def run(self, loop: Loop) -> None:
+        """Attach to every queue this dispatcher should consume, then apply changes as they come."""
+        self._connection_lost.clear()
+        await self._forget_all()
+        await self._broker.connection()
+        for endpoint_id in self._endpoint_ids():
+            await self._reconcile_or_retry(endpoint_id)
+        loop.mark_up()
+        while (changed := await self._next_change()) is not None:
+            await self._reconcile_or_retry(changed)
+            loop.beat()
+
+    def _endpoint_ids(self) -> list[str]:
+        since = datetime.now(UTC) - DELETED_DRAIN_WINDOW
+        live = [endpoint.id for endpoint in self._registry.all()]
+        return live + [endpoint.id for endpoint in self._registry.deleted_since(since)]
+
+    async def _next_change(self) -> str | None:
+        change = asyncio.ensure_future(self._changed.get())
+        lost = asyncio.ensure_future(self._connection_lost.wait())
+        try:
+            await asyncio.wait({change, lost}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            lost.cancel()
+        if change.done():
+            return change.result()
+        change.cancel()
+        raise ChannelLostError("the broker connection was lost; attaching again")
+
+    async def _reconcile_or_retry(self, endpoint_id: str) -> None:
+        if self._stopping:
+            return
+        try:
+            await self._reconcile(endpoint_id)
+        except BROKER_ERRORS as exc:
+            if not self._broker.connected:
+                raise  # the loop starts over once connected again
+            # A channel refused something (or is being replaced): try this endpoint again shortly.
+            log.warning("consumer_reconcile_failed", endpoint_id=endpoint_id, error=type(exc).__name__)
+            asyncio.get_running_loop().call_later(RECONCILE_RETRY_S, self._changed.put_nowait, endpoint_id)
+
+    async def _reconcile(self, endpoint_id: str) -> None:
+        wanted = self._wanted(endpoint_id)
+        for queue_name, consumer in list(self._active.items()):
+            if consumer.wanted.endpoint_id == endpoint_id and wanted.get(queue_name) != consumer.wanted:
+                # Breaker open, endpoint paused or gone, its cap changed, or the queue was left behind.
+                del self._active[queue_name]
+                with contextlib.suppress(*BROKER_ERRORS):
+                    await consumer.queue.cancel(consumer.tag, timeout=CALL_TIMEOUT_S)
+        for queue_name, want in wanted.items():
+            if queue_name not in self._active:
+                await self._attach(queue_name, want)
+        self._maybe_probe(endpoint_id)
+        metrics.CONSUMERS.set(len(self._active))
+
+    def _wanted(self, endpoint_id: str) -> dict[str, _Wanted]:
+        endpoint = self._registry.get(endpoint_id)
+        if self._stopping:
+            return {}
+        if endpoint is None:
+            gone = self._registry.last_known(endpoint_id)
+            if gone is None:
+                return {}
+            return {name: _Wanted(endpoint_id, Mode.GONE, 1) for name in topology.endpoint_queues(gone)}
+        wanted = {name: _Wanted(endpoint_id, Mode.FORWARD, 1) for name in endpoint.retired_queues}
+        if (
+            endpoint.status is EndpointStatus.ACTIVE
+            and endpoint.verified
+            and self._breakers.state(endpoint_id) is None
+        ):
+            current = topology.endpoint_queue(endpoint.id, endpoint.queue_generation)
+            wanted[current] = _Wanted(endpoint_id, Mode.DELIVER, self._prefetch(endpoint))
+        return wanted
+
+    def _prefetch(self, endpoint: StoredEndpoint) -> int:
+        """Unacked deliveries this dispatcher may hold for the endpoint: for a capped endpoint (served by
+        one dispatcher at a time) its ``max_in_flight``, and no more than 10 s of its rate limit."""
+        prefetch = endpoint.max_in_flight or self._default_prefetch
+        if endpoint.rate_limit_per_s is not None:
+            prefetch = min(prefetch, max(1, math.ceil(endpoint.rate_limit_per_s * 10)))
+        return prefetch
+
+    async def _attach(self, queue_name: str, want: _Wanted) -> None:
+        queue = await self._existing_queue(queue_name, want)
+        if queue is None:
+            return
+        channel = await self._channel_for(want.prefetch)
+        consumer_queue = await channel.get_queue(queue_name, ensure=False)
+        callback = {
+            Mode.DELIVER: partial(self._deliver, want.endpoint_id),
+            Mode.FORWARD: partial(self._forward, want.endpoint_id),
+            Mode.GONE: partial(self._gone, want.endpoint_id),
+        }[want.mode]
+        tag = await consumer_queue.consume(callback, timeout=CALL_TIMEOUT_S)
+        self._active[queue_name] = _Consumer(want, consumer_queue, tag, channel)
+        if want.mode is not Mode.DELIVER:
+            log.info("queue_draining", queue=queue_name, endpoint_id=want.endpoint_id, mode=want.mode.value)
+
+    async def _existing_queue(self, queue_name: str, want: _Wanted) -> AbstractQueue | None:
+        """The queue, checked to exist first: consuming a missing queue would close the consumer channel
+        with every consumer on it. A missing current queue is provisioned again; a missing queue that is
+        only drained has been removed once empty, and stays removed."""
+        admin = await self._admin_channel()
+        try:
+            return await admin.declare_queue(queue_name, passive=True, timeout=CALL_TIMEOUT_S)
+        except aio_pika.exceptions.ChannelNotFoundEntity:
+            pass
+        self._admin = None  # the failed declare closed it
+        endpoint = self._registry.get(want.endpoint_id)
+        if want.mode is not Mode.DELIVER or endpoint is None:
+            return None
+        log.error("endpoint_queue_missing", endpoint_id=endpoint.id, queue=queue_name, alert=True)
+        metrics.QUEUES_REDECLARED.inc()
+        admin = await self._admin_channel()
+        await topology.provision(admin, endpoint)
+        return await admin.declare_queue(queue_name, passive=True, timeout=CALL_TIMEOUT_S)
+
+    async def _admin_channel(self) -> AbstractChannel:
+        if self._admin is None or self._admin.is_closed:
+            connection = await self._broker.connection()
+            async with asyncio.timeout(CALL_TIMEOUT_S):
+                self._admin = await connection.channel(publisher_confirms=False)
+        return self._admin
+
+    async def _channel_for(self, prefetch: int) -> AbstractChannel:
+        channel = self._channels.get(prefetch)
+        if channel is None or channel.is_closed:
+            connection = await self._broker.connection()
+            async with asyncio.timeout(CALL_TIMEOUT_S):
+                channel = await connection.channel(publisher_confirms=False)
+                await channel.set_qos(prefetch_count=prefetch)
+            channel.close_callbacks.add(partial(self._on_channel_closed, prefetch))
+            self._channels[prefetch] = channel
+            # A consumer cancelled by the broker (its queue was deleted): attach again, or let go.
+            await on_cancel(channel, self._on_consumer_cancelled)
+        return channel
+
+    def _on_channel_closed(self, prefetch: int, *_: object) -> None:
+        if self._stopping:
+            return
+        channel = self._channels.pop(prefetch, None)
+        lost = [name for name, consumer in self._active.items() if consumer.channel is channel]
+        for name in lost:
+            self._changed.put_nowait(self._active.pop(name).wanted.endpoint_id)
+        if not self._broker.connected:
+            self._connection_lost.set()
+        elif lost:
+            log.warning("consumer_channel_closed", consumers=len(lost))
+
+    def _on_consumer_cancelled(self, frame: aiormq.spec.Basic.Cancel) -> None:
+        for name, consumer in list(self._active.items()):
+            if consumer.tag == frame.consumer_tag:
+                log.warning(
+                    "consumer_cancelled_by_broker", queue=name, endpoint_id=consumer.wanted.endpoint_id
+                )
+                del self._active[name]
+                self._changed.put_nowait(consumer.wanted.endpoint_id)
+
+    async def _forget_all(self) -> None:
+        self._active.clear()
+        channels, self._channels = list(self._channels.values()), {}
+        if self._admin is not None:
+            channels.append(self._admin)
+            self._admin = None
+        for channel in channels:
+            await close_quietly(channel)
+
+    # --- the half-open probe ------------------------------------------------------------------------
+
+    def _maybe_probe(self, endpoint_id: str) -> None:
+        endpoint = self._registry.get(endpoint_id)
+        breaker = self._breakers.state(endpoint_id)
+        if (
+            endpoint is not None
+            and endpoint.status is EndpointStatus.ACTIVE
+            and endpoint.verified
+            and breaker is not None
+            and breaker.state is BreakerState.HALF_OPEN
+            and breaker.probe_by == self._dispatcher_id
+            and self._probes.get(endpoint_id) != breaker.version
+        ):
+            self._probes[endpoint_id] = breaker.version
+            probe = asyncio.create_task(self._probe(endpoint, breaker.version), name=f"probe:{endpoint_id}")
+            self._tasks.add(probe)
+            probe.add_done_callback(self._tasks.discard)
+
+    async def _probe(self, endpoint: StoredEndpoint, version: int) -> None:
+        """Deliver exactly one message while the breaker is half open and this replica is the prober."""
+
+        def still_mine() -> bool:
+            command = self._breakers.state(endpoint.id)
+            return not self._stopping and command is not None and command.version == version
+
+        queue_name = topology.endpoint_queue(endpoint.id, endpoint.queue_generation)
+        while still_mine():
+            try:
+                async with self._broker.channel() as channel:
+                    queue = await channel.get_queue(queue_name, ensure=False)
+                    while still_mine():
+                        message = await queue.get(no_ack=False, fail=False, timeout=CALL_TIMEOUT_S)
+                        if message is None:
+                            await asyncio.sleep(PROBE_POLL_S)  # nothing to probe with yet
+                            continue
+                        log.info("breaker_probe", endpoint_id=endpoint.id, version=version)
+                        if await handle_safely(self._handler, endpoint.id, message, probe=True):
+                            return
+                        # No attempt came of it (an invalid event, a deferral): probe with the next one.
+            except BROKER_ERRORS as exc:
+                log.warning("breaker_probe_failed", endpoint_id=endpoint.id, error=type(exc).__name__)
+                await asyncio.sleep(PROBE_POLL_S)
+
+    # --- consuming ----------------------------------------------------------------------------------
+
+    async def _deliver(self, endpoint_id: str, message: AbstractIncomingMessage) -> None:
+        await self.track(endpoint_id, partial(handle_safely, self._handler, endpoint_id), message)
+
+    async def _forward(self, endpoint_id: str, message: AbstractIncomingMessage) -> None:
+        await self.track(endpoint_id, partial(self._handler.forward, endpoint_id), message)
+
+    async def _gone(self, endpoint_id: str, message: AbstractIncomingMessage) -> None:
+        await self.track(endpoint_id, partial(self._handler.gone, endpoint_id), message)
+
+    async def track(
+        self,
+        endpoint_id: str,
+        handle: Callable[[AbstractIncomingMessage], Awaitable[object]],
+        message: AbstractIncomingMessage,
+    ) -> None:
+        """Run a message's handling as a task the shutdown drain waits for, counted per endpoint."""
+        task = asyncio.current_task()
+        assert task is not None
+        self._tasks.add(task)
+        self._unacked[endpoint_id] += 1
+        try:
+            await handle(message)
+        finally:
+            self._tasks.discard(task)
+            self._unacked[endpoint_id] -= 1
+            if not self._unacked[endpoint_id]:
+                del self._unacked[endpoint_id]
+
+    @property
+    def consuming(self) -> int:
+        return sum(consumer.wanted.mode is Mode.DELIVER for consumer in self._active.values())
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._tasks)
+
+    def load(self) -> tuple[int, int, dict[str, int]]:
+        """For heartbeats: deliveries in flight, queues consumed, messages held per endpoint."""
+        return self.in_flight, self.consuming, {key: n for key, n in self._unacked.items() if key}
+
+    # --- shutdown -----------------------------------------------------------------------------------
+
+    async def stop_intake(self) -> None:
+        """Cancel every consumer: the broker sends nothing more; what was delivered is still ours."""
+        self._stopping = True
+        self._changed.put_nowait(None)
+        for consumer in list(self._active.values()):
+            # A channel already gone has stopped delivering anyway.
+            with contextlib.suppress(*BROKER_ERRORS):
+                await consumer.queue.cancel(consumer.tag, timeout=CALL_TIMEOUT_S)
+
+    async def drain(self, grace_s: float) -> int:
+        """Wait up to ``grace_s`` for in-flight deliveries; cancel the rest. Returns how many were cancelled.
+
+        A cancelled delivery's message stays unacked, so the broker redelivers it when the channel closes.
+        """
+        if self._tasks:
+            await asyncio.wait(set(self._tasks), timeout=grace_s)
+        leftovers = set(self._tasks)
+        for task in leftovers:
+            task.cancel()
+        if leftovers:
+            await asyncio.wait(leftovers, timeout=5)
+        return len(leftovers)
+
+    async def close_channels(self) -> None:
+        """Last: whatever is still unacked goes back to its queue."""
+        await self._forget_all()
+
+
+async def expire_breakers(breakers: BreakerView, consumers: Consumers, loop: Loop) -> None:
+    """Breakers no monitor renewed within the lease are closed here: never blocked on a silent monitor."""
+    while True:
+        for command in breakers.expire(now_s=time.monotonic()):
+            log.error(
+                "breaker_expired",
+                endpoint_id=command.endpoint_id,
+                state=command.state.value,
+                alert=True,
+                detail="no health monitor renewed this breaker; delivering again",
+            )
+            metrics.BREAKERS_EXPIRED.inc()
+            consumers.on_breakers([command.endpoint_id])
+        loop.mark_up()
+        await asyncio.sleep(1.0)
