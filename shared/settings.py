@@ -107,6 +107,11 @@ class DispatcherSettings(DeliveryPolicySettings):
         3600.0, ge=0, description="Longest delay a Retry-After header can ask for."
     )
     max_payload_bytes: int = Field(262_144, ge=1024, le=16 * 1024 * 1024)
+    order_hold_s: float = Field(
+        60.0,
+        gt=0,
+        description="Ordered endpoints: how long after it was due an earlier event still holds its subject back.",
+    )
     breaker_lease_s: float = Field(
         30.0,
         ge=10,

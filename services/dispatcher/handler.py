@@ -84,7 +84,7 @@ class Handler:
         self._breakers = breakers
         self._signing_keys: dict[str, _Keys] = {}
         self._pacer = Pacer()
-        self._order = SubjectOrder()
+        self._order = SubjectOrder(stale_s=settings.order_hold_s)
         self._sealer = sealer
 
     async def handle(

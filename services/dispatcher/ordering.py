@@ -8,12 +8,19 @@ retry); otherwise it is deferred through the delay queues, without an attempt, u
 is due. The cost: a blocked subject's later events cycle through the delay queues, and the endpoint is
 served by one dispatcher. The state lives in that dispatcher: if it fails over, events already
 deferred may go out once in the order they come back.
+
+An earlier event is waited for only until a while after it was due (``STALE_S``): if it has not come
+back by then, another replica has settled it (the half-open probe, a failover and back) or it is gone,
+and waiting longer would block its subject for ever. Order then yields to progress.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+
+#: How long after it was due an earlier event still holds its subject back (by default).
+STALE_S = 60.0
 
 
 @dataclass
@@ -24,6 +31,7 @@ class _Outstanding:
 
 @dataclass
 class SubjectOrder:
+    stale_s: float = STALE_S
     _subjects: dict[tuple[str, str], dict[str, _Outstanding]] = field(default_factory=dict)
 
     def admit(
@@ -31,6 +39,8 @@ class SubjectOrder:
     ) -> int | None:
         """Record the event as outstanding; None if it may be attempted now, else the seconds to defer."""
         outstanding = self._subjects.setdefault((endpoint_id, subject), {})
+        for stale in [other for other, o in outstanding.items() if o.due_s < now_s - self.stale_s]:
+            del outstanding[stale]  # settled elsewhere, or lost: it no longer holds the subject
         earlier = [o for other, o in outstanding.items() if other != event_id and o.sequence < sequence]
         if not earlier:
             outstanding[event_id] = _Outstanding(sequence, now_s)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from hookline.dispatcher.ordering import SubjectOrder
+from hookline.dispatcher.ordering import STALE_S, SubjectOrder
 from hookline.dispatcher.pacing import Pacer
 
 
@@ -75,3 +75,15 @@ def test_putting_deliveries_off_never_runs_the_bucket_into_debt() -> None:
         assert pacer.wait_s("ep", 2.0, now_s=1.0, max_wait_s=10) > 10
     # Once the pause is over, deliveries go at the (halved) rate again, not 500 s later.
     assert pacer.wait_s("ep", 2.0, now_s=31.0, max_wait_s=10) <= 1.0
+
+
+def test_an_earlier_event_settled_elsewhere_blocks_its_subject_only_until_it_is_stale() -> None:
+    """The earlier event was retried (due at 10 s) and then delivered by another replica (the probe, or
+    a failover): it never comes back here. Later events wait while it could still come, then go."""
+    order = SubjectOrder()
+    assert order.admit("ep", "s1", "e1", 1, now_s=0) is None
+    order.retrying("ep", "s1", "e1", due_s=10)
+    assert order.admit("ep", "s1", "e2", 2, now_s=5) == 5  # still due: wait for it
+    assert order.admit("ep", "s1", "e2", 2, now_s=10 + STALE_S - 1) == 1  # late, but could still come
+    assert order.admit("ep", "s1", "e2", 2, now_s=10 + STALE_S + 1) is None  # gone: the subject moves on
+    assert order.admit("ep", "s1", "e3", 3, now_s=10 + STALE_S + 2) == 1  # e2 is the one out now
