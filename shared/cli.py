@@ -102,6 +102,16 @@ def _endpoint_fields(args: argparse.Namespace) -> dict[str, Any]:
     return {name: value for name, value in fields.items() if value is not None}
 
 
+def _endpoint_changes(args: argparse.Namespace) -> dict[str, Any]:
+    changes = _endpoint_fields(args)
+    for flag, field in (("no_rate_limit", "rate_limit_per_s"), ("no_max_in_flight", "max_in_flight")):
+        if getattr(args, flag):
+            changes[field] = None  # null removes the limit
+    if args.ordered is not None:
+        changes["ordered"] = args.ordered
+    return changes
+
+
 def _endpoints(args: argparse.Namespace) -> Any:
     api = ApiClient(ClientSettings())
     match args.action:
@@ -121,7 +131,10 @@ def _endpoints(args: argparse.Namespace) -> Any:
         case "secret":
             return api.call("GET", f"/v1/endpoints/{args.id}/secret")
         case "update":
-            return api.call("PATCH", f"/v1/endpoints/{args.id}", json=_endpoint_fields(args))
+            headers = {"if-match": str(args.if_version)} if args.if_version is not None else {}
+            return api.call(
+                "PATCH", f"/v1/endpoints/{args.id}", json=_endpoint_changes(args), headers=headers
+            )
         case "delete":
             api.call("DELETE", f"/v1/endpoints/{args.id}", params={"force": "true"} if args.force else {})
             return {"deleted": args.id}
@@ -185,7 +198,8 @@ def status_text(
         f"pending {summary['pending']}  awaiting retry {summary['awaiting_retry']}  in flight {summary['in_flight']}  "
         f"dead letters {summary['dead_letter']}  delivered/1h {summary['delivered_last_hour']}  "
         f"failed/1h {summary['failed_last_hour']}  oldest pending {_age(summary['oldest_pending_age_s'])}  "
-        f"mean {_ms(summary['mean_delivery_ms'])} ms  dispatchers {summary['dispatchers']}",
+        f"mean {_ms(summary['mean_delivery_ms'])} ms  dispatchers {summary['dispatchers']}  "
+        f"monitor {'leader' if summary.get('leader') else 'standby'}",
         "",
         f"{'ENDPOINT':<30} {'TENANT':<14} {'BREAKER':<9} {'P50':>7} {'P95':>7} {'P99':>7} {'5m P95':>7} "
         f"{'SAMPLES':>8} {'OK%':>6} {'TIMEOUT%':>8} {'QUEUE':>6} {'OLDEST':>7}",
@@ -281,9 +295,21 @@ def build_parser() -> argparse.ArgumentParser:
         "--force", action="store_true", help="delete even with events pending (they become dead letters)"
     )
     endpoints.choices["rotate-secret"].add_argument("--overlap-s", type=int, help="default 24 h")
-    update = endpoints.add_parser("update", help="change url, patterns, description or timeout")
+    update = endpoints.add_parser(
+        "update",
+        help="change url, patterns, description, timeout, limits or ordering (a limit or ordering "
+        "added or removed moves the endpoint to a new queue, without losing or repeating an event)",
+    )
     update.add_argument("id")
     _add_endpoint_options(update, creating=False)
+    update.add_argument("--no-rate-limit", action="store_true", help="remove the rate limit")
+    update.add_argument("--no-max-in-flight", action="store_true", help="remove the concurrency cap")
+    ordering = update.add_mutually_exclusive_group()
+    ordering.add_argument("--ordered", dest="ordered", action="store_true", default=None)
+    ordering.add_argument("--unordered", dest="ordered", action="store_false")
+    update.add_argument(
+        "--if-version", type=int, help="change only if the endpoint is still at this version (else 409)"
+    )
     for sub in endpoints.choices.values():
         sub.set_defaults(run=_admin(_endpoints))
 
