@@ -5,7 +5,10 @@
 3. hookline end to end with 1 and 2 dispatcher replicas: N events published to ``events`` over AMQP
    while the queues are consumed, deliveries/s measured at the receiver;
 4. publish-to-delivery latency at a paced 500 events/s (p50/p95/p99);
-5. dispatcher memory with 1,000 registered endpoints, idle and after traffic to all of them.
+5. dispatcher memory with 1,000 registered endpoints, idle and after traffic to all of them;
+6. health monitor start-up and memory with 1,000,000 telemetry records and 100,000 dead letters behind
+   it: rebuilt from the streams, restarted from its checkpoint, restarted after SIGKILL
+   (bench/monitor_restart.py).
 
 Everything runs in a vhost of its own, deleted afterwards. Results: bench/results/latest.{json,md}.
 Numbers drift on a shared 2-core machine: compare ratios within one run.
@@ -545,6 +548,13 @@ async def main(arguments: argparse.Namespace) -> dict[str, Any]:
             report["memory"] = await memory(services, work, 1000)
         finally:
             services.stop_all()
+    from bench import monitor_restart
+
+    print(f"monitor restart with {arguments.monitor_records:,} telemetry records…", flush=True)
+    with vhost(arguments.amqp_url) as monitor_url:
+        report["monitor_restart"] = await monitor_restart.measure(
+            monitor_url, work, arguments.monitor_records, arguments.monitor_dead_letters
+        )
     return report
 
 
@@ -602,6 +612,15 @@ def markdown(report: dict[str, Any]) -> str:
         f"| dispatcher RSS, {mem['endpoints']:,} endpoints | {mem['dispatcher_rss_idle_mib']:.0f} MiB idle, "
         f"{mem['dispatcher_rss_after_traffic_mib']:.0f} MiB after traffic to all | |"
     )
+    restart = report.get("monitor_restart")
+    if restart:
+        lines.append(
+            f"| health monitor with {restart['telemetry_records']:,} telemetry records and "
+            f"{restart['dead_letters']:,} dead letters: ready after | rebuilt from the streams "
+            f"{restart['rebuild_ready_s']:.1f} s ({restart['rebuild_rss_mib']:.0f} MiB); restarted "
+            f"{restart['restart_ready_s']:.1f} s ({restart['restart_rss_mib']:.0f} MiB); after SIGKILL "
+            f"{restart['after_kill_ready_s']:.1f} s ({restart['after_kill_rss_mib']:.0f} MiB) | |"
+        )
     lines += [
         "",
         "| delivery client (concurrency 32, same receiver) | requests/s | vs aiohttp |",
@@ -628,6 +647,8 @@ if __name__ == "__main__":
     parser.add_argument(
         "--repeat", type=int, default=3, help="runs per throughput configuration (median reported)"
     )
+    parser.add_argument("--monitor-records", type=int, default=1_000_000)
+    parser.add_argument("--monitor-dead-letters", type=int, default=100_000)
     report = uvloop.run(main(parser.parse_args()))
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "latest.json").write_text(json.dumps(report, indent=2))
