@@ -121,9 +121,9 @@ class Consumers:
 
     async def run(self, loop: Loop) -> None:
         """Attach to every queue this dispatcher should consume, then apply changes as they come."""
-        self._connection_lost.clear()
         await self._forget_all()
         await self._broker.connection()
+        self._connection_lost.clear()
         for endpoint_id in self._endpoint_ids():
             await self._reconcile_or_retry(endpoint_id)
         loop.mark_up()

@@ -365,9 +365,15 @@ class Handler:
                 update={"status": EndpointStatus.DISABLED, "updated_at": datetime.now(UTC)}
             )
 
-        written = await self._change_log.update(
-            endpoint_id, disabled, timeout_s=self._settings.connect_timeout_s
-        )
+        try:
+            written = await self._change_log.update(
+                endpoint_id, disabled, timeout_s=self._settings.connect_timeout_s
+            )
+        except Exception as exc:
+            # The dead letter is kept already; the message must be acked, not attempted again. The next
+            # 410 disables the endpoint (or an operator does).
+            log.error("endpoint_disable_failed", endpoint_id=endpoint_id, error=type(exc).__name__)
+            return
         if written is not None:
             log.warning(
                 "endpoint_disabled", endpoint_id=endpoint_id, tenant=written.tenant, status=status, alert=True
