@@ -35,6 +35,8 @@ every level queue has one TTL, so a message never waits behind a later-expiring 
 
 from __future__ import annotations
 
+import asyncio
+import time
 from collections.abc import Iterable
 from typing import Any
 
@@ -42,7 +44,7 @@ import aio_pika
 import structlog
 from aio_pika.abc import AbstractChannel, AbstractExchange, AbstractQueue
 
-from hookline.shared.amqp import Broker
+from hookline.shared.amqp import BROKER_ERRORS, Broker
 from hookline.shared.models import StoredEndpoint
 
 EVENTS_EXCHANGE = "events"
@@ -156,18 +158,27 @@ def endpoint_queue_arguments(*, single_consumer: bool) -> dict[str, Any]:
     return arguments
 
 
-async def declare(broker: Broker, *, event_log_max_age_s: int) -> None:
+async def declare(broker: Broker, *, event_log_max_age_s: int, timeout_s: float = 60.0) -> None:
     """Declare everything every service relies on, on a channel of its own (idempotent).
 
+    A broker that is restarting (or refuses for a moment) is asked again until ``timeout_s``.
     Something that exists with other arguments (say, the event log declared with another retention;
     change that with a policy instead) stops the service at start with the broker's words.
     """
-    try:
-        async with broker.channel() as channel:
-            await declare_core(channel, event_log_max_age_s=event_log_max_age_s)
-    except aio_pika.exceptions.ChannelPreconditionFailed as exc:
-        structlog.get_logger(__name__).error("topology_mismatch", detail=str(exc))
-        raise SystemExit(1) from None
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            async with broker.channel() as channel:
+                await declare_core(channel, event_log_max_age_s=event_log_max_age_s)
+            return
+        except aio_pika.exceptions.ChannelPreconditionFailed as exc:
+            structlog.get_logger(__name__).error("topology_mismatch", detail=str(exc))
+            raise SystemExit(1) from None
+        except BROKER_ERRORS as exc:
+            if time.monotonic() > deadline:
+                raise
+            structlog.get_logger(__name__).warning("topology_declare_retry", error=type(exc).__name__)
+            await asyncio.sleep(1.0)
 
 
 async def declare_core(channel: AbstractChannel, *, event_log_max_age_s: int) -> None:

@@ -119,6 +119,9 @@ class Monitor:
         self.dead_letters = dead_letters
         self.awaiting_retry = 0
         self.missing: dict[str, str | None] = {}  # queue or stream -> its endpoint (None: core)
+        # Found missing since the last alert evaluation: the leader declares it again within the same
+        # poll, so without this the alert would fire only if an evaluation happened to fall in between.
+        self._missing_since_evaluation: dict[str, str | None] = {}
         self.live = False  # caught up with telemetry: records now move breakers (when leading)
         self.leader = False
         self._breaker_log = BreakerView()  # the breaker states as the log says (a standby mirrors them)
@@ -295,6 +298,7 @@ class Monitor:
                 missing[queue] = endpoint.id
         await self._sweep_retired()
         self.missing = missing
+        self._missing_since_evaluation.update(missing)
         if missing and self.leader:
             await self._repair(missing)
 
@@ -409,11 +413,12 @@ class Monitor:
         recent = await self.dead_letters.counts_since(
             datetime.fromtimestamp(now_s, UTC) - timedelta(minutes=5)
         )
+        missing, self._missing_since_evaluation = {**self._missing_since_evaluation, **self.missing}, {}
         current = evaluate(
             self.health,
             {endpoint.id: endpoint for endpoint in self.registry.all()},
             recent_dead_letters=lambda endpoint_id: recent.get(endpoint_id, 0),
-            missing=self.missing,
+            missing=missing,
             now_s=now_s,
             policy=self.alert_policy,
         )

@@ -19,7 +19,7 @@ from urllib.parse import quote, urlsplit, urlunsplit
 
 LOCAL_DEFAULT_URL = "amqp://guest:guest@127.0.0.1:5672/"
 
-Run = Callable[[list[str]], None]
+Run = Callable[[list[str]], str]
 
 
 class Broker:
@@ -27,12 +27,12 @@ class Broker:
         self.base_url = base_url
         self._run_ctl = run_ctl
 
-    def ctl(self, arguments: list[str]) -> None:
-        """Run ``rabbitmqctl`` against this broker (locally, or inside its container)."""
-        self._run_ctl(arguments)
+    def ctl(self, arguments: list[str]) -> str:
+        """Run ``rabbitmqctl`` against this broker (locally, or inside its container); its output."""
+        return self._run_ctl(arguments)
 
-    async def ctl_async(self, arguments: list[str]) -> None:
-        await asyncio.to_thread(self._run_ctl, arguments)
+    async def ctl_async(self, arguments: list[str]) -> str:
+        return await asyncio.to_thread(self._run_ctl, arguments)
 
     def url_for(self, vhost: str) -> str:
         parts = urlsplit(self.base_url)
@@ -51,11 +51,12 @@ class Broker:
             self._run_ctl(["delete_vhost", name])
 
 
-def _local_ctl(arguments: list[str]) -> None:
+def _local_ctl(arguments: list[str]) -> str:
     ctl = shutil.which("rabbitmqctl")
     if ctl is None:
         raise RuntimeError("rabbitmqctl is needed to create test vhosts on the local broker")
-    subprocess.run([ctl, "-q", *arguments], check=True, capture_output=True, timeout=60)
+    done = subprocess.run([ctl, "-q", *arguments], check=True, capture_output=True, text=True, timeout=60)
+    return done.stdout
 
 
 def _docker_available() -> bool:
@@ -95,9 +96,10 @@ def broker() -> Iterator[Broker]:
         host = container.get_container_host_ip()
         port = container.get_exposed_port(5672)
 
-        def container_ctl(arguments: list[str]) -> None:
+        def container_ctl(arguments: list[str]) -> str:
             code, output = container.exec(["rabbitmqctl", "-q", *arguments])
             if code != 0:
                 raise RuntimeError(output.decode(errors="replace"))
+            return str(output.decode(errors="replace"))
 
         yield Broker(f"amqp://guest:guest@{host}:{port}/", container_ctl)
