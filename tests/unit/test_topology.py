@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from datetime import UTC, datetime
+
 import pytest
 
 from hookline.shared import topology
+from hookline.shared.models import StoredEndpoint
 
 
 def test_binding_keys_prefix_every_pattern_with_the_tenant() -> None:
@@ -90,3 +93,126 @@ def test_delay_routing(delay_s: int, entry: str, bits: str) -> None:
 def test_delay_out_of_range(delay_s: int) -> None:
     with pytest.raises(ValueError, match="a delay must be"):
         topology.delay_routing_key(delay_s, "q")
+
+
+# --- names per endpoint: queue generations, route exchanges, retry destinations -----------------
+
+EP = "ep_" + "0" * 26
+NOW = datetime(2026, 11, 29, tzinfo=UTC)
+
+
+def _stored(**fields: object) -> StoredEndpoint:
+    return StoredEndpoint.model_validate(
+        {
+            "id": EP,
+            "tenant": "acme",
+            "url": "https://example.com/",
+            "event_types": ["#"],
+            "created_at": NOW,
+            "updated_at": NOW,
+            "secrets": [{"value": "whsec_" + "A" * 44, "created_at": NOW}],
+            **fields,
+        }
+    )
+
+
+@pytest.mark.parametrize(
+    ("generation", "queue"),
+    [
+        (0, f"hookline.endpoint.{EP}"),  # generation 0 keeps the name of the version before generations
+        (1, f"hookline.endpoint.{EP}.g1"),
+        (2, f"hookline.endpoint.{EP}.g2"),
+        (17, f"hookline.endpoint.{EP}.g17"),
+    ],
+)
+def test_queue_names_per_generation(generation: int, queue: str) -> None:
+    assert topology.endpoint_queue(EP, generation) == queue
+    assert topology.endpoint_of(queue) == EP
+    assert topology.endpoint_queues(_stored(queue_generation=generation)) == [queue]
+
+
+def test_route_exchanges() -> None:
+    assert topology.route_exchange(EP) == f"hookline.route.{EP}"
+    assert topology.route_alternate(EP) == f"hookline.route.{EP}.alt"
+
+
+@pytest.mark.parametrize(
+    ("name", "endpoint_id"),
+    [
+        (f"hookline.endpoint.{EP}", EP),
+        (f"hookline.endpoint.{EP}.g3", EP),
+        (f"hookline.route.{EP}", EP),
+        (f"hookline.route.{EP}.alt", EP),
+        ("hookline.endpoint.", None),
+        ("hookline.route.", None),
+        ("hookline.endpoints", None),  # the change log is no endpoint's
+        ("hookline.delay.03", None),
+        ("hookline.delay.delivery", None),
+        ("hookline.dead-letters", None),
+        ("events", None),
+        (f"x.hookline.endpoint.{EP}", None),
+        ("", None),
+    ],
+)
+def test_endpoint_of(name: str, endpoint_id: str | None) -> None:
+    assert topology.endpoint_of(name) == endpoint_id
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "destination"),
+    [
+        # Retries go to the route exchange: they follow the endpoint to its current queue.
+        (_stored(routed=True), f"hookline.route.{EP}"),
+        (_stored(routed=True, queue_generation=3), f"hookline.route.{EP}"),
+        # Endpoints of the version before route exchanges: their (only) queue, bound to the delays.
+        (_stored(routed=False), f"hookline.endpoint.{EP}"),
+    ],
+)
+def test_retry_destination_and_back(endpoint: StoredEndpoint, destination: str) -> None:
+    assert topology.retry_destination(endpoint) == destination
+    for delay_s in (0, 1, 300, topology.MAX_DELAY_S):
+        key = topology.delay_routing_key(delay_s, destination)
+        assert topology.delay_destination(key) == destination
+        assert topology.endpoint_of(topology.delay_destination(key)) == EP
+        assert topology.topic_matches(topology.delay_delivery_binding(destination), key)
+
+
+@pytest.mark.parametrize(
+    ("key", "destination"),
+    [
+        ("0." * 27 + "1.hookline.route.ep_X", "hookline.route.ep_X"),
+        ("1." * 28 + "hookline.endpoint.ep_X.g2", "hookline.endpoint.ep_X.g2"),
+        ("0." * 28 + "q", "q"),
+    ],
+)
+def test_delay_destination_is_everything_after_the_28_bits(key: str, destination: str) -> None:
+    assert topology.delay_destination(key) == destination
+
+
+def test_endpoint_queues_are_the_current_one_and_those_it_left() -> None:
+    endpoint = _stored(
+        queue_generation=2, retired_queues=[topology.endpoint_queue(EP), topology.endpoint_queue(EP, 1)]
+    )
+    assert topology.endpoint_queues(endpoint) == [
+        f"hookline.endpoint.{EP}.g2",
+        f"hookline.endpoint.{EP}",
+        f"hookline.endpoint.{EP}.g1",
+    ]
+
+
+def test_core_queues_are_what_every_service_relies_on() -> None:
+    core = topology.core_queues()
+    assert len(core) == len(set(core)) == 7 + topology.DELAY_BITS
+    assert set(core) >= {
+        "hookline.unrouted",
+        "hookline.events.log",
+        "hookline.dead-letters",
+        "hookline.endpoints",
+        "hookline.telemetry.log",
+        "hookline.breakers",
+        "hookline.delay.unroutable",
+        "hookline.delay.00",
+        "hookline.delay.27",
+    }
+    assert all(topology.endpoint_of(name) is None for name in core), "no endpoint's queue is core"
+    assert topology.MONITOR_LEADER_LOCK not in core, "the leader lock comes and goes with its monitor"
