@@ -130,6 +130,7 @@ class Consumers:
         while (changed := await self._next_change()) is not None:
             await self._reconcile_or_retry(changed)
             loop.beat()
+        await asyncio.Event().wait()  # stopping: nothing more to attach to until the supervisor stops us
 
     def _endpoint_ids(self) -> list[str]:
         since = datetime.now(UTC) - DELETED_DRAIN_WINDOW
