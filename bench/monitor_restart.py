@@ -138,7 +138,7 @@ async def measure(amqp_url: str, work: Path, records: int, dead_letters: int) ->
         result[f"{phase}_ready_s"] = round(ready_s, 2)
         result[f"{phase}_rss_mib"] = round(rss_mib(process), 1)
         if ending == signal.SIGKILL:
-            await asyncio.sleep(12)  # a periodic checkpoint (every 10 s) has been written
+            await asyncio.sleep(32)  # a periodic checkpoint (every 30 s) has been written
         process.send_signal(ending)
         process.wait(120)
         print(f"  {phase}: ready in {ready_s:.2f} s, RSS {result[f'{phase}_rss_mib']} MiB", flush=True)

@@ -62,6 +62,7 @@ class BreakerView:
         self._commands: dict[str, BreakerCommand] = {}
         self._renewed_s: dict[str, float] = {}
         self._lease_s = lease_s
+        self.saw_snapshot = False  # a snapshot lists every breaker that is not closed
 
     def state(self, endpoint_id: str) -> BreakerCommand | None:
         """The command in force, or None when the breaker is closed."""
@@ -72,6 +73,7 @@ class BreakerView:
         """Apply a record; returns the endpoints whose breaker changed."""
         if isinstance(record, BreakerCommand):
             return {record.endpoint_id} if self._apply(record, now_s) else set()
+        self.saw_snapshot = True
         changed = {command.endpoint_id for command in record.breakers if self._apply(command, now_s)}
         listed = {command.endpoint_id for command in record.breakers}
         for endpoint_id, command in list(self._commands.items()):
