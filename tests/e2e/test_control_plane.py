@@ -53,10 +53,7 @@ async def test_an_open_breaker_closes_after_a_broker_restart(
         await publish_event(system.amqp_url, event(acme, "a.b", f"evt_waiting_{n}"), f"{acme}.a.b")
     await wait_breaker(system, endpoint["id"], "open")
 
-    await asyncio.to_thread(rabbitmq.ctl, ["stop_app"])
-    await asyncio.sleep(3)  # the operator's pause, as in the report
-    await asyncio.to_thread(rabbitmq.ctl, ["start_app"])
-    await asyncio.to_thread(rabbitmq.ctl, ["await_startup"])
+    await rabbitmq.restart_app(down_s=3)  # stop_app; sleep 3; start_app, as in the report
     failing = False
 
     # The cooldown ends, a probe succeeds, the breaker closes and every waiting event is delivered.

@@ -93,9 +93,7 @@ async def test_services_survive_a_broker_restart(
     await receiver.wait_for(10, path="/restart")
 
     # The broker goes away and comes back (the RabbitMQ application, not the machine).
-    await asyncio.to_thread(rabbitmq.ctl, ["stop_app"])
-    await asyncio.to_thread(rabbitmq.ctl, ["start_app"])
-    await asyncio.to_thread(rabbitmq.ctl, ["await_startup"])
+    await rabbitmq.restart_app()
 
     async def published_after() -> bool:
         try:

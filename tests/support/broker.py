@@ -34,6 +34,25 @@ class Broker:
     async def ctl_async(self, arguments: list[str]) -> str:
         return await asyncio.to_thread(self._run_ctl, arguments)
 
+    async def restart_app(self, *, down_s: float = 0.0) -> None:
+        """Stop and start the RabbitMQ application (the node stays), as an operator's restart would.
+
+        RabbitMQ 3.10 can lose its at-least-once dead-letter supervisor when quorum queues are deleted
+        while their dead-letter workers start after a restart (every later declare of such a queue is
+        then an INTERNAL_ERROR); tests delete whole vhosts, so the supervisor is checked and restarted.
+        """
+        await self.ctl_async(["stop_app"])
+        if down_s:
+            await asyncio.sleep(down_s)  # the operator's pause while the broker is away
+        await self.ctl_async(["start_app"])
+        await self.ctl_async(["await_startup"])
+        await self.ensure_dead_letter_supervisor()
+
+    async def ensure_dead_letter_supervisor(self) -> None:
+        alive = await self.ctl_async(["eval", "is_pid(whereis(rabbit_fifo_dlx_sup))."])
+        if alive.strip() != "true":
+            await self.ctl_async(["eval", "supervisor:restart_child(rabbit_sup, rabbit_fifo_dlx_sup)."])
+
     def url_for(self, vhost: str) -> str:
         parts = urlsplit(self.base_url)
         return urlunsplit((parts.scheme, parts.netloc, "/" + quote(vhost, safe=""), parts.query, ""))
