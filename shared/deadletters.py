@@ -31,12 +31,14 @@ from pydantic import Field
 from hookline.shared.headers import Header
 from hookline.shared.ids import new_id
 from hookline.shared.models import DeadLetterReason, Model
-from hookline.shared.topology import DEAD_LETTER_STREAM, endpoint_of
+from hookline.shared.topology import DEAD_LETTER_STREAM, delay_destination, endpoint_of
 from hookline.shared.views import Applied, Offset, StreamMessage, ViewSchema, ViewStore
 
 log = structlog.get_logger(__name__)
 
 MAX_ERROR_CHARS = 500
+#: The delay queues a retry waits in (``hookline.delay.NN``, see :func:`~hookline.shared.topology.delay_level`).
+DELAY_QUEUE_PREFIX = "hookline.delay."
 
 
 def dead_letter_message(
@@ -111,6 +113,7 @@ def read_item(
     *,
     message_id: str | None,
     timestamp: datetime | None,
+    routing_key: str | None = None,
 ) -> DeadLetterItem:
     """A dead letter from its stream message: ours carry ``x-hookline-*`` headers; the broker's own
     (a message over the endpoint queue's delivery limit) carry ``x-death`` instead."""
@@ -133,10 +136,16 @@ def read_item(
     # RabbitMQ 3.10 leaves x-death out for delivery-limit dead letters; x-first-death-* are always set.
     queue = _text(death.get("queue")) or _text(headers.get("x-first-death-queue")) or ""
     broker_reason = _text(death.get("reason")) or _text(headers.get("x-first-death-reason")) or "unknown"
+    endpoint_id = endpoint_of(queue)
+    if endpoint_id is None and routing_key and queue.startswith(DELAY_QUEUE_PREFIX):
+        # A retry over the limit: its first death was its delay's expiry, and the routing key it came
+        # back to the endpoint queue with names its destination.
+        endpoint_id = endpoint_of(delay_destination(routing_key))
+        broker_reason, queue = "delivery_limit", f"the queue of {endpoint_id}"
     return DeadLetterItem(
         id=item_id(offset),
         event_id=message_id,
-        endpoint_id=endpoint_of(queue),
+        endpoint_id=endpoint_id,
         tenant=body_tenant,
         type=event_type,
         reason=DeadLetterReason.DELIVERY_LIMIT,
@@ -196,7 +205,7 @@ class DeadLetterAnalysis(Model):
 #: Raise the version whenever the columns change or read_item derives them differently: every view
 #: file of another version is then rebuilt from the stream.
 SCHEMA = ViewSchema(
-    version=1,
+    version=2,
     statements=(
         """
         CREATE TABLE dead_letters (
@@ -300,8 +309,9 @@ class DeadLetterIndex:
             return
         try:
             item = read_item(
-                offset, message.body, headers, message_id=message.message_id, timestamp=message.timestamp
-            )
+                offset, message.body, headers, message_id=message.message_id, timestamp=message.timestamp,
+                routing_key=getattr(message, "routing_key", None),
+            )  # fmt: skip
         except ValueError as exc:
             log.error("dead_letter_unreadable", offset=offset, error=str(exc)[:200])
             return

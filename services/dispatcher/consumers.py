@@ -122,15 +122,22 @@ class Consumers:
     async def run(self, loop: Loop) -> None:
         """Attach to every queue this dispatcher should consume, then apply changes as they come."""
         await self._forget_all()
-        await self._broker.connection()
-        self._connection_lost.clear()
-        for endpoint_id in self._endpoint_ids():
-            await self._reconcile_or_retry(endpoint_id)
-        loop.mark_up()
-        while (changed := await self._next_change()) is not None:
-            await self._reconcile_or_retry(changed)
-            loop.beat()
-        await asyncio.Event().wait()  # stopping: nothing more to attach to until the supervisor stops us
+        try:
+            await self._broker.connection()
+            self._connection_lost.clear()
+            for endpoint_id in self._endpoint_ids():
+                await self._reconcile_or_retry(endpoint_id)
+            loop.mark_up()
+            while (changed := await self._next_change()) is not None:
+                await self._reconcile_or_retry(changed)
+                loop.beat()
+            await asyncio.Event().wait()  # stopping: nothing more to attach to until the supervisor stops us
+        finally:
+            if not self._stopping:
+                # No consumer outlives the loop that reconciles it: until the loop runs again (after a
+                # pause), a breaker that opens would have their messages handed back and redelivered
+                # to them in a tight loop, up to the queue's delivery limit (then dead letters).
+                await self._forget_all()
 
     def _endpoint_ids(self) -> list[str]:
         since = datetime.now(UTC) - DELETED_DRAIN_WINDOW

@@ -203,6 +203,11 @@ class Monitor:
             self._mirror(endpoint_id)
         for command in self._breaker_log.commands():
             self.health.restore(command)
+        for health in self.health.endpoints.values():
+            # A probe asked for before this monitor led may have reported to nobody (its attempt record
+            # lost with a connection): a half-open breaker gets a probe assigned afresh at the next tick
+            # rather than after PROBE_TIMEOUT_S.
+            health.probe_asked_at_s = 0.0
         self.leader = True
         LEADER.set(1)
         log.warning("monitor_leading", breakers_open=len(self._breaker_log.commands()))
