@@ -46,6 +46,8 @@ USER_AGENT = f"hookline/{__version__}"
 # A handler that crashes hands its message back after this pause; the queue's delivery limit turns a
 # message that keeps crashing it into a dead letter.
 CRASH_PAUSE_S = 1.0
+#: A message that arrives for an endpoint whose breaker is open is handed back after this pause.
+BREAKER_NACK_PAUSE_S = 1.0
 #: A delivery that must wait longer than this for its turn (rate limit, Retry-After) is deferred
 #: through the delay queues instead of holding its message.
 MAX_LOCAL_WAIT_S = 10.0
@@ -92,7 +94,10 @@ class Handler:
     ) -> bool:
         """Handle one message to its settlement; True when an attempt was made (what a probe needs)."""
         if not probe and self._breakers.state(endpoint_id) is not None:
-            # Delivered before the breaker opened reached us: back to the queue, not attempted.
+            # Delivered before the breaker opened reached us: back to the queue, not attempted. After a
+            # pause: until its consumer is cancelled the queue hands it straight back, and every return
+            # counts toward the delivery limit.
+            await asyncio.sleep(BREAKER_NACK_PAUSE_S)
             await message.nack(requeue=True)
             return False
         endpoint = self._registry.get(endpoint_id)
