@@ -223,9 +223,16 @@ class Publisher:
     async def publish(
         self, message: aio_pika.Message, *, exchange: str, routing_key: str, timeout_s: float | None = None
     ) -> None:
-        async with asyncio.timeout(timeout_s or self._timeout_s):
-            target = await self._exchange(exchange)
-            await target.publish(message, routing_key=routing_key)
+        try:
+            async with asyncio.timeout(timeout_s or self._timeout_s):
+                target = await self._exchange(exchange)
+                await target.publish(message, routing_key=routing_key)
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():
+                raise  # our own cancellation (a shutdown): not the broker's doing
+            # aiormq cancels the confirm it waits for when it drops a connection (missed heartbeats).
+            raise ChannelLostError("the connection was lost before the broker confirmed") from None
 
     async def _exchange(self, name: str) -> AbstractExchange:
         channel = self._channel

@@ -29,6 +29,7 @@ from hookline.shared.deadletters import (
     read_item,
 )
 from hookline.shared.models import DeadLetterReason
+from hookline.shared.topology import delay_routing_key, route_exchange
 from hookline.shared.views import ViewSchema, ViewStore, continues, rebuild_reason
 
 NOW = datetime(2026, 11, 29, 18, 0, tzinfo=UTC)
@@ -121,6 +122,20 @@ def test_a_broker_delivery_limit_dead_letter() -> None:
         DeadLetterReason.DELIVERY_LIMIT, "ep_01ABC", "evt_1", "acme", 3, NOW,
     )  # fmt: skip
     assert "delivery_limit" in item.last_error
+
+
+def test_a_retry_over_the_delivery_limit_is_listed_under_its_endpoint() -> None:
+    """A retry copy first "died" by expiring in a delay queue; the routing key it came back with names
+    the endpoint's route exchange, so the dead letter is still the endpoint's (listable, redrivable)."""
+    headers = {
+        "x-first-death-queue": "hookline.delay.00",
+        "x-first-death-reason": "expired",
+        "x-hookline-attempt": 4,
+    }
+    routing_key = delay_routing_key(1, route_exchange("ep_01ABC"))
+    item = read_item(6, BODY, headers, message_id="evt_1", timestamp=NOW, routing_key=routing_key)
+    assert (item.reason, item.endpoint_id, item.attempts) == (DeadLetterReason.DELIVERY_LIMIT, "ep_01ABC", 4)
+    assert "expired" not in item.last_error
 
 
 def test_ids_are_offsets() -> None:
