@@ -353,36 +353,48 @@ async def throughput(
 
 async def delay_accuracy(amqp_url: str) -> dict[str, Any]:
     """Retries scheduled through the TTL hierarchy, published in a mixed order: how late each arrives."""
+    from datetime import UTC, datetime
+
     from hookline.dispatcher.delays import Delays
     from hookline.shared import topology
+    from hookline.shared.amqp import Broker, Publisher
+    from hookline.shared.models import SigningSecret, StoredEndpoint
 
     delays_s = [13, 1, 8, 2, 5, 3, 1, 13, 8, 5] * 5
-    endpoint_id = "ep_" + "D" * 26
+    now = datetime.now(UTC)
+    endpoint = StoredEndpoint(
+        id="ep_" + "D" * 26, tenant=TENANT, url="https://example.com/", event_types=["delay.#"],
+        created_at=now, updated_at=now, secrets=[SigningSecret(value="whsec_" + "A" * 44, created_at=now)],
+        routed=True,
+    )  # fmt: skip
     arrived: dict[str, float] = {}
     done = asyncio.Event()
-    connection = await aio_pika.connect_robust(amqp_url)
-    async with connection:
-        channel = await connection.channel()
-        queue = await topology.endpoint_queue_declare(channel, endpoint_id, single_consumer=False)
-        await queue.bind(topology.DELAY_DELIVERY, routing_key=topology.delay_delivery_binding(queue.name))
+    async with Broker(amqp_url, name="bench-delays", connect_timeout_s=30) as broker:
+        publisher = Publisher(broker)
+        async with broker.channel() as channel:
+            await topology.provision(channel, endpoint)
+            queue = await channel.get_queue(topology.endpoint_queue(endpoint.id), ensure=False)
 
-        async def on_message(incoming: aio_pika.abc.AbstractIncomingMessage) -> None:
-            arrived[incoming.message_id or ""] = time.monotonic()
-            await incoming.ack()
-            if len(arrived) == len(delays_s):
-                done.set()
+            async def on_message(incoming: aio_pika.abc.AbstractIncomingMessage) -> None:
+                arrived[incoming.message_id or ""] = time.monotonic()
+                await incoming.ack()
+                if len(arrived) == len(delays_s):
+                    done.set()
 
-        await queue.consume(on_message)
-        delays = await Delays.open(await connection.channel(publisher_confirms=True))
-        sent: dict[str, tuple[int, float]] = {}
-        for n, delay in enumerate(delays_s):
-            sent[f"d{n}"] = (delay, time.monotonic())
-            await delays.schedule(
-                b"{}", content_type="application/json", timestamp=None, event_id=f"d{n}",
-                endpoint_id=endpoint_id, next_attempt=2, first_attempt_at_s=time.time(), delay_s=delay,
-            )  # fmt: skip
-        await asyncio.wait_for(done.wait(), 60)
-        await queue.delete(if_unused=False, if_empty=False)
+            await queue.consume(on_message)
+            delays = Delays(publisher)
+            sent: dict[str, tuple[int, float]] = {}
+            for n, delay in enumerate(delays_s):
+                sent[f"d{n}"] = (delay, time.monotonic())
+                await delays.schedule(
+                    b"{}", content_type="application/json", timestamp=None, event_id=f"d{n}",
+                    destination=topology.retry_destination(endpoint), next_attempt=2,
+                    first_attempt_at_s=time.time(), delay_s=delay,
+                )  # fmt: skip
+            await asyncio.wait_for(done.wait(), 60)
+            await topology.unroute(channel, endpoint)
+            await channel.queue_delete(queue.name)
+        await publisher.close()
     late_ms = [(arrived[key] - at - delay) * 1000 for key, (delay, at) in sent.items()]
     return {
         "messages": len(late_ms),
