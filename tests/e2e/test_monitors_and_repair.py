@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import re
 import time
 from collections import defaultdict
 from collections.abc import Iterable
@@ -438,15 +437,6 @@ async def test_a_deleted_stream_is_declared_again_and_its_followers_resume(
     )
 
 
-CONNECTION = re.compile(r'^(<[^>]+>)\t.*\{"connection_name","([^"]+)"\}', re.MULTILINE)
-
-
-async def connections(rabbitmq: Broker, vhost: str) -> dict[str, str]:
-    """The connections of the vhost: connection name -> connection pid (for close_connection)."""
-    listed = await rabbitmq.ctl_async(["list_connections", "-p", vhost, "pid", "client_properties"])
-    return {name: pid for pid, name in CONNECTION.findall(listed)}
-
-
 async def test_every_service_survives_its_connection_being_closed(
     system: System, receiver: Receiver, rabbitmq: Broker
 ) -> None:
@@ -462,13 +452,13 @@ async def test_every_service_survives_its_connection_being_closed(
     every += [s for s in system.extra if s.command == "dispatcher" and s.process.poll() is None]
     names = {f"hookline-{s.command}:{s.process.pid}": s for s in every}
     vhost = vhost_of(system)
-    before = await connections(rabbitmq, vhost)
+    before = await rabbitmq.connections(vhost)
     assert set(names) <= set(before), f"{sorted(names)} not all in {sorted(before)}"
     for name in names:
         await rabbitmq.ctl_async(["close_connection", before[name], "closed by the test"])
 
     async def all_back() -> bool:
-        now = await connections(rabbitmq, vhost)
+        now = await rabbitmq.connections(vhost)
         if any(now.get(name) in (None, before[name]) for name in names):
             return False
         return all([await get_json(s, "/readyz") is not None for s in every])

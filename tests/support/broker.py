@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -18,6 +19,7 @@ from contextlib import contextmanager
 from urllib.parse import quote, urlsplit, urlunsplit
 
 LOCAL_DEFAULT_URL = "amqp://guest:guest@127.0.0.1:5672/"
+_CONNECTION = re.compile(r'^(<[^>]+>)\t.*\{"connection_name","([^"]+)"\}', re.MULTILINE)
 
 Run = Callable[[list[str]], str]
 
@@ -47,6 +49,12 @@ class Broker:
         await self.ctl_async(["start_app"])
         await self.ctl_async(["await_startup"])
         await self.ensure_dead_letter_supervisor()
+
+    async def connections(self, vhost: str) -> dict[str, str]:
+        """The vhost's connections: connection name (``hookline-<service>:<pid>``) -> connection pid, as
+        ``rabbitmqctl close_connection`` takes it."""
+        listed = await self.ctl_async(["list_connections", "-p", vhost, "pid", "client_properties"])
+        return {name: pid for pid, name in _CONNECTION.findall(listed)}
 
     async def ensure_dead_letter_supervisor(self) -> None:
         alive = await self.ctl_async(["eval", "is_pid(whereis(rabbit_fifo_dlx_sup))."])
