@@ -56,7 +56,10 @@ async def test_a_subject_moves_on_after_a_failover_settled_its_earlier_event(
 
     # The dispatcher that attempted it (the queue's active consumer) loses its connection: the other one
     # becomes active, and delivers the retry; the first one comes back as a standby, still remembering.
-    active = next(d for d in system.dispatchers if '"event_id":"evt_first"' in d.log())
+    async def attempted_by() -> services.Service | None:
+        return next((d for d in system.dispatchers if '"event_id":"evt_first"' in d.log()), None)
+
+    active = await eventually(attempted_by)
     other = next(d for d in system.dispatchers if d is not active)
     vhost = system.amqp_url.rsplit("/", 1)[1]
     before = await rabbitmq.connections(vhost)
@@ -64,7 +67,11 @@ async def test_a_subject_moves_on_after_a_failover_settled_its_earlier_event(
         ["close_connection", before[f"hookline-dispatcher:{active.process.pid}"], "test"]
     )
     await receiver.wait_for(2, path="/ordered", timeout_s=30)
-    assert '"event_id":"evt_first"' in other.log(), "the retry was delivered by the other dispatcher"
+
+    async def retried_by_the_other() -> bool:
+        return '"event_id":"evt_first"' in other.log()
+
+    await eventually(retried_by_the_other)
 
     async def reattached() -> bool:
         return f"hookline-dispatcher:{active.process.pid}" in await rabbitmq.connections(vhost)
