@@ -68,7 +68,6 @@ class Broker:
     """
 
     def __init__(self, url: str, *, name: str, connect_timeout_s: float) -> None:
-        self._url = url
         self._name = f"{name}:{os.getpid()}"
         self._connect_timeout_s = connect_timeout_s
         if "heartbeat" not in dict(parse_qsl(urlsplit(url).query)):
@@ -78,11 +77,6 @@ class Broker:
         self._lock = asyncio.Lock()
         self._closing = False
         self.vhost = urlsplit(url).path.lstrip("/") or "/"
-
-    @property
-    def connection_name(self) -> str:
-        """The name this process's connection carries (``rabbitmqctl list_connections client_properties``)."""
-        return self._name
 
     async def __aenter__(self) -> Self:
         deadline = time.monotonic() + self._connect_timeout_s
@@ -160,16 +154,22 @@ class Broker:
                 "broker_connection_lost", error=type(exc).__name__ if exc else None, detail=str(exc)[:200]
             )
 
-    @asynccontextmanager
-    async def channel(
-        self, *, confirms: bool = False, returns_raise: bool = False, prefetch: int | None = None
-    ) -> AsyncIterator[AbstractChannel]:
-        """A channel of the current connection for as long as the caller needs it, closed afterwards."""
+    async def open_channel(self, *, confirms: bool = False, prefetch: int | None = None) -> AbstractChannel:
+        """A new channel of the current connection, owned (and closed) by the caller. With ``confirms`` a
+        publish waits for the broker's confirm and raises when it comes back unroutable."""
         connection = await self.connection()
         async with asyncio.timeout(CALL_TIMEOUT_S):
-            channel = await connection.channel(publisher_confirms=confirms, on_return_raises=returns_raise)
+            channel = await connection.channel(publisher_confirms=confirms, on_return_raises=confirms)
             if prefetch is not None:
                 await channel.set_qos(prefetch_count=prefetch)
+        return channel
+
+    @asynccontextmanager
+    async def channel(
+        self, *, confirms: bool = False, prefetch: int | None = None
+    ) -> AsyncIterator[AbstractChannel]:
+        """A channel for as long as the caller needs it, closed afterwards."""
+        channel = await self.open_channel(confirms=confirms, prefetch=prefetch)
         try:
             yield channel
         finally:
@@ -202,6 +202,45 @@ async def on_cancel(channel: AbstractChannel, callback: Callable[[aiormq.spec.Ba
 async def passive_queue(channel: AbstractChannel, name: str) -> AbstractQueue:
     """A queue that must exist (raises ``ChannelNotFoundEntity``, closing ``channel``, if it does not)."""
     return await channel.declare_queue(name, passive=True, timeout=CALL_TIMEOUT_S)
+
+
+class QueueProbe:
+    """Asks about queues that may not exist, with passive declares on a channel of its own. AMQP answers
+    a missing queue with a channel error, so after a miss the channel is opened again for the next one."""
+
+    def __init__(self, broker: Broker) -> None:
+        self._broker = broker
+        self._channel: AbstractChannel | None = None
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(self, *_: object) -> None:
+        await self.close()
+
+    async def channel(self) -> AbstractChannel:
+        """The probe's channel, also good for declaring what was found missing."""
+        if self._channel is None or self._channel.is_closed:
+            self._channel = await self._broker.open_channel()
+        return self._channel
+
+    async def find(self, name: str) -> AbstractQueue | None:
+        channel = await self.channel()
+        try:
+            return await channel.declare_queue(name, passive=True, timeout=CALL_TIMEOUT_S)
+        except aio_pika.exceptions.ChannelNotFoundEntity:
+            self._channel = None  # the failed declare closed it
+            return None
+
+    async def depth(self, name: str) -> int | None:
+        """Ready messages in the queue; None when it does not exist."""
+        queue = await self.find(name)
+        return None if queue is None else queue.declaration_result.message_count or 0
+
+    async def close(self) -> None:
+        channel, self._channel = self._channel, None
+        if channel is not None:
+            await close_quietly(channel)
 
 
 class Publisher:
@@ -240,10 +279,7 @@ class Publisher:
             async with self._lock:
                 channel = self._channel
                 if channel is None or channel.is_closed:
-                    connection = await self._broker.connection()
-                    channel = await connection.channel(
-                        publisher_confirms=self._confirms, on_return_raises=self._confirms
-                    )
+                    channel = await self._broker.open_channel(confirms=self._confirms)
                     self._channel, self._exchanges = channel, {}
         exchange = self._exchanges.get(name)
         if exchange is None:

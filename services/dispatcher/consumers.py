@@ -28,7 +28,6 @@ from datetime import UTC, datetime, timedelta
 from enum import Enum
 from functools import partial
 
-import aio_pika
 import aiormq
 import structlog
 from aio_pika.abc import AbstractChannel, AbstractIncomingMessage, AbstractQueue
@@ -41,6 +40,7 @@ from hookline.shared.amqp import (
     CALL_TIMEOUT_S,
     Broker,
     ChannelLostError,
+    QueueProbe,
     close_quietly,
     on_cancel,
 )
@@ -99,7 +99,7 @@ class Consumers:
         # basic.qos applies to the consumers created after it: one channel per prefetch value keeps
         # every consumer's cap right.
         self._channels: dict[int, AbstractChannel] = {}
-        self._admin: AbstractChannel | None = None  # declares; an error there closes it, not a consumer's
+        self._queues = QueueProbe(broker)  # declares: an error there closes its channel, not a consumer's
         self._probes: dict[str, int] = {}  # endpoint id -> the half-open version being probed
         self._changed: asyncio.Queue[str | None] = asyncio.Queue()
         self._connection_lost = asyncio.Event()
@@ -229,35 +229,19 @@ class Consumers:
         """The queue, checked to exist first: consuming a missing queue would close the consumer channel
         with every consumer on it. A missing current queue is provisioned again; a missing queue that is
         only drained has been removed once empty, and stays removed."""
-        admin = await self._admin_channel()
-        try:
-            return await admin.declare_queue(queue_name, passive=True, timeout=CALL_TIMEOUT_S)
-        except aio_pika.exceptions.ChannelNotFoundEntity:
-            pass
-        self._admin = None  # the failed declare closed it
+        queue = await self._queues.find(queue_name)
         endpoint = self._registry.get(want.endpoint_id)
-        if want.mode is not Mode.DELIVER or endpoint is None:
-            return None
+        if queue is not None or want.mode is not Mode.DELIVER or endpoint is None:
+            return queue
         log.error("endpoint_queue_missing", endpoint_id=endpoint.id, queue=queue_name, alert=True)
         metrics.QUEUES_REDECLARED.inc()
-        admin = await self._admin_channel()
-        await topology.provision(admin, endpoint)
-        return await admin.declare_queue(queue_name, passive=True, timeout=CALL_TIMEOUT_S)
-
-    async def _admin_channel(self) -> AbstractChannel:
-        if self._admin is None or self._admin.is_closed:
-            connection = await self._broker.connection()
-            async with asyncio.timeout(CALL_TIMEOUT_S):
-                self._admin = await connection.channel(publisher_confirms=False)
-        return self._admin
+        await topology.provision(await self._queues.channel(), endpoint)
+        return await self._queues.find(queue_name)
 
     async def _channel_for(self, prefetch: int) -> AbstractChannel:
         channel = self._channels.get(prefetch)
         if channel is None or channel.is_closed:
-            connection = await self._broker.connection()
-            async with asyncio.timeout(CALL_TIMEOUT_S):
-                channel = await connection.channel(publisher_confirms=False)
-                await channel.set_qos(prefetch_count=prefetch)
+            channel = await self._broker.open_channel(prefetch=prefetch)
             channel.close_callbacks.add(partial(self._on_channel_closed, prefetch))
             self._channels[prefetch] = channel
             # A consumer cancelled by the broker (its queue was deleted): attach again, or let go.
@@ -288,11 +272,9 @@ class Consumers:
     async def _forget_all(self) -> None:
         self._active.clear()
         channels, self._channels = list(self._channels.values()), {}
-        if self._admin is not None:
-            channels.append(self._admin)
-            self._admin = None
         for channel in channels:
             await close_quietly(channel)
+        await self._queues.close()
 
     # --- the half-open probe ------------------------------------------------------------------------
 

@@ -31,7 +31,7 @@ import aiormq
 import orjson
 import prometheus_client
 import structlog
-from aio_pika.abc import AbstractChannel, AbstractIncomingMessage
+from aio_pika.abc import AbstractIncomingMessage
 from pydantic import ValidationError
 
 from hookline.health_monitor import checkpoint
@@ -39,7 +39,7 @@ from hookline.health_monitor.alerts import Alert, AlertBook, AlertPolicy, evalua
 from hookline.health_monitor.breaker import Breaker, BreakerPolicy
 from hookline.health_monitor.health import Health, HealthPolicy
 from hookline.shared import topology
-from hookline.shared.amqp import BROKER_ERRORS, CALL_TIMEOUT_S, Broker, Publisher, close_quietly, until_closed
+from hookline.shared.amqp import BROKER_ERRORS, CALL_TIMEOUT_S, Broker, Publisher, QueueProbe, until_closed
 from hookline.shared.control import BreakerCommand, BreakerState, BreakerView, ControlRecord, control_record
 from hookline.shared.deadletters import DeadLetterIndex
 from hookline.shared.headers import Header
@@ -128,7 +128,7 @@ class Monitor:
         self._breaker_log = BreakerView()  # the breaker states as the log says (a standby mirrors them)
         self._outbox: asyncio.Queue[BreakerCommand] = asyncio.Queue()
         self._empty_since_s: dict[str, float] = {}  # retired queue -> when it was first seen empty
-        self._probe_channel: AbstractChannel | None = None
+        self._probe = QueueProbe(broker)
 
     # --- what the streams say --------------------------------------------------------------------
 
@@ -289,26 +289,18 @@ class Monitor:
             try:
                 await self._poll_once()
             finally:
-                if self._probe_channel is not None:
-                    await close_quietly(self._probe_channel)
-                    self._probe_channel = None
+                await self._probe.close()
             loop.beat()
             await asyncio.sleep(self.settings.queue_poll_s)
 
     async def _poll_once(self) -> None:
-        missing: dict[str, str | None] = {}
-        depths = [await self._depth(topology.delay_level(level)) for level in range(topology.DELAY_BITS)]
-        self.awaiting_retry = sum(depth or 0 for depth in depths)
-        for name in topology.core_queues():
-            if name.startswith("hookline.delay.") and name != topology.DELAY_UNROUTABLE:
-                depth = depths[int(name.rsplit(".", 1)[1])]
-            else:
-                depth = await self._depth(name)
-            if depth is None:
-                missing[name] = None
+        core = {name: await self._probe.depth(name) for name in topology.core_queues()}
+        levels = (topology.delay_level(level) for level in range(topology.DELAY_BITS))
+        self.awaiting_retry = sum(core[name] or 0 for name in levels)
+        missing: dict[str, str | None] = {name: None for name, depth in core.items() if depth is None}
         for endpoint in self.registry.all():
             queue = topology.endpoint_queue(endpoint.id, endpoint.queue_generation)
-            depth = await self._depth(queue)
+            depth = await self._probe.depth(queue)
             self.health.endpoint(endpoint.id).queue_depth = depth
             if depth is None:
                 missing[queue] = endpoint.id
@@ -317,19 +309,6 @@ class Monitor:
         self._missing_since_evaluation.update(missing)
         if missing and self.leader:
             await self._repair(missing)
-
-    async def _depth(self, queue: str) -> int | None:
-        """Ready messages in ``queue``; None when it does not exist."""
-        if self._probe_channel is None or self._probe_channel.is_closed:
-            connection = await self._broker.connection()
-            async with asyncio.timeout(CALL_TIMEOUT_S):
-                self._probe_channel = await connection.channel(publisher_confirms=False)
-        try:
-            declared = await self._probe_channel.declare_queue(queue, passive=True, timeout=CALL_TIMEOUT_S)
-        except aio_pika.exceptions.ChannelNotFoundEntity:
-            self._probe_channel = None  # the failed declare closed it
-            return None
-        return declared.declaration_result.message_count or 0
 
     async def _repair(self, missing: dict[str, str | None]) -> None:
         for name, endpoint_id in sorted(missing.items(), key=lambda item: item[0]):
@@ -355,7 +334,7 @@ class Monitor:
         ]
         now_s = time.monotonic()
         for name in retired:
-            depth = await self._depth(name)
+            depth = await self._probe.depth(name)
             if depth != 0:
                 self._empty_since_s.pop(name, None)
                 continue
