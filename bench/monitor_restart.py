@@ -44,7 +44,7 @@ async def fill(amqp_url: str, records: int, dead_letters: int) -> dict[str, floa
     rng = random.Random(7)
     now_s = time.time()
     async with Broker(amqp_url, name="bench-fill", connect_timeout_s=30) as broker:
-        await topology.declare(broker, event_log_max_age_s=604_800)  # the services' default
+        await topology.declare(broker, topology.Retention())  # the services' default
         async with broker.channel(confirms=True) as channel:
             telemetry = await channel.get_exchange(topology.TELEMETRY_EXCHANGE, ensure=False)
             dead = await channel.get_exchange(topology.DEAD_LETTER_EXCHANGE, ensure=False)

@@ -1,5 +1,5 @@
-"""The broker session every service holds: one AMQP connection, reopened whenever it is lost, the channels
-its loops open from it, and publishing with a deadline.
+"""The broker session every service holds: a connection for consuming and one for publishing, each
+reopened whenever it is lost, the channels its loops open from them, and publishing with a deadline.
 
 Nothing here is "robust" in aio-pika's sense, on purpose: a robust connection restores queues,
 bindings and consumers behind the code's back (a deleted endpoint's queue comes back, a queue restored
@@ -48,85 +48,77 @@ DEFAULT_HEARTBEAT_S = 5
 CALL_TIMEOUT_S = 10.0
 _RECONNECT_MIN_S = 0.5
 _RECONNECT_MAX_S = 5.0
+#: How often an idle publishing connection publishes to learn of alarms, and ``unblocked`` looks again.
+PULSE_INTERVAL_S = 1.0
+_UNBLOCKED_POLL_S = 1.0
+#: The pulse's routing key on the default exchange: no queue has this name, and the pulse is not
+#: mandatory, so the broker drops it without a word.
+PULSE_ROUTE = "hookline.pulse"
 
 RECONNECTS = prometheus_client.Counter(
     "hookline_broker_reconnects", "Times this process connected to the broker again after losing it."
 )
 CONNECTED = prometheus_client.Gauge("hookline_broker_connected", "1 while connected to the broker.")
+BLOCKED = prometheus_client.Gauge(
+    "hookline_broker_blocked", "1 while the broker refuses this process's publishes (memory or disk alarm)."
+)
+BLOCKED_SECONDS = prometheus_client.Counter(
+    "hookline_broker_blocked_seconds", "Time the broker refused this process's publishes."
+)
+PUBLISHES_REFUSED = prometheus_client.Counter(
+    "hookline_publishes_refused", "Publishes refused at once because the broker was blocking publishes."
+)
 
 
 class ChannelLostError(ConnectionError):
     """A channel a loop was using has closed (the connection went, or the broker closed the channel)."""
 
 
-class Broker:
-    """One connection per process: opened at start (or the service exits), reopened on demand after a loss.
+class BrokerBlockedError(ConnectionError):
+    """The broker refuses publishes for now (a memory or disk alarm: ``connection.blocked``)."""
 
-    ``async with Broker(url, name=..., connect_timeout_s=...) as broker`` — a broker that cannot be
-    reached within ``connect_timeout_s`` at start stops the service (exit 1); later losses are retried
-    for as long as the service runs, with a backoff, by whichever loop needs the connection first.
-    """
 
-    def __init__(self, url: str, *, name: str, connect_timeout_s: float) -> None:
-        self._name = f"{name}:{os.getpid()}"
-        self._connect_timeout_s = connect_timeout_s
-        if "heartbeat" not in dict(parse_qsl(urlsplit(url).query)):
-            url += ("&" if urlsplit(url).query else "?") + f"heartbeat={DEFAULT_HEARTBEAT_S}"
+class _Link:
+    """One AMQP connection, reopened on demand after a loss (each failure logged, then retried after a
+    growing pause while ``retry``)."""
+
+    def __init__(self, url: str, name: str) -> None:
         self._url = url
+        self.name = name
         self._connection: AbstractConnection | None = None
+        self.unblocked_event: asyncio.Event | None = None  # set unless connection.blocked
         self._lock = asyncio.Lock()
-        self._closing = False
-        self.vhost = urlsplit(url).path.lstrip("/") or "/"
-
-    async def __aenter__(self) -> Self:
-        deadline = time.monotonic() + self._connect_timeout_s
-        while True:
-            try:
-                await self.connection(timeout_s=min(CALL_TIMEOUT_S, self._connect_timeout_s), retry=False)
-                return self
-            except BROKER_ERRORS as exc:
-                remaining_s = deadline - time.monotonic()
-                if remaining_s <= 0:
-                    log.error("broker_unreachable", error=type(exc).__name__, detail=str(exc)[:300])
-                    raise SystemExit(1) from None
-                log.warning(
-                    "broker_connect_retry", error=type(exc).__name__, remaining_s=round(remaining_s, 1)
-                )
-                await asyncio.sleep(min(1.0, remaining_s))
-
-    async def __aexit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self._closing = True
-        connection, self._connection = self._connection, None
-        CONNECTED.set(0)
-        if connection is not None:
-            with contextlib.suppress(*BROKER_ERRORS, RuntimeError):
-                async with asyncio.timeout(CALL_TIMEOUT_S):
-                    await connection.close()
+        self.closing = False
 
     @property
     def connected(self) -> bool:
         connection = self._connection
         return connection is not None and connection.connected.is_set()
 
+    @property
+    def blocked(self) -> bool:
+        return self.connected and self.unblocked_event is not None and not self.unblocked_event.is_set()
+
     async def connection(self, *, timeout_s: float | None = None, retry: bool = True) -> AbstractConnection:
-        """The live connection, connecting again first if it was lost (each failure logged, then retried
-        after a growing pause while ``retry``)."""
         connection = self._connection
         if connection is not None and connection.connected.is_set():
             return connection
         async with self._lock:
             pause_s = _RECONNECT_MIN_S
             while not self.connected:
-                if self._closing:
+                if self.closing:
                     raise ChannelLostError("the broker session is closing")
                 try:
                     await self._connect(timeout_s or CALL_TIMEOUT_S)
                 except BROKER_ERRORS as exc:
                     if not retry:
                         raise
-                    log.warning("broker_reconnect_failed", error=type(exc).__name__, retry_in_s=pause_s)
+                    log.warning(
+                        "broker_reconnect_failed",
+                        connection=self.name,
+                        error=type(exc).__name__,
+                        retry_in_s=pause_s,
+                    )
                     await asyncio.sleep(pause_s)
                     pause_s = min(pause_s * 2, _RECONNECT_MAX_S)
             assert self._connection is not None
@@ -138,26 +130,142 @@ class Broker:
             with contextlib.suppress(*BROKER_ERRORS, RuntimeError):
                 await lost.close()
         connection = await aio_pika.connect(
-            self._url, client_properties={"connection_name": self._name}, timeout=timeout_s
+            self._url, client_properties={"connection_name": self.name}, timeout=timeout_s
         )
         connection.close_callbacks.add(self._on_lost)
         if lost is not None:
             RECONNECTS.inc()
-            log.info("broker_reconnected")
-        self._connection = connection
-        CONNECTED.set(1)
+            log.info("broker_reconnected", connection=self.name)
+        self._connection, self.unblocked_event = connection, _unblocked_event(connection)
 
     def _on_lost(self, _: object, exc: BaseException | None = None) -> None:
-        CONNECTED.set(0)
-        if not self._closing:
+        if not self.closing:
             log.warning(
-                "broker_connection_lost", error=type(exc).__name__ if exc else None, detail=str(exc)[:200]
+                "broker_connection_lost",
+                connection=self.name,
+                error=type(exc).__name__ if exc else None,
+                detail=str(exc)[:200],
             )
 
-    async def open_channel(self, *, confirms: bool = False, prefetch: int | None = None) -> AbstractChannel:
-        """A new channel of the current connection, owned (and closed) by the caller. With ``confirms`` a
-        publish waits for the broker's confirm and raises when it comes back unroutable."""
-        connection = await self.connection()
+    async def close(self) -> None:
+        self.closing = True
+        connection, self._connection = self._connection, None
+        if connection is not None:
+            with contextlib.suppress(*BROKER_ERRORS, RuntimeError):
+                async with asyncio.timeout(CALL_TIMEOUT_S):
+                    await connection.close()
+
+
+def _unblocked_event(connection: AbstractConnection) -> asyncio.Event | None:
+    """aiormq follows ``connection.blocked``/``unblocked`` in a private event and offers no callback or
+    property (reference/control-plane-techniques.md §4); this is the one place that reads it."""
+    underlay = connection.transport.connection if connection.transport is not None else None
+    event = getattr(underlay, "_Connection__connection_unblocked", None)
+    if not isinstance(event, asyncio.Event):
+        log.warning("broker_blocked_undetectable", detail="this aiormq does not expose connection.blocked")
+        return None
+    return event
+
+
+class Broker:
+    """The process's broker session: a connection for consuming and administration, and one for
+    publishing, each opened at start (or the service exits) and reopened on demand after a loss.
+
+    Publishing has a connection of its own because a memory or disk alarm blocks a connection as soon as
+    it publishes: the broker then stops reading it, acks included. Consumers on the other connection go
+    on delivering and acking while publishes wait. A connection hears of an alarm only when it publishes,
+    so an idle publishing connection sends an empty, unroutable message every second: ``blocked`` turns
+    true within about a second of an alarm, before anything that matters waits on it.
+
+    ``async with Broker(url, name=..., connect_timeout_s=...) as broker`` — a broker that cannot be
+    reached within ``connect_timeout_s`` at start stops the service (exit 1); later losses are retried
+    for as long as the service runs, with a backoff, by whichever loop needs the connection first.
+    """
+
+    def __init__(self, url: str, *, name: str, connect_timeout_s: float) -> None:
+        self._connect_timeout_s = connect_timeout_s
+        if "heartbeat" not in dict(parse_qsl(urlsplit(url).query)):
+            url += ("&" if urlsplit(url).query else "?") + f"heartbeat={DEFAULT_HEARTBEAT_S}"
+        self._consuming = _Link(url, f"{name}:{os.getpid()}")
+        self._publishing = _Link(url, f"{name}:{os.getpid()}:publish")
+        self._last_publish_s = 0.0
+        self._blocked_since_s: float | None = None
+        self._pulse: asyncio.Task[None] | None = None
+        self.vhost = urlsplit(url).path.lstrip("/") or "/"
+
+    async def __aenter__(self) -> Self:
+        deadline = time.monotonic() + self._connect_timeout_s
+        for link in (self._consuming, self._publishing):
+            while True:
+                try:
+                    await link.connection(timeout_s=min(CALL_TIMEOUT_S, self._connect_timeout_s), retry=False)
+                    break
+                except BROKER_ERRORS as exc:
+                    remaining_s = deadline - time.monotonic()
+                    if remaining_s <= 0:
+                        log.error("broker_unreachable", error=type(exc).__name__, detail=str(exc)[:300])
+                        raise SystemExit(1) from None
+                    log.warning(
+                        "broker_connect_retry", error=type(exc).__name__, remaining_s=round(remaining_s, 1)
+                    )
+                    await asyncio.sleep(min(1.0, remaining_s))
+        CONNECTED.set_function(lambda: int(self.connected))
+        BLOCKED.set_function(lambda: int(self.blocked))
+        self._pulse = asyncio.create_task(self._keep_pulse(), name="broker-pulse")
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        if self._pulse is not None:
+            self._pulse.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._pulse
+        # Publishes first: whatever is still being confirmed has had its chance by now.
+        await self._publishing.close()
+        await self._consuming.close()
+
+    @property
+    def connected(self) -> bool:
+        return self._consuming.connected
+
+    @property
+    def blocked(self) -> bool:
+        """True while the broker refuses this process's publishes (a memory or disk alarm)."""
+        return self._publishing.blocked
+
+    def problems(self) -> list[str]:
+        """What keeps this process from using the broker, for ``/readyz``."""
+        if not self.connected:
+            return ["broker: not connected"]
+        if self.blocked:
+            since_s = self._blocked_since_s
+            blocked_s = 0.0 if since_s is None else time.monotonic() - since_s
+            return [f"broker: refusing publishes for {blocked_s:.0f} s (a memory or disk alarm)"]
+        return []
+
+    async def unblocked(self) -> None:
+        """Return once the broker takes publishes again (at once when it does now)."""
+        while self.blocked:
+            event = self._publishing.unblocked_event
+            assert event is not None  # blocked implies a known event
+            # Bounded, and looked at again: a connection lost meanwhile comes back with another event.
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(_UNBLOCKED_POLL_S):
+                    await event.wait()
+
+    async def connection(self, *, timeout_s: float | None = None, retry: bool = True) -> AbstractConnection:
+        """The live consuming connection, connecting again first if it was lost."""
+        return await self._consuming.connection(timeout_s=timeout_s, retry=retry)
+
+    async def open_channel(
+        self, *, confirms: bool = False, prefetch: int | None = None, publishing: bool = False
+    ) -> AbstractChannel:
+        """A new channel, owned (and closed) by the caller: of the publishing connection when
+        ``publishing``, else of the consuming one. With ``confirms`` a publish waits for the broker's
+        confirm and raises when it comes back unroutable."""
+        link = self._publishing if publishing else self._consuming
+        connection = await link.connection()
         async with asyncio.timeout(CALL_TIMEOUT_S):
             channel = await connection.channel(publisher_confirms=confirms, on_return_raises=confirms)
             if prefetch is not None:
@@ -168,12 +276,48 @@ class Broker:
     async def channel(
         self, *, confirms: bool = False, prefetch: int | None = None
     ) -> AsyncIterator[AbstractChannel]:
-        """A channel for as long as the caller needs it, closed afterwards."""
+        """A channel of the consuming connection for as long as the caller needs it, closed afterwards."""
         channel = await self.open_channel(confirms=confirms, prefetch=prefetch)
         try:
             yield channel
         finally:
             await close_quietly(channel)
+
+    def published(self) -> None:
+        """Something was just published: no pulse is needed for a second."""
+        self._last_publish_s = time.monotonic()
+
+    async def _keep_pulse(self) -> None:
+        channel: AbstractChannel | None = None
+        try:
+            while True:
+                self._note_blocked()
+                idle = time.monotonic() - self._last_publish_s >= PULSE_INTERVAL_S
+                if idle and not self.blocked:
+                    try:
+                        if channel is None or channel.is_closed:
+                            channel = await self.open_channel(publishing=True)
+                        async with asyncio.timeout(CALL_TIMEOUT_S):
+                            await channel.default_exchange.publish(
+                                aio_pika.Message(b""), routing_key=PULSE_ROUTE, mandatory=False
+                            )
+                    except BROKER_ERRORS:
+                        channel = None  # the link is reopened by the next pulse
+                await asyncio.sleep(PULSE_INTERVAL_S)
+        finally:
+            if channel is not None:
+                await close_quietly(channel)
+
+    def _note_blocked(self) -> None:
+        """One log line when the broker starts refusing publishes and one when it takes them again."""
+        if self.blocked and self._blocked_since_s is None:
+            self._blocked_since_s = time.monotonic()
+            log.error("broker_blocked", connection=self._publishing.name, alert=True)
+        elif not self.blocked and self._blocked_since_s is not None:
+            blocked_s = time.monotonic() - self._blocked_since_s
+            self._blocked_since_s = None
+            BLOCKED_SECONDS.inc(blocked_s)
+            log.warning("broker_unblocked", connection=self._publishing.name, blocked_s=round(blocked_s, 1))
 
 
 async def close_quietly(channel: AbstractChannel) -> None:
@@ -244,27 +388,49 @@ class QueueProbe:
 
 
 class Publisher:
-    """Publishes on a channel of its own, reopened after it is lost, each publish with a deadline.
+    """Publishes on a channel of its own of the publishing connection, reopened after it is lost, each
+    publish with a deadline.
 
     With ``confirms`` a publish returns only once the broker has the message (and raises when it was
     returned as unroutable); an error means the message may not have been taken: the caller answers
-    503, retries, or hands its own message back, and never acks on the strength of it.
+    503, retries, or hands its own message back, and never acks on the strength of it. While the broker
+    refuses publishes (an alarm), a publish raises :class:`BrokerBlockedError` at once, or with
+    ``wait_unblocked`` waits for as long as the alarm lasts before its deadline starts.
     """
 
-    def __init__(self, broker: Broker, *, confirms: bool = True, timeout_s: float = CALL_TIMEOUT_S) -> None:
+    def __init__(
+        self,
+        broker: Broker,
+        *,
+        confirms: bool = True,
+        timeout_s: float = CALL_TIMEOUT_S,
+        wait_unblocked: bool = False,
+    ) -> None:
         self._broker = broker
         self._confirms = confirms
         self._timeout_s = timeout_s
+        self._wait_unblocked = wait_unblocked
         self._channel: AbstractChannel | None = None
         self._exchanges: dict[str, AbstractExchange] = {}
         self._lock = asyncio.Lock()
 
     async def publish(
-        self, message: aio_pika.Message, *, exchange: str, routing_key: str, timeout_s: float | None = None
+        self,
+        message: aio_pika.Message,
+        *,
+        exchange: str,
+        routing_key: str,
+        timeout_s: float | None = None,
     ) -> None:
+        if self._broker.blocked:
+            if not self._wait_unblocked:
+                PUBLISHES_REFUSED.inc()
+                raise BrokerBlockedError("the broker refuses publishes for now (a memory or disk alarm)")
+            await self._broker.unblocked()
         try:
             async with asyncio.timeout(timeout_s or self._timeout_s):
                 target = await self._exchange(exchange)
+                self._broker.published()
                 await target.publish(message, routing_key=routing_key)
         except asyncio.CancelledError:
             task = asyncio.current_task()
@@ -279,7 +445,7 @@ class Publisher:
             async with self._lock:
                 channel = self._channel
                 if channel is None or channel.is_closed:
-                    channel = await self._broker.open_channel(confirms=self._confirms)
+                    channel = await self._broker.open_channel(confirms=self._confirms, publishing=True)
                     self._channel, self._exchanges = channel, {}
         exchange = self._exchanges.get(name)
         if exchange is None:

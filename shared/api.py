@@ -9,9 +9,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
-from collections.abc import Callable, Generator, Sequence
+from collections.abc import Callable, Generator, Mapping, Sequence
 from typing import Any
 
+import aio_pika
 import prometheus_client
 import structlog
 import uvicorn
@@ -24,25 +25,49 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from hookline.shared import lifecycle
+from hookline.shared.amqp import BrokerBlockedError, ChannelLostError
 from hookline.shared.models import ErrorBody, ErrorDetail
 
 log = structlog.get_logger(__name__)
+
+#: What a 503 for a write the broker did not take tells the client to wait before sending it again.
+BROKER_RETRY_AFTER_S = 5
 
 
 class ApiError(Exception):
     """An error with a status, a stable code and a message safe to show the caller."""
 
-    def __init__(self, status: int, code: str, message: str, details: Sequence[ErrorDetail] = ()) -> None:
+    def __init__(
+        self,
+        status: int,
+        code: str,
+        message: str,
+        details: Sequence[ErrorDetail] = (),
+        headers: Mapping[str, str] | None = None,
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.code = code
         self.message = message
         self.details = list(details)
+        self.headers = dict(headers or {})
 
 
-def error_response(status: int, code: str, message: str, details: Sequence[ErrorDetail] = ()) -> JSONResponse:
+def broker_unavailable(message: str) -> ApiError:
+    """503 for a write the broker did not take (lost, or refusing publishes during an alarm): nothing
+    was done, and the same request can be sent again after ``Retry-After``."""
+    return ApiError(503, "broker_unavailable", message, headers={"Retry-After": str(BROKER_RETRY_AFTER_S)})
+
+
+def error_response(
+    status: int,
+    code: str,
+    message: str,
+    details: Sequence[ErrorDetail] = (),
+    headers: Mapping[str, str] | None = None,
+) -> JSONResponse:
     body = ErrorBody(error=code, message=message, details=list(details))
-    headers = {"WWW-Authenticate": "Bearer"} if status == 401 else None
+    headers = {**({"WWW-Authenticate": "Bearer"} if status == 401 else {}), **(headers or {})}
     return JSONResponse(body.model_dump(mode="json"), status_code=status, headers=headers)
 
 
@@ -63,7 +88,11 @@ def invalid_input(errors: Sequence[ErrorDetails] | Sequence[Any]) -> ApiError:
 def install_error_handlers(app: FastAPI) -> None:
     async def on_api_error(_: Request, exc: Exception) -> Response:
         assert isinstance(exc, ApiError)
-        return error_response(exc.status, exc.code, exc.message, exc.details)
+        return error_response(exc.status, exc.code, exc.message, exc.details, exc.headers)
+
+    async def on_broker_lost(request: Request, exc: Exception) -> Response:
+        log.warning("broker_write_failed", path=request.url.path, error=type(exc).__name__)
+        return await on_api_error(request, broker_unavailable(f"the broker did not take it: {exc}"))
 
     async def on_request_validation(_: Request, exc: Exception) -> Response:
         assert isinstance(exc, RequestValidationError)
@@ -83,6 +112,8 @@ def install_error_handlers(app: FastAPI) -> None:
         return error_response(500, "internal_error", "internal error; see the service log")
 
     app.add_exception_handler(ApiError, on_api_error)
+    for broker_error in (BrokerBlockedError, ChannelLostError, aio_pika.exceptions.AMQPConnectionError):
+        app.add_exception_handler(broker_error, on_broker_lost)
     app.add_exception_handler(RequestValidationError, on_request_validation)
     app.add_exception_handler(ValidationError, on_pydantic_validation)
     app.add_exception_handler(StarletteHTTPException, on_http_error)

@@ -190,6 +190,23 @@ def _age(value: float | None) -> str:
     )
 
 
+def _broker_text(broker: dict[str, Any] | None) -> str:
+    if broker is None:
+        return "broker: -"
+    capacity = broker.get("capacity")
+    words = ["broker: REFUSING PUBLISHES" if broker.get("blocked") else "broker: taking publishes"]
+    if capacity is None:
+        return words[0] + "  (its numbers are not readable: HOOKLINE_RABBITMQ_MANAGEMENT_URL)"
+    words += [alarm.upper() for alarm in capacity["alarms"]]
+    if capacity["disk_free_bytes"] is not None:
+        words.append(f"disk free {capacity['disk_free_bytes'] / 1e9:.1f} GB")
+    if capacity["fd_used"] is not None and capacity["fd_limit"] is not None:
+        words.append(f"file handles {capacity['fd_used']}/{capacity['fd_limit']}")
+    if capacity["queues"] is not None:
+        words.append(f"queues {capacity['queues']}")
+    return "  ".join(words)
+
+
 def status_text(
     summary: dict[str, Any], endpoints: list[dict[str, Any]], alerts: list[dict[str, Any]]
 ) -> str:
@@ -200,6 +217,7 @@ def status_text(
         f"failed/1h {summary['failed_last_hour']}  oldest pending {_age(summary['oldest_pending_age_s'])}  "
         f"mean {_ms(summary['mean_delivery_ms'])} ms  dispatchers {summary['dispatchers']}  "
         f"monitor {'leader' if summary.get('leader') else 'standby'}",
+        _broker_text(summary.get("broker")),
         "",
         f"{'ENDPOINT':<30} {'TENANT':<14} {'BREAKER':<9} {'P50':>7} {'P95':>7} {'P99':>7} {'5m P95':>7} "
         f"{'SAMPLES':>8} {'OK%':>6} {'TIMEOUT%':>8} {'QUEUE':>6} {'OLDEST':>7}",

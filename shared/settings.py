@@ -14,6 +14,8 @@ from typing import Annotated, Literal, TypeVar
 from pydantic import Field, SecretStr, ValidationError, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+from hookline.shared.topology import Retention
+
 LogLevel = Literal["debug", "info", "warning", "error"]
 
 
@@ -32,10 +34,36 @@ class CommonSettings(BaseSettings):
     event_log_max_age_s: int = Field(
         604_800, ge=3600, description="How long accepted events are kept for replay (stream retention)."
     )
+    event_log_max_bytes: int = Field(
+        20_000_000_000, ge=10_000_000, description="Disk the event log may take; the oldest events go first."
+    )
+    dead_letter_max_bytes: int = Field(
+        5_000_000_000, ge=10_000_000, description="Disk the dead-letter stream may take (30 days at most)."
+    )
+    telemetry_max_bytes: int = Field(
+        4_000_000_000, ge=10_000_000, description="Disk the telemetry stream may take (25 hours at most)."
+    )
+    rabbitmq_management_url: str | None = Field(
+        None,
+        description="The management API (http://user:pass@host:15672), for the broker's alarms, disk and file handles.",
+    )
+    rabbitmq_diagnostics: str | None = Field(
+        "rabbitmq-diagnostics",
+        description="Without a management URL: the CLI that reads them, used when the broker is on this host.",
+    )
     state_dir: Path = Field(
         Path(".hookline/state"),
         description="Where each replica keeps its local views (SQLite); rebuilt from the streams if lost.",
     )
+
+    @property
+    def retention(self) -> Retention:
+        return Retention(
+            event_log_max_age_s=self.event_log_max_age_s,
+            event_log_max_bytes=self.event_log_max_bytes,
+            dead_letter_max_bytes=self.dead_letter_max_bytes,
+            telemetry_max_bytes=self.telemetry_max_bytes,
+        )
 
     def state_file(self, service: str, port: int) -> Path:
         """This replica's view file: one per service and port, so replicas on one host never share one."""
@@ -73,6 +101,11 @@ class IngestSettings(DeliveryPolicySettings):
     max_payload_bytes: int = Field(262_144, ge=1024, le=16 * 1024 * 1024)
     registry_wait_s: float = Field(
         10.0, gt=0, description="How long a write waits to be read back from the log."
+    )
+    broker_fd_reserve: int = Field(
+        100,
+        ge=0,
+        description="File handles a new endpoint must leave the broker (each quorum queue takes one), else 503.",
     )
 
     @field_validator("api_token")
@@ -163,6 +196,20 @@ class MonitorSettings(CommonSettings):
         5.0,
         gt=0,
         description="How often queue depths are read and missing queues and streams declared again.",
+    )
+    broker_poll_s: float = Field(
+        10.0, gt=0, description="How often the broker's alarms, free disk and file handles are read."
+    )
+    broker_disk_headroom_bytes: int = Field(
+        5_000_000_000,
+        ge=0,
+        description="Free disk above the broker's own limit under which broker_disk_low fires.",
+    )
+    broker_fd_ratio: float = Field(
+        0.8,
+        gt=0,
+        le=1,
+        description="Share of the broker's file handles in use (or queues per handle) that fires an alert.",
     )
     retired_queue_grace_s: float = Field(
         300.0,

@@ -36,15 +36,19 @@ every level queue has one TTL, so a message never waits behind a later-expiring 
 from __future__ import annotations
 
 import asyncio
+import json
+import re
+import shlex
 import time
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import aio_pika
 import structlog
 from aio_pika.abc import AbstractChannel, AbstractExchange, AbstractQueue
 
-from hookline.shared.amqp import BROKER_ERRORS, Broker
+from hookline.shared.amqp import BROKER_ERRORS, CALL_TIMEOUT_S, Broker
 from hookline.shared.models import StoredEndpoint
 
 EVENTS_EXCHANGE = "events"
@@ -59,13 +63,17 @@ ENDPOINT_QUEUE_PREFIX = "hookline.endpoint."
 ENDPOINT_DELIVERY_LIMIT = 50
 UNROUTED_MAX_LENGTH = 100_000
 DEAD_LETTER_MAX_AGE = "30D"
+MB = 1_000_000
+GB = 1_000_000_000
+# Snapshots every few seconds and commands: an hour of them is what a follower needs; the cap holds
+# even with tens of thousands of endpoints.
+BREAKER_LOG_MAX_BYTES = 200 * MB
 EVENT_LOG = "hookline.events.log"
 TELEMETRY_EXCHANGE = "hookline.telemetry"
 TELEMETRY_LOG = "hookline.telemetry.log"
-# 24 h of window plus an hour of margin; the byte cap bounds the disk at very high rates (the rebuilt
-# window is then shorter than 24 h).
+# 24 h of window plus an hour of margin; the byte cap (Retention) bounds the disk at very high rates
+# (the rebuilt window is then shorter than 24 h).
 TELEMETRY_MAX_AGE = "25h"
-TELEMETRY_MAX_BYTES = 4_000_000_000
 CONTROL_EXCHANGE = "hookline.control"
 BREAKER_LOG = "hookline.breakers"
 ALERTS_EXCHANGE = "alerts"
@@ -158,18 +166,76 @@ def endpoint_queue_arguments(*, single_consumer: bool) -> dict[str, Any]:
     return arguments
 
 
-async def declare(broker: Broker, *, event_log_max_age_s: int, timeout_s: float = 60.0) -> None:
+@dataclass(frozen=True)
+class Retention:
+    """What each stream keeps, by age and by bytes, whichever cuts first; the byte caps bound the disk
+    the streams can take (:attr:`disk_budget_bytes`, README: sizing the broker's disk). They are fixed
+    when a stream is declared; a policy changes them later (:func:`retention_policy`)."""
+
+    event_log_max_age_s: int = 604_800
+    event_log_max_bytes: int = 20 * GB
+    dead_letter_max_bytes: int = 5 * GB
+    telemetry_max_bytes: int = 4 * GB
+
+    def arguments(self) -> dict[str, dict[str, Any]]:
+        """Each capped stream's declaration arguments."""
+        return {
+            EVENT_LOG: _stream_arguments(f"{self.event_log_max_age_s}s", self.event_log_max_bytes),
+            DEAD_LETTER_STREAM: _stream_arguments(DEAD_LETTER_MAX_AGE, self.dead_letter_max_bytes),
+            TELEMETRY_LOG: _stream_arguments(
+                TELEMETRY_MAX_AGE, self.telemetry_max_bytes, segment_bytes=50 * MB
+            ),
+            BREAKER_LOG: _stream_arguments("1h", BREAKER_LOG_MAX_BYTES, segment_bytes=5 * MB),
+        }
+
+    @property
+    def disk_budget_bytes(self) -> int:
+        """The most the capped streams hold: each cap plus the segment being written, which a cap never
+        cuts (the endpoint log, the one uncapped stream, grows by about 1 KB per endpoint change)."""
+        return sum(
+            arguments["x-max-length-bytes"] + arguments["x-stream-max-segment-size-bytes"]
+            for arguments in self.arguments().values()
+        )
+
+
+def _stream_arguments(max_age: str, max_bytes: int, *, segment_bytes: int | None = None) -> dict[str, Any]:
+    # A cap cuts whole segments: about 20 of them per cap keeps the cut fine-grained (RabbitMQ's default
+    # segment is 500 MB, coarse for a small cap).
+    segment_bytes = segment_bytes or max(MB, min(500 * MB, max_bytes // 20))
+    return {
+        "x-queue-type": "stream",
+        "x-max-age": max_age,
+        "x-max-length-bytes": max_bytes,
+        "x-stream-max-segment-size-bytes": segment_bytes,
+    }
+
+
+def retention_policy(stream: str, arguments: dict[str, Any], *, vhost: str) -> str:
+    """The ``rabbitmqctl`` command that gives an existing stream these caps (policies apply to streams
+    that exist; declared arguments cannot change)."""
+    definition = {key.removeprefix("x-"): value for key, value in arguments.items() if key != "x-queue-type"}
+    pattern = "^" + re.escape(stream) + "$"
+    return (
+        f"rabbitmqctl set_policy -p {shlex.quote(vhost)} --apply-to queues "
+        f"{shlex.quote(stream + '-retention')} {shlex.quote(pattern)} {shlex.quote(json.dumps(definition))}"
+    )
+
+
+async def declare(broker: Broker, retention: Retention, *, timeout_s: float = 60.0) -> None:
     """Declare everything every service relies on, on a channel of its own (idempotent).
 
-    A broker that is restarting (or refuses for a moment) is asked again until ``timeout_s``.
-    Something that exists with other arguments (say, the event log declared with another retention;
-    change that with a policy instead) stops the service at start with the broker's words.
+    A broker that is restarting (or refuses for a moment) is asked again until ``timeout_s``. A queue
+    that exists with other arguments stops the service at start with the broker's words; a stream that
+    exists with other retention (created by an earlier version, or with other settings) is used as it
+    is, with a warning naming the policy that would give it these caps.
     """
     deadline = time.monotonic() + timeout_s
     while True:
         try:
+            for stream, arguments in retention.arguments().items():
+                await _declare_stream(broker, stream, arguments)
             async with broker.channel() as channel:
-                await declare_core(channel, event_log_max_age_s=event_log_max_age_s)
+                await _declare_core(channel)
             return
         except aio_pika.exceptions.ChannelPreconditionFailed as exc:
             structlog.get_logger(__name__).error("topology_mismatch", detail=str(exc))
@@ -181,7 +247,22 @@ async def declare(broker: Broker, *, event_log_max_age_s: int, timeout_s: float 
             await asyncio.sleep(1.0)
 
 
-async def declare_core(channel: AbstractChannel, *, event_log_max_age_s: int) -> None:
+async def _declare_stream(broker: Broker, stream: str, arguments: dict[str, Any]) -> None:
+    try:
+        async with broker.channel() as channel:
+            await channel.declare_queue(stream, durable=True, arguments=arguments)
+    except aio_pika.exceptions.ChannelPreconditionFailed as exc:
+        structlog.get_logger(__name__).warning(
+            "stream_retention_differs",
+            stream=stream,
+            detail=str(exc)[:300],
+            wanted={key: value for key, value in arguments.items() if key != "x-queue-type"},
+            policy=retention_policy(stream, arguments, vhost=broker.vhost),
+        )
+
+
+async def _declare_core(channel: AbstractChannel) -> None:
+    """Every exchange, queue and binding every service relies on, the capped streams aside."""
     unrouted = await channel.declare_exchange(UNROUTED, aio_pika.ExchangeType.FANOUT, durable=True)
     unrouted_queue = await channel.declare_queue(
         UNROUTED,
@@ -190,46 +271,24 @@ async def declare_core(channel: AbstractChannel, *, event_log_max_age_s: int) ->
     )
     await unrouted_queue.bind(unrouted)
     events = await events_exchange(channel)
-    event_log = await channel.declare_queue(
-        EVENT_LOG,
-        durable=True,
-        arguments={"x-queue-type": "stream", "x-max-age": f"{event_log_max_age_s}s"},
-    )
+    event_log = await _stream(channel, EVENT_LOG)
     await event_log.bind(events, routing_key="#")
 
     dead = await channel.declare_exchange(DEAD_LETTER_EXCHANGE, aio_pika.ExchangeType.FANOUT, durable=True)
-    dead_letters = await channel.declare_queue(
-        DEAD_LETTER_STREAM,
-        durable=True,
-        arguments={"x-queue-type": "stream", "x-max-age": DEAD_LETTER_MAX_AGE},
-    )
+    dead_letters = await _stream(channel, DEAD_LETTER_STREAM)
     await dead_letters.bind(dead)
     await endpoint_log(channel)
     await _declare_delays(channel)
-    await _declare_health(channel)
-
-
-async def _declare_health(channel: AbstractChannel) -> None:
     telemetry = await channel.declare_exchange(TELEMETRY_EXCHANGE, aio_pika.ExchangeType.FANOUT, durable=True)
-    telemetry_log = await channel.declare_queue(
-        TELEMETRY_LOG,
-        durable=True,
-        arguments={
-            "x-queue-type": "stream",
-            "x-max-age": TELEMETRY_MAX_AGE,
-            "x-max-length-bytes": TELEMETRY_MAX_BYTES,
-            "x-stream-max-segment-size-bytes": 50_000_000,
-        },
-    )
-    await telemetry_log.bind(telemetry)
+    await (await _stream(channel, TELEMETRY_LOG)).bind(telemetry)
     control = await channel.declare_exchange(CONTROL_EXCHANGE, aio_pika.ExchangeType.FANOUT, durable=True)
-    breakers = await channel.declare_queue(
-        BREAKER_LOG,
-        durable=True,
-        arguments={"x-queue-type": "stream", "x-max-age": "1h", "x-stream-max-segment-size-bytes": 5_000_000},
-    )
-    await breakers.bind(control)
+    await (await _stream(channel, BREAKER_LOG)).bind(control)
     await channel.declare_exchange(ALERTS_EXCHANGE, aio_pika.ExchangeType.TOPIC, durable=True)
+
+
+async def _stream(channel: AbstractChannel, name: str) -> AbstractQueue:
+    # Declared (with its retention, or found with another) by declare() just before.
+    return await channel.declare_queue(name, passive=True, timeout=CALL_TIMEOUT_S)
 
 
 async def _declare_delays(channel: AbstractChannel) -> None:
@@ -363,7 +422,7 @@ async def unroute(channel: AbstractChannel, endpoint: StoredEndpoint) -> None:
 
 
 def core_queues() -> list[str]:
-    """The queues and streams every service relies on (what :func:`declare_core` creates)."""
+    """The queues and streams every service relies on (what :func:`declare` creates)."""
     return [
         UNROUTED,
         EVENT_LOG,

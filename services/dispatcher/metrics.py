@@ -25,7 +25,8 @@ DEAD_LETTERS = prometheus_client.Counter(
 )
 IN_FLIGHT = prometheus_client.Gauge("hookline_dispatcher_in_flight", "Deliveries being handled now.")
 TELEMETRY_DROPPED = prometheus_client.Counter(
-    "hookline_telemetry_dropped_records", "Telemetry records lost because the broker was unreachable."
+    "hookline_telemetry_dropped_records",
+    "Telemetry records dropped: the broker was unreachable or refusing publishes (an alarm).",
 )
 CONSUMERS = prometheus_client.Gauge(
     "hookline_dispatcher_consumers", "Endpoint queues this dispatcher consumes."

@@ -95,13 +95,16 @@ async def dispatching(
         load=lambda: consumers_ref[0].load() if consumers_ref else (0, 0, {}),
     )
     breakers = BreakerView(lease_s=settings.breaker_lease_s)
+    # Retries, dead letters and forwards: while the broker refuses publishes (an alarm) they wait, and
+    # the message they settle stays unacked meanwhile; deliveries that succeed need no publish.
+    settlement = Publisher(broker, wait_unblocked=True)
     handler = Handler(
         settings,
         endpoint_registry,
         change_log,
         client,
-        publisher,
-        Delays(publisher),
+        settlement,
+        Delays(settlement),
         telemetry,
         breakers,
         sealer,
@@ -148,6 +151,7 @@ async def dispatching(
         # 4. close the channels: whatever is still unacked goes back to its queue.
         await consumers.close_channels()
         await telemetry_publisher.close()
+        await settlement.close()
 
 
 def main() -> None:
@@ -166,6 +170,7 @@ async def serve(settings: DispatcherSettings, stopping: asyncio.Event) -> None:
     supervisor = Supervisor()
 
     def problems() -> list[str]:
+        # Not blocked: a dispatcher goes on delivering (and acking) while the broker refuses publishes.
         return ([] if broker.connected else ["broker: not connected"]) + supervisor.problems()
 
     async with (
@@ -179,7 +184,7 @@ async def serve(settings: DispatcherSettings, stopping: asyncio.Event) -> None:
             allow_private=settings.allow_private_targets,
         ) as client,
     ):
-        await topology.declare(broker, event_log_max_age_s=settings.event_log_max_age_s)
+        await topology.declare(broker, settings.retention)
         publisher = Publisher(broker)
         try:
             change_log = await registry.follow(

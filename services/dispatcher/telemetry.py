@@ -2,7 +2,8 @@
 
 Records are buffered and published every ``FLUSH_INTERVAL_S`` (or at ``MAX_BATCH``) as one message,
 without publisher confirms: the delivery path never waits for telemetry. A batch that cannot be
-published (broker gone) is dropped and counted; the monitor tolerates gaps.
+published (broker gone, or refusing publishes during an alarm) is dropped and counted; the monitor
+tolerates gaps.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import structlog
 
 from hookline.dispatcher import metrics
 from hookline.shared import topology
-from hookline.shared.amqp import Publisher
+from hookline.shared.amqp import BrokerBlockedError, Publisher
 from hookline.shared.supervision import Loop
 from hookline.shared.telemetry import AttemptRecord, Heartbeat, TelemetryRecord, batch
 
@@ -81,4 +82,5 @@ class Telemetry:
             )
         except Exception as exc:  # whatever the broker did, the delivery path must not notice
             metrics.TELEMETRY_DROPPED.inc(len(records))
-            log.warning("telemetry_dropped", records=len(records), error=type(exc).__name__)
+            if not isinstance(exc, BrokerBlockedError):  # an alarm has its own log line (broker_blocked)
+                log.warning("telemetry_dropped", records=len(records), error=type(exc).__name__)

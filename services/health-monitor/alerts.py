@@ -3,10 +3,11 @@ conditions into "firing" once when a condition starts and "resolved" once when i
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from hookline.health_monitor.health import Health
+from hookline.shared.capacity import BrokerCapacity
 from hookline.shared.control import BreakerState
 from hookline.shared.models import EndpointStatus, StoredEndpoint
 
@@ -20,6 +21,8 @@ class AlertPolicy:
     spike_min_count: int = 5  # 401/403 or 429 answers in the last 5 minutes...
     spike_min_ratio: float = 0.5  # ...that are at least this share of the attempts
     dead_letters_min: int = 1  # new dead letters in the last 5 minutes
+    broker_disk_headroom_bytes: int = 5_000_000_000  # free disk above the broker's own limit
+    broker_fd_ratio: float = 0.8  # share of the broker's file handles in use (or taken by queues)
 
 
 @dataclass(frozen=True)
@@ -40,15 +43,18 @@ def evaluate(
     *,
     recent_dead_letters: Callable[[str], int],
     missing: Mapping[str, str | None] = {},
+    broker: Sequence[Alert] = (),
     now_s: float,
     policy: AlertPolicy,
 ) -> dict[AlertKey, Alert]:
     """``missing``: queues and streams found missing (each mapped to its endpoint, None for the core
-    ones every service needs); they are declared again, but whatever they held is lost."""
+    ones every service needs); they are declared again, but whatever they held is lost. ``broker``:
+    :func:`broker_alerts`."""
     alerts: list[Alert] = [
         Alert("topology_missing", None, None, f"{name} was missing and has been declared again")
         for name, endpoint_id in sorted(missing.items()) if endpoint_id is None
     ]  # fmt: skip
+    alerts += broker
     missing_endpoints = {endpoint_id: name for name, endpoint_id in missing.items() if endpoint_id}
     for endpoint_id, endpoint in endpoints.items():
         tenant = endpoint.tenant
@@ -88,6 +94,64 @@ def evaluate(
             if count >= policy.spike_min_count and count >= policy.spike_min_ratio * recent.attempts:
                 alert(name, f"{count} of {recent.attempts} attempts in 5 minutes answered {what}")
     return {alert.key: alert for alert in alerts}
+
+
+def broker_alerts(capacity: BrokerCapacity | None, *, blocked: bool, policy: AlertPolicy) -> list[Alert]:
+    """The broker's resources: its alarms (every publisher is blocked while one is raised), the disk
+    and file handles running out before that. ``capacity`` is None when the broker's numbers cannot be
+    read (no management API or local CLI): then only ``blocked``, the monitor's own connection being
+    refused publishes, tells of an alarm."""
+
+    def alert(name: str, detail: str) -> Alert:
+        return Alert(name, None, None, detail)
+
+    if capacity is None:
+        return (
+            [alert("broker_blocked", "the broker refuses publishes (a memory or disk alarm)")]
+            if blocked
+            else []
+        )
+    alerts = []
+    nodes = ", ".join(capacity.nodes) or "the broker"
+    if capacity.memory_alarm:
+        alerts.append(alert("broker_memory_alarm", f"memory alarm on {nodes}: every publisher is blocked"))
+    if capacity.disk_alarm:
+        alerts.append(alert("broker_disk_alarm", f"disk alarm on {nodes}: every publisher is blocked"))
+    if blocked and not (capacity.memory_alarm or capacity.disk_alarm):
+        alerts.append(alert("broker_blocked", "the broker refuses publishes, yet reports no alarm here"))
+    headroom = capacity.disk_headroom_bytes
+    if headroom is not None and not capacity.disk_alarm and headroom < policy.broker_disk_headroom_bytes:
+        alerts.append(
+            alert(
+                "broker_disk_low",
+                f"{headroom / 1e9:.1f} GB of disk left before the broker's limit blocks every publisher",
+            )
+        )
+    if (
+        capacity.fd_limit
+        and capacity.fd_used is not None
+        and capacity.fd_used >= policy.broker_fd_ratio * capacity.fd_limit
+    ):
+        alerts.append(
+            alert(
+                "broker_file_handles",
+                f"{capacity.fd_used} of {capacity.fd_limit} file handles in use: near the limit the broker "
+                "stops accepting connections",
+            )
+        )
+    if (
+        capacity.fd_limit
+        and capacity.queues is not None
+        and capacity.queues >= policy.broker_fd_ratio * capacity.fd_limit
+    ):
+        alerts.append(
+            alert(
+                "broker_queue_capacity",
+                f"{capacity.queues} queues for {capacity.fd_limit} file handles: each quorum queue holds one "
+                "(RabbitMQ 3.x); raise the broker's file limit before adding endpoints",
+            )
+        )
+    return alerts
 
 
 class AlertBook:

@@ -14,6 +14,7 @@ from hookline.shared import __version__, lifecycle, registry, topology
 from hookline.shared import logging as hookline_logging
 from hookline.shared.amqp import Broker, Publisher
 from hookline.shared.api import bearer_token_guard, install_error_handlers, probes_router, serve
+from hookline.shared.capacity import CapacityReader
 from hookline.shared.settings import MonitorSettings, load
 from hookline.shared.supervision import Supervisor
 
@@ -25,10 +26,19 @@ def create_app(settings: MonitorSettings) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        async with Broker(
-            settings.amqp_url, name="hookline-health-monitor", connect_timeout_s=settings.connect_timeout_s
-        ) as broker:
-            await topology.declare(broker, event_log_max_age_s=settings.event_log_max_age_s)
+        async with (
+            Broker(
+                settings.amqp_url,
+                name="hookline-health-monitor",
+                connect_timeout_s=settings.connect_timeout_s,
+            ) as broker,
+            CapacityReader(
+                management_url=settings.rabbitmq_management_url,
+                diagnostics_command=settings.rabbitmq_diagnostics,
+                amqp_url=settings.amqp_url,
+            ) as capacity,
+        ):
+            await topology.declare(broker, settings.retention)
             publisher = Publisher(broker)
             app.state.broker = broker
             try:
@@ -39,7 +49,9 @@ def create_app(settings: MonitorSettings) -> FastAPI:
                     registry.EndpointRegistry(),
                     sync_timeout_s=settings.connect_timeout_s,
                 )
-                async with monitoring(settings, broker, publisher, supervisor, change_log) as monitor:
+                async with monitoring(
+                    settings, broker, publisher, supervisor, change_log, capacity
+                ) as monitor:
                     app.state.monitor = monitor
                     log.info("monitor_ready", endpoints=len(change_log.registry))
                     yield
@@ -52,6 +64,7 @@ def create_app(settings: MonitorSettings) -> FastAPI:
         broker: Broker | None = getattr(app.state, "broker", None)
         if monitor is None or broker is None:
             return ["starting"]
+        # Not blocked: during an alarm the monitor is where an operator looks (/v1/alerts, /v1/status).
         return ([] if broker.connected else ["broker: not connected"]) + supervisor.problems()
 
     app = FastAPI(title="hookline health monitor", version=__version__, lifespan=lifespan)

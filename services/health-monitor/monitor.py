@@ -19,6 +19,7 @@ Start-up, in order:
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import time
 from collections.abc import AsyncIterator
@@ -35,11 +36,12 @@ from aio_pika.abc import AbstractIncomingMessage
 from pydantic import ValidationError
 
 from hookline.health_monitor import checkpoint
-from hookline.health_monitor.alerts import Alert, AlertBook, AlertPolicy, evaluate
+from hookline.health_monitor.alerts import Alert, AlertBook, AlertPolicy, broker_alerts, evaluate
 from hookline.health_monitor.breaker import Breaker, BreakerPolicy
 from hookline.health_monitor.health import Health, HealthPolicy
 from hookline.shared import topology
 from hookline.shared.amqp import BROKER_ERRORS, CALL_TIMEOUT_S, Broker, Publisher, QueueProbe, until_closed
+from hookline.shared.capacity import BrokerCapacity, CapacityReader
 from hookline.shared.control import BreakerCommand, BreakerState, BreakerView, ControlRecord, control_record
 from hookline.shared.deadletters import DeadLetterIndex
 from hookline.shared.headers import Header
@@ -55,6 +57,7 @@ from hookline.shared.views import follow_view
 log = structlog.get_logger(__name__)
 
 SNAPSHOT_INTERVAL_S = 5.0
+UNSENT_ALERTS_MAX = 1_000
 EVALUATION_INTERVAL_S = 2.0
 # dump() runs on the event loop (about 0.1-0.3 s for a day of 1M records): not too often.
 CHECKPOINT_INTERVAL_S = 30.0
@@ -82,6 +85,25 @@ LEADER = prometheus_client.Gauge("hookline_monitor_leader", "1 while this health
 QUEUES_MISSING = prometheus_client.Gauge(
     "hookline_queues_missing", "Queues and streams found missing at the last poll (declared again)."
 )
+BROKER_MEMORY_ALARM = prometheus_client.Gauge(
+    "hookline_broker_memory_alarm", "1 while the broker's memory alarm is raised (NaN: unreadable)."
+)
+BROKER_DISK_ALARM = prometheus_client.Gauge(
+    "hookline_broker_disk_alarm", "1 while the broker's disk alarm is raised (NaN: unreadable)."
+)
+BROKER_DISK_FREE = prometheus_client.Gauge("hookline_broker_disk_free_bytes", "Free disk on the broker.")
+BROKER_DISK_FREE_LIMIT = prometheus_client.Gauge(
+    "hookline_broker_disk_free_limit_bytes", "Free disk under which the broker blocks every publisher."
+)
+BROKER_FD_USED = prometheus_client.Gauge(
+    "hookline_broker_file_descriptors_used", "File handles the broker uses."
+)
+BROKER_FD_LIMIT = prometheus_client.Gauge(
+    "hookline_broker_file_descriptors_limit", "File handles the broker may use."
+)
+BROKER_QUEUES = prometheus_client.Gauge("hookline_broker_queues", "Queues on the broker, every vhost.")
+BROKER_GAUGES = [BROKER_MEMORY_ALARM, BROKER_DISK_ALARM, BROKER_DISK_FREE, BROKER_DISK_FREE_LIMIT]
+BROKER_GAUGES += [BROKER_FD_USED, BROKER_FD_LIMIT, BROKER_QUEUES]
 _STATE_VALUE = {BreakerState.CLOSED: 0, BreakerState.HALF_OPEN: 1, BreakerState.OPEN: 2}
 
 
@@ -114,8 +136,14 @@ class Monitor:
         self.health = health if health is not None else Health(policy)
         self.health.policy = policy  # settings win over those a checkpoint was written with
         self.alert_policy = AlertPolicy(
-            slow_p95_ms=settings.slow_p95_ms, oldest_pending_s=settings.oldest_pending_alert_s
+            slow_p95_ms=settings.slow_p95_ms,
+            oldest_pending_s=settings.oldest_pending_alert_s,
+            broker_disk_headroom_bytes=settings.broker_disk_headroom_bytes,
+            broker_fd_ratio=settings.broker_fd_ratio,
         )
+        self.capacity: BrokerCapacity | None = None  # the broker's last reading (None: unreadable)
+        # Alerts the alerts exchange did not take (the broker refused publishes): sent once it takes them.
+        self._unsent_alerts: collections.deque[aio_pika.Message] = collections.deque(maxlen=UNSENT_ALERTS_MAX)
         self.alerts = AlertBook()
         self.dead_letters = dead_letters
         self.awaiting_retry = 0
@@ -129,6 +157,11 @@ class Monitor:
         self._outbox: asyncio.Queue[BreakerCommand] = asyncio.Queue()
         self._empty_since_s: dict[str, float] = {}  # retired queue -> when it was first seen empty
         self._probe = QueueProbe(broker)
+
+    @property
+    def blocked(self) -> bool:
+        """The broker refuses this monitor's publishes (a memory or disk alarm)."""
+        return self._broker.blocked
 
     # --- what the streams say --------------------------------------------------------------------
 
@@ -252,7 +285,7 @@ class Monitor:
             if self.leader:
                 for command in self.health.tick(now_s=now_s):
                     self._outbox.put_nowait(command)
-                for endpoint_id in self.health.to_disable(now_s=now_s):
+                for endpoint_id in [] if self._broker.blocked else self.health.to_disable(now_s=now_s):
                     await self._disable(endpoint_id, now_s=now_s)
                 if now_s >= next_snapshot_s:
                     with contextlib.suppress(*BROKER_ERRORS):  # the next one, in a few seconds
@@ -314,7 +347,7 @@ class Monitor:
         for name, endpoint_id in sorted(missing.items(), key=lambda item: item[0]):
             log.error("queue_missing", queue=name, endpoint_id=endpoint_id, alert=True)
         if any(endpoint_id is None for endpoint_id in missing.values()):
-            await topology.declare(self._broker, event_log_max_age_s=self.settings.event_log_max_age_s)
+            await topology.declare(self._broker, self.settings.retention)
         for endpoint_id in {endpoint_id for endpoint_id in missing.values() if endpoint_id}:
             endpoint = self.registry.get(endpoint_id)
             if endpoint is not None:
@@ -414,12 +447,14 @@ class Monitor:
             {endpoint.id: endpoint for endpoint in self.registry.all()},
             recent_dead_letters=lambda endpoint_id: recent.get(endpoint_id, 0),
             missing=missing,
+            broker=broker_alerts(self.capacity, blocked=self._broker.blocked, policy=self.alert_policy),
             now_s=now_s,
             policy=self.alert_policy,
         )
         fired, resolved = self.alerts.update(current)
         if not self.leader:
             return  # a standby knows what fires (its API says so); the leader tells the world
+        await self._send_unsent_alerts()
         for state, changed in (("firing", fired), ("resolved", resolved)):
             for alert in changed:
                 await self._publish_alert(alert, state, now_s)
@@ -434,14 +469,37 @@ class Monitor:
             "at": datetime.fromtimestamp(now_s, UTC).isoformat(),
         }
         log.warning("alert", **body)
-        with contextlib.suppress(*BROKER_ERRORS):
-            await self._publisher.publish(
-                aio_pika.Message(
-                    orjson.dumps(body), content_type="application/json", message_id=new_id("alert")
-                ),
-                exchange=topology.ALERTS_EXCHANGE,
-                routing_key=f"{alert.name}.{state}",
-            )
+        message = aio_pika.Message(
+            orjson.dumps(body),
+            content_type="application/json",
+            message_id=new_id("alert"),
+            type=f"{alert.name}.{state}",
+        )
+        self._unsent_alerts.append(message)
+        await self._send_unsent_alerts()
+
+    async def _send_unsent_alerts(self) -> None:
+        """In order, until the broker refuses one; the rest wait for the next evaluation."""
+        while self._unsent_alerts:
+            message = self._unsent_alerts[0]
+            try:
+                await self._publisher.publish(
+                    message, exchange=topology.ALERTS_EXCHANGE, routing_key=message.type or ""
+                )
+            except BROKER_ERRORS:
+                return
+            self._unsent_alerts.popleft()
+
+    async def watch_broker(self, reader: CapacityReader, loop: Loop) -> None:
+        """The broker's alarms, free disk and file handles, read every few seconds (for alerts, /metrics
+        and /v1/status); without a source only the publishing connection's state tells of an alarm."""
+        log.info("broker_capacity_source", source=reader.source, target=reader.target)
+        loop.mark_up()
+        while True:
+            self.capacity = await reader.recent(max_age_s=0)
+            _export_capacity(self.capacity)
+            loop.beat()
+            await asyncio.sleep(self.settings.broker_poll_s)
 
     async def _export_metrics(self, now_s: float) -> None:
         for gauge in (BREAKER_STATE, ENDPOINT_P95_MS, QUEUE_DEPTH, ALERTS_FIRING):
@@ -459,6 +517,23 @@ class Monitor:
         AWAITING_RETRY.set(self.awaiting_retry)
         DEAD_LETTERS.set(await self.dead_letters.count())
         QUEUES_MISSING.set(len(self.missing))
+
+
+def _export_capacity(capacity: BrokerCapacity | None) -> None:
+    readings: dict[prometheus_client.Gauge, int | None] = {}
+    if capacity is not None:
+        readings = {
+            BROKER_MEMORY_ALARM: int(capacity.memory_alarm),
+            BROKER_DISK_ALARM: int(capacity.disk_alarm),
+            BROKER_DISK_FREE: capacity.disk_free_bytes,
+            BROKER_DISK_FREE_LIMIT: capacity.disk_free_limit_bytes,
+            BROKER_FD_USED: capacity.fd_used,
+            BROKER_FD_LIMIT: capacity.fd_limit,
+            BROKER_QUEUES: capacity.queues,
+        }
+    for gauge in BROKER_GAUGES:
+        value = readings.get(gauge)
+        gauge.set(float("nan") if value is None else value)  # NaN: not known (no source, or 4.x)
 
 
 async def _load_checkpoint(
@@ -483,6 +558,7 @@ async def monitoring(
     publisher: Publisher,
     supervisor: Supervisor,
     change_log: ChangeLog,
+    capacity: CapacityReader,
 ) -> AsyncIterator[Monitor]:
     telemetry_identity = f"{broker.vhost}/{topology.TELEMETRY_LOG}"
     state_path = settings.state_file("health-monitor", settings.monitor_port)
@@ -532,11 +608,12 @@ async def monitoring(
         supervisor.spawn("tick", monitor.tick, stall_s=60)
         supervisor.spawn("queues", monitor.poll_queues, stall_s=120)
         supervisor.spawn("checkpoint", partial(monitor.save_checkpoints, store, telemetry), stall_s=120)
+        supervisor.spawn("broker", partial(monitor.watch_broker, capacity), stall_s=120)
         try:
             yield monitor
         finally:
             # Stop the loops (leadership first: the lock goes with its channel), then the views close.
-            await supervisor.stop("leadership", "tick", "breaker-commands", "queues", "checkpoint")
+            await supervisor.stop("leadership", "tick", "breaker-commands", "queues", "checkpoint", "broker")
             offset_now = telemetry.next_offset
             if isinstance(offset_now, int) and offset_now > 0:
                 monitor.health.prune(now_s=time.time())

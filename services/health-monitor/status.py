@@ -11,6 +11,7 @@ from hookline.health_monitor.health import EndpointHealth
 from hookline.health_monitor.monitor import Monitor
 from hookline.health_monitor.stats import Stats
 from hookline.shared.api import ApiError
+from hookline.shared.capacity import BrokerCapacity
 from hookline.shared.control import BreakerState
 from hookline.shared.deadletters import DeadLetterAnalysis
 from hookline.shared.models import Model, StoredEndpoint
@@ -24,6 +25,11 @@ def monitor_state(request: Request) -> Monitor:
 
 
 State = Annotated[Monitor, Depends(monitor_state)]
+
+
+class BrokerStatus(Model):
+    blocked: bool  # the broker refuses this monitor's publishes (a memory or disk alarm)
+    capacity: BrokerCapacity | None  # its alarms, disk and file handles; None: not readable from here
 
 
 class Summary(Model):
@@ -40,6 +46,7 @@ class Summary(Model):
     alerts_firing: int
     dispatchers: int
     leader: bool  # this monitor leads (moves breakers, publishes alerts); a standby mirrors it
+    broker: BrokerStatus
 
 
 class Percentiles(Model):
@@ -143,6 +150,7 @@ async def status(monitor: State) -> Summary:
         alerts_firing=len(monitor.alerts.firing),
         dispatchers=len(live),
         leader=monitor.leader,
+        broker=BrokerStatus(blocked=monitor.blocked, capacity=monitor.capacity),
     )
 
 

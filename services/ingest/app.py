@@ -18,6 +18,7 @@ from hookline.shared import __version__, lifecycle, registry, topology
 from hookline.shared import logging as hookline_logging
 from hookline.shared.amqp import Broker, Publisher
 from hookline.shared.api import BodyLimit, install_error_handlers, probes_router, serve
+from hookline.shared.capacity import CapacityReader
 from hookline.shared.deadletters import DeadLetterIndex
 from hookline.shared.delivery import DeliveryClient
 from hookline.shared.sealing import Sealer
@@ -50,8 +51,13 @@ def create_app(settings: IngestSettings) -> FastAPI:
                 allow_http=settings.allow_http,
                 allow_private=settings.allow_private_targets,
             ) as client,
+            CapacityReader(
+                management_url=settings.rabbitmq_management_url,
+                diagnostics_command=settings.rabbitmq_diagnostics,
+                amqp_url=settings.amqp_url,
+            ) as capacity,
         ):
-            await topology.declare(broker, event_log_max_age_s=settings.event_log_max_age_s)
+            await topology.declare(broker, settings.retention)
             publisher = Publisher(broker)
             try:
                 endpoint_registry = registry.EndpointRegistry()
@@ -82,6 +88,7 @@ def create_app(settings: IngestSettings) -> FastAPI:
                     dead_letters_log=dead_letter_log,
                     dead_letters_index=dead_letters,
                     client=client,
+                    capacity=capacity,
                     sealer=Sealer(settings.secret_key.get_secret_value() if settings.secret_key else None),
                     tenant_tokens=parse_tenant_tokens(
                         settings.tenant_tokens.get_secret_value() if settings.tenant_tokens else None

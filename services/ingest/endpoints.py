@@ -25,7 +25,7 @@ from hookline.ingest.state import IngestState, ingest_state
 from hookline.ingest.verification import verify
 from hookline.shared import topology
 from hookline.shared.amqp import QueueProbe
-from hookline.shared.api import ApiError
+from hookline.shared.api import ApiError, broker_unavailable
 from hookline.shared.ids import new_id
 from hookline.shared.models import (
     Endpoint,
@@ -50,6 +50,10 @@ from hookline.shared.telemetry import Heartbeat, batch
 
 log = structlog.get_logger(__name__)
 router = APIRouter(prefix="/v1/endpoints", tags=["endpoints"])
+
+# A reading of the broker's file handles this recent is good enough to let one more queue in.
+CAPACITY_MAX_AGE_S = 5.0
+CAPACITY_RETRY_AFTER_S = 60
 State = Annotated[IngestState, Depends(ingest_state)]
 IfMatch = Annotated[
     str | None,
@@ -162,6 +166,7 @@ async def create_endpoint(
         secrets=[SigningSecret(value=state.sealer.seal(secret), created_at=now)],
         routed=True,
     )
+    await _check_capacity(state)
     async with state.broker.channel() as admin:
         await topology.provision(admin, endpoint)
     endpoint = await _write(state, endpoint, base_version=0)
@@ -231,6 +236,8 @@ async def update_endpoint(
     if url_changed and change.verify:
         after = after.model_copy(update={"verified": False})
     moving = after.single_consumer != before.single_consumer
+    if moving:
+        await _check_capacity(state)
     async with state.broker.channel() as admin:
         if not before.routed:
             await topology.provision(admin, before)
@@ -276,6 +283,26 @@ async def _undo(state: IngestState, before: StoredEndpoint, after: StoredEndpoin
         await topology.rebind(admin, after, before)
         if moving:
             await admin.queue_delete(topology.endpoint_queue(after.id, after.queue_generation))
+
+
+async def _check_capacity(state: IngestState) -> None:
+    """Before a new queue: the broker must take the write that follows it, and have a file handle for
+    it (RabbitMQ 3.x gives every quorum queue one; near its limit it stops accepting connections without
+    a word). Refused before anything is declared, so nothing is left behind."""
+    capacity = await state.capacity.recent(max_age_s=CAPACITY_MAX_AGE_S)
+    if state.broker.blocked or (capacity is not None and (capacity.memory_alarm or capacity.disk_alarm)):
+        raise broker_unavailable("the broker refuses writes for now (a memory or disk alarm)")
+    headroom = capacity.fd_headroom if capacity is not None else None
+    if capacity is not None and headroom is not None and headroom < state.settings.broker_fd_reserve:
+        log.error("broker_capacity_refused", fd_used=capacity.fd_used, fd_limit=capacity.fd_limit, alert=True)
+        raise ApiError(
+            503,
+            "broker_capacity",
+            f"the broker has {headroom} of {capacity.fd_limit} file handles left and keeps "
+            f"{state.settings.broker_fd_reserve} (HOOKLINE_BROKER_FD_RESERVE) for connections; a new endpoint "
+            "queue needs one: raise the broker's file limit (ulimit -n) or delete unused endpoints",
+            headers={"Retry-After": str(CAPACITY_RETRY_AFTER_S)},
+        )
 
 
 async def _live_queues(state: IngestState, queues: list[str]) -> list[str]:

@@ -13,8 +13,8 @@ from pydantic import ValidationError
 from hookline.ingest.auth import Caller
 from hookline.ingest.state import IngestState, ingest_state
 from hookline.shared import topology
-from hookline.shared.amqp import BROKER_ERRORS
-from hookline.shared.api import ApiError, invalid_input
+from hookline.shared.amqp import BROKER_ERRORS, BrokerBlockedError
+from hookline.shared.api import ApiError, broker_unavailable, invalid_input
 from hookline.shared.headers import Header
 from hookline.shared.ids import new_id
 from hookline.shared.models import Event, EventAccepted, EventIn
@@ -75,7 +75,10 @@ async def publish_event(
         )
     except BROKER_ERRORS as exc:
         log.warning("event_publish_failed", event_id=event.id, tenant=event.tenant, error=type(exc).__name__)
-        raise ApiError(
-            503, "broker_unavailable", "the event was not accepted; retry with the same id"
-        ) from None
+        why = (
+            "the broker refuses publishes for now (a memory or disk alarm)"
+            if isinstance(exc, BrokerBlockedError)
+            else "the broker did not confirm it"
+        )
+        raise broker_unavailable(f"the event was not accepted: {why}; send it again") from None
     return EventAccepted(id=event.id, tenant=event.tenant, type=event.type)

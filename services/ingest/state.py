@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from fastapi import Request
 
 from hookline.shared.amqp import Broker, Publisher
+from hookline.shared.capacity import CapacityReader
 from hookline.shared.deadletters import DeadLetterIndex
 from hookline.shared.delivery import DeliveryClient
 from hookline.shared.registry import ChangeLog, EndpointRegistry
@@ -28,11 +29,13 @@ class IngestState:
     dead_letters_log: StreamFollower
     dead_letters_index: DeadLetterIndex
     client: DeliveryClient  # verification handshakes
+    capacity: CapacityReader  # the broker's file handles and alarms, before a new queue is declared
     sealer: Sealer
     tenant_tokens: dict[str, str]  # token -> tenant
 
     def problems(self) -> list[str]:
-        return ([] if self.broker.connected else ["broker: not connected"]) + self.supervisor.problems()
+        # Blocked counts: a load balancer should send events to an ingest that can take them.
+        return self.broker.problems() + self.supervisor.problems()
 
 
 def ingest_state(request: Request) -> IngestState:

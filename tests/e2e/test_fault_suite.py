@@ -399,9 +399,12 @@ def connection_name(service: services.Service) -> str:
 
 
 async def service_connections(rabbitmq: Broker, vhost: str, running: Cluster) -> dict[str, str]:
-    """Every running service's broker connection: its name -> the broker's connection pid."""
+    """Every running service's broker connections: name -> the broker's connection pid."""
     listed = await broker_connections(rabbitmq, vhost)
-    names = [connection_name(s) for s in running.running()]
+    # Each service has two: one to consume and administer, one to publish.
+    names = [
+        name for s in running.running() for name in (connection_name(s), connection_name(s) + ":publish")
+    ]
     missing = [name for name in names if name not in listed]
     assert not missing, f"no broker connection for {missing}: {sorted(listed)}"
     return {name: listed[name] for name in names}

@@ -177,6 +177,7 @@ async def test_status_and_analysis_answer_the_sre_questions(system: System, rece
     )
     assert shown.returncode == 0, shown.stderr
     assert "delivered/1h" in shown.stdout
+    assert "broker: taking publishes" in shown.stdout
     assert good["id"] in shown.stdout
     raw = await asyncio.to_thread(
         subprocess.run,

@@ -458,7 +458,8 @@ async def test_every_service_survives_its_connection_being_closed(
 
     every = [system.ingest, *system.dispatchers, *running_monitors(system)]
     every += [s for s in system.extra if s.command == "dispatcher" and s.process.poll() is None]
-    names = {f"hookline-{s.command}:{s.process.pid}": s for s in every}
+    # Both of each service's connections: the one it consumes on and the one it publishes on.
+    names = {f"hookline-{s.command}:{s.process.pid}{kind}": s for s in every for kind in ("", ":publish")}
     vhost = vhost_of(system)
     before = await rabbitmq.connections(vhost)
     assert set(names) <= set(before), f"{sorted(names)} not all in {sorted(before)}"

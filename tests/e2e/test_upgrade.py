@@ -38,7 +38,7 @@ async def _register_the_old_way(amqp_url: str, endpoint: StoredEndpoint) -> None
     """What the previous version's ingest did: a queue bound to ``events`` and to the delay exchange by
     its own name, and an unconditional record without the new fields."""
     async with Broker(amqp_url, name="old-ingest", connect_timeout_s=10) as broker:
-        await topology.declare(broker, event_log_max_age_s=604_800)
+        await topology.declare(broker, topology.Retention())
         async with broker.channel(confirms=True) as channel:
             queue = await topology.endpoint_queue_declare(channel, endpoint)
             for key in topology.binding_keys(endpoint.tenant, endpoint.event_types):

@@ -46,7 +46,7 @@ async def follow(
     """A service's view of the change log: its own connection, publisher and supervised follower."""
     supervisor = Supervisor()
     async with Broker(amqp_url, name=name, connect_timeout_s=10) as broker:
-        await topology.declare(broker, event_log_max_age_s=3600)
+        await topology.declare(broker, topology.Retention(event_log_max_age_s=3600))
         publisher = Publisher(broker)
         try:
             yield await registry.follow(broker, publisher, supervisor, state, sync_timeout_s=10)
@@ -109,7 +109,7 @@ async def test_of_two_writes_based_on_one_version_exactly_one_wins_everywhere(am
 
 async def test_an_unreadable_record_is_skipped_and_the_rest_applied(amqp_url: str) -> None:
     async with Broker(amqp_url, name="raw", connect_timeout_s=10) as broker:
-        await topology.declare(broker, event_log_max_age_s=3600)
+        await topology.declare(broker, topology.Retention(event_log_max_age_s=3600))
         async with broker.channel() as channel:
             await channel.default_exchange.publish(
                 aio_pika.Message(b'{"kind": "from.the.future"}'), topology.ENDPOINT_LOG

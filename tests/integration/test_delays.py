@@ -37,7 +37,7 @@ ENDPOINT = StoredEndpoint(
 @pytest.fixture
 async def broker(amqp_url: str) -> AsyncIterator[Broker]:
     async with Broker(amqp_url, name="test", connect_timeout_s=10) as opened:
-        await topology.declare(opened, event_log_max_age_s=3600)
+        await topology.declare(opened, topology.Retention(event_log_max_age_s=3600))
         yield opened
 
 

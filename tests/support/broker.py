@@ -14,9 +14,12 @@ import shutil
 import socket
 import subprocess
 import uuid
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import asynccontextmanager, contextmanager
+from typing import Literal
 from urllib.parse import quote, urlsplit, urlunsplit
+
+from support.waiting import eventually
 
 LOCAL_DEFAULT_URL = "amqp://guest:guest@127.0.0.1:5672/"
 _CONNECTION = re.compile(r'^(<[^>]+>)\t.*\{"connection_name","([^"]+)"\}', re.MULTILINE)
@@ -49,6 +52,35 @@ class Broker:
         await self.ctl_async(["start_app"])
         await self.ctl_async(["await_startup"])
         await self.ensure_dead_letter_supervisor()
+
+    @asynccontextmanager
+    async def alarm(self, resource: Literal["memory", "disk"]) -> AsyncIterator[None]:
+        """A resource alarm raised on the broker for the block's duration, as a broker running out of
+        memory or disk would raise it, and cleared afterwards whatever happened. It blocks the publishers
+        of every vhost: keep the block short."""
+        if resource == "memory":
+            setting = await self.ctl_async(["eval", "application:get_env(rabbit, vm_memory_high_watermark)."])
+            before = re.fullmatch(r"\{ok,([0-9.]+)\}", setting.strip())
+            assert before is not None, f"a watermark this helper cannot restore: {setting}"
+            raise_it, clear_it = (
+                ["set_vm_memory_high_watermark", "0.0001"],
+                ["set_vm_memory_high_watermark", before[1]],
+            )
+        else:
+            limit = (await self.ctl_async(["eval", "rabbit_disk_monitor:get_disk_free_limit()."])).strip()
+            assert limit.isdigit(), f"a disk limit this helper cannot restore: {limit}"
+            raise_it, clear_it = ["set_disk_free_limit", str(10**15)], ["set_disk_free_limit", limit]
+        try:
+            await self.ctl_async(raise_it)
+            await eventually(lambda: self._alarm_raised(resource, True), timeout_s=30)
+            yield
+        finally:
+            await self.ctl_async(clear_it)
+            await eventually(lambda: self._alarm_raised(resource, False), timeout_s=30)
+
+    async def _alarm_raised(self, resource: str, raised: bool) -> bool:
+        alarms = await self.ctl_async(["eval", "rabbit_alarm:get_alarms()."])  # "[]" when none
+        return (resource in alarms) is raised
 
     async def connections(self, vhost: str) -> dict[str, str]:
         """The vhost's connections: connection name (``hookline-<service>:<pid>``) -> connection pid, as

@@ -36,6 +36,9 @@ def base_env(amqp_url: str, **overrides: str) -> dict[str, str]:
         # Tests shrink the retry schedule through settings; jitter off makes the delays exact.
         HOOKLINE_RETRY_SCHEDULE_S="1,2",
         HOOKLINE_RETRY_JITTER="none",
+        # Reading the broker's resources through its CLI costs half a second of CPU a time: only the
+        # tests about them (test_broker_resources.py) turn it on.
+        HOOKLINE_RABBITMQ_DIAGNOSTICS="",
     )
     env.update(overrides)
     return env

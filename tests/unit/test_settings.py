@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
-import pytest
+import re
+from pathlib import Path
 
-from hookline.shared.settings import DispatcherSettings, IngestSettings, load
+import pytest
+from pydantic_settings import BaseSettings
+
+from hookline.shared.settings import ClientSettings, DispatcherSettings, IngestSettings, MonitorSettings, load
 
 
 def test_defaults_match_the_design(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -53,3 +57,30 @@ def test_the_ingest_needs_a_token(
     with pytest.raises(SystemExit):
         load(IngestSettings)
     assert "HOOKLINE_API_TOKEN: Field required" in capsys.readouterr().err
+
+
+def _documented_settings() -> set[str]:
+    """The names the README's configuration table gives, with its shorthand expanded:
+    "`HOOKLINE_INGEST_HOST` / `_PORT`" documents HOOKLINE_INGEST_PORT too."""
+    readme = (Path(__file__).parents[2] / "README.md").read_text()
+    names: set[str] = set()
+    for row in readme.splitlines():
+        if not row.startswith("| `HOOKLINE_"):
+            continue
+        first_cell = row.split("|")[1]
+        full = re.findall(r"`(HOOKLINE_[A-Z0-9_]+)`", first_cell)
+        names.update(full)
+        parts = full[0].split("_")
+        for short in re.findall(r"`(_[A-Z0-9_]+)`", first_cell):
+            names.update("_".join(parts[:cut]) + short for cut in range(2, len(parts)))
+    return names
+
+
+@pytest.mark.parametrize(
+    "settings_class",
+    [IngestSettings, DispatcherSettings, MonitorSettings, ClientSettings],
+    ids=lambda c: c.__name__,
+)
+def test_every_setting_is_in_the_readme_configuration_table(settings_class: type[BaseSettings]) -> None:
+    wanted = {"HOOKLINE_" + field.upper() for field in settings_class.model_fields}
+    assert wanted - _documented_settings() == set()

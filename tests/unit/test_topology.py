@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shlex
 from datetime import UTC, datetime
 
 import pytest
@@ -216,3 +217,43 @@ def test_core_queues_are_what_every_service_relies_on() -> None:
     }
     assert all(topology.endpoint_of(name) is None for name in core), "no endpoint's queue is core"
     assert topology.MONITOR_LEADER_LOCK not in core, "the leader lock comes and goes with its monitor"
+
+
+def test_every_capped_stream_has_an_age_and_a_byte_cap_and_the_budget_adds_them_up() -> None:
+    retention = topology.Retention()
+    arguments = retention.arguments()
+    assert set(arguments) == {
+        topology.EVENT_LOG, topology.DEAD_LETTER_STREAM, topology.TELEMETRY_LOG, topology.BREAKER_LOG
+    }  # fmt: skip
+    for stream in arguments.values():
+        assert stream["x-queue-type"] == "stream"
+        assert stream["x-max-age"]
+        assert 0 < stream["x-stream-max-segment-size-bytes"] <= stream["x-max-length-bytes"] // 20
+    # The defaults: 20 GB of events, 5 GB of dead letters, 4 GB of telemetry, 0.2 GB of breaker states,
+    # each with the segment being written on top.
+    assert retention.disk_budget_bytes == 29_200_000_000 + 500_000_000 + 250_000_000 + 50_000_000 + 5_000_000
+    # The telemetry stream keeps the arguments it always had: no warning for it on an upgrade.
+    assert arguments[topology.TELEMETRY_LOG] == {
+        "x-queue-type": "stream",
+        "x-max-age": "25h",
+        "x-max-length-bytes": 4_000_000_000,
+        "x-stream-max-segment-size-bytes": 50_000_000,
+    }
+
+
+@pytest.mark.parametrize(
+    ("max_bytes", "segment"), [(10_000_000, 1_000_000), (1_000_000_000, 50_000_000), (10**12, 500_000_000)]
+)
+def test_segments_are_a_twentieth_of_the_cap_between_1_and_500_mb(max_bytes: int, segment: int) -> None:
+    arguments = topology.Retention(event_log_max_bytes=max_bytes).arguments()[topology.EVENT_LOG]
+    assert arguments["x-stream-max-segment-size-bytes"] == segment
+
+
+def test_the_retention_policy_is_a_command_an_operator_can_paste() -> None:
+    arguments = topology.Retention().arguments()[topology.DEAD_LETTER_STREAM]
+    command = topology.retention_policy(topology.DEAD_LETTER_STREAM, arguments, vhost="my vhost")
+    assert shlex.split(command) == [
+        "rabbitmqctl", "set_policy", "-p", "my vhost", "--apply-to", "queues",
+        "hookline.dead-letters-retention", r"^hookline\.dead\-letters$",
+        '{"max-age": "30D", "max-length-bytes": 5000000000, "stream-max-segment-size-bytes": 250000000}',
+    ]  # fmt: skip
