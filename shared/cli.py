@@ -143,6 +143,13 @@ def _endpoints(args: argparse.Namespace) -> Any:
         case "rotate-secret":
             body = {} if args.overlap_s is None else {"overlap_s": args.overlap_s}
             return api.call("POST", f"/v1/endpoints/{args.id}/rotate-secret", json=body)
+        case "attempts":
+            filters = {name: getattr(args, name) for name in ("outcome", "since", "limit", "after")}
+            return api.call(
+                "GET",
+                f"/v1/endpoints/{args.id}/attempts",
+                params={k: v for k, v in filters.items() if v is not None},
+            )
     raise AssertionError(args.action)
 
 
@@ -151,6 +158,8 @@ def _dead_letters(args: argparse.Namespace) -> Any:
     filters = {"endpoint_id": args.endpoint_id, "tenant": args.tenant, "reason": args.reason}
     filters = {name: value for name, value in filters.items() if value is not None}
     if args.action == "list":
+        if args.event_id:
+            filters["event_id"] = args.event_id
         return api.call("GET", "/v1/dead-letters", params={**filters, "limit": args.limit})
     body: dict[str, Any] = {**filters, "all": args.all}
     if args.event_id:
@@ -241,6 +250,17 @@ def status_text(
 
 def _events(args: argparse.Namespace) -> Any:
     api = ApiClient(ClientSettings())
+    match args.action:
+        case "show":
+            return api.call("GET", f"/v1/events/{args.id}")
+        case "list":
+            filters = {
+                name: getattr(args, name)
+                for name in ("tenant", "type", "subject", "since", "until", "state", "limit", "after")
+            }
+            return api.call("GET", "/v1/events", params={k: v for k, v in filters.items() if v is not None})
+        case "resend":
+            return api.call("POST", f"/v1/events/{args.id}/resend", json={"endpoint_id": args.endpoint_id})
     try:
         data = json.loads(args.data)
     except json.JSONDecodeError as exc:
@@ -307,12 +327,18 @@ def build_parser() -> argparse.ArgumentParser:
         ("resume", "deliver again (also after a 410 disabled it)"),
         ("verify", "run the verification handshake again"),
         ("rotate-secret", "a new signing secret; the old one keeps signing for the overlap"),
+        ("attempts", "its attempts, newest first (the delivery log)"),
     ):
         endpoints.add_parser(action, help=text).add_argument("id")
     endpoints.choices["delete"].add_argument(
         "--force", action="store_true", help="delete even with events pending (they become dead letters)"
     )
     endpoints.choices["rotate-secret"].add_argument("--overlap-s", type=int, help="default 24 h")
+    attempts = endpoints.choices["attempts"]
+    attempts.add_argument("--outcome", choices=["success", "retry", "permanent", "disable", "failed"])
+    attempts.add_argument("--since", help="RFC 3339 time")
+    attempts.add_argument("--limit", type=int)
+    attempts.add_argument("--after", help="next_after of the previous page")
     update = endpoints.add_parser(
         "update",
         help="change url, patterns, description, timeout, limits or ordering (a limit or ordering "
@@ -344,6 +370,7 @@ def build_parser() -> argparse.ArgumentParser:
         sub.add_argument("--reason", choices=[reason.value for reason in DeadLetterReason])
         sub.set_defaults(run=_admin(_dead_letters))
     dead.choices["list"].add_argument("--limit", type=int, default=100)
+    dead.choices["list"].add_argument("--event-id")
     dead.choices["redrive"].add_argument("--event-id")
     dead.choices["redrive"].add_argument(
         "--id", dest="ids", action="append", help="a dead letter id (repeatable)"
@@ -361,7 +388,7 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument("--json", action="store_true", help="the API's answers, as JSON")
     status.set_defaults(run=_admin(_status))
 
-    events = commands.add_parser("events", help="publish events").add_subparsers(
+    events = commands.add_parser("events", help="publish events and follow them").add_subparsers(
         dest="action", required=True, metavar="ACTION"
     )
     publish = events.add_parser("publish", help="publish one event through the ingest API")
@@ -371,6 +398,35 @@ def build_parser() -> argparse.ArgumentParser:
     publish.add_argument("--id", help="event id (assigned when absent)")
     publish.add_argument("--subject")
     publish.set_defaults(run=_admin(_events))
+    show = events.add_parser(
+        "show", help="an event and its story at every endpoint: attempts, state, why it waits"
+    )
+    show.add_argument("id")
+    show.set_defaults(run=_admin(_events))
+    listing = events.add_parser("list", help="recent events, newest first")
+    for option in ("--tenant", "--type", "--subject", "--after"):
+        listing.add_argument(option)
+    listing.add_argument("--since", help="RFC 3339 time")
+    listing.add_argument("--until", help="RFC 3339 time")
+    listing.add_argument(
+        "--state",
+        choices=[
+            "delivered",
+            "pending",
+            "retrying",
+            "dead",
+            "paused",
+            "breaker_open",
+            "unverified",
+            "disabled",
+        ],
+    )
+    listing.add_argument("--limit", type=int)
+    listing.set_defaults(run=_admin(_events))
+    resend = events.add_parser("resend", help="one attempt now, same webhook-id, beside the retry budget")
+    resend.add_argument("id")
+    resend.add_argument("--endpoint-id", required=True)
+    resend.set_defaults(run=_admin(_events))
     return parser
 
 

@@ -13,11 +13,16 @@ an endpoint blocked for ever. A monitor that comes back renews or reopens it wit
 from __future__ import annotations
 
 import enum
+from datetime import timedelta
 from typing import Annotated, Literal
 
 from pydantic import Field, TypeAdapter
 
 from hookline.shared.models import Model
+
+#: How far back a follower of the breaker log starts: snapshots of every open breaker come every few
+#: seconds, so the last two minutes give the states in force.
+BREAKER_LOOKBACK = timedelta(minutes=2)
 
 
 class BreakerState(enum.StrEnum):

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import enum
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import SimpleNamespace, TracebackType
 from typing import Self
 
@@ -39,8 +39,13 @@ class ErrorKind(enum.StrEnum):
     INVALID_URL = "invalid_url"
 
 
-#: What is kept of a response body: enough for the reason in a dead letter, never the whole thing.
+#: What goes into a dead letter's reason of a response body: enough to say why, never the whole thing.
 RESPONSE_SNIPPET_BYTES = 512
+#: What the delivery log keeps of a response by default: the start of its body, and these headers.
+RESPONSE_CAPTURE_BYTES = 4096
+CAPTURED_HEADERS = frozenset(
+    {"content-type", "content-length", "retry-after", "location", "server", "date", "x-request-id"}
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,6 +68,8 @@ class AttemptResult:
     detail: str  # safe to store with a dead letter: no request payload
     retry_after: str | None
     timings: Timings
+    response_headers: dict[str, str] = field(default_factory=dict)  # CAPTURED_HEADERS only
+    response_body: bytes = b""  # its first ``capture_bytes``
 
 
 class _Clock:
@@ -105,9 +112,16 @@ class DeliveryClient:
     """Owns the HTTP session; ``async with DeliveryClient(...) as client``."""
 
     def __init__(
-        self, *, max_connections: int, user_agent: str, allow_http: bool, allow_private: bool
+        self,
+        *,
+        max_connections: int,
+        user_agent: str,
+        allow_http: bool,
+        allow_private: bool,
+        capture_bytes: int = RESPONSE_CAPTURE_BYTES,
     ) -> None:
         self._max_connections = max_connections
+        self._capture_bytes = capture_bytes
         self._user_agent = user_agent
         self._allow_http = allow_http
         self._allow_private = allow_private
@@ -151,16 +165,22 @@ class DeliveryClient:
                 timeout=aiohttp.ClientTimeout(total=timeout_s),
                 trace_request_ctx=clock,
             ) as response:
-                snippet = await response.content.read(RESPONSE_SNIPPET_BYTES)
+                captured = await response.content.read(max(self._capture_bytes, RESPONSE_SNIPPET_BYTES))
                 detail = f"HTTP {response.status}"
-                if snippet and not 200 <= response.status < 300:
-                    detail += ": " + snippet.decode("utf-8", "replace")
+                if captured and not 200 <= response.status < 300:
+                    detail += ": " + captured[:RESPONSE_SNIPPET_BYTES].decode("utf-8", "replace")
                 return AttemptResult(
                     status=response.status,
                     error=None,
                     detail=detail,
                     retry_after=response.headers.get("retry-after"),
                     timings=clock.timings(),
+                    response_headers={
+                        name.lower(): value[:256]
+                        for name, value in response.headers.items()
+                        if name.lower() in CAPTURED_HEADERS
+                    },
+                    response_body=captured[: self._capture_bytes],
                 )
         except TimeoutError:
             return _failed(ErrorKind.TIMEOUT, f"no response within {timeout_s:g}s", clock)

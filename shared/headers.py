@@ -18,3 +18,6 @@ class Header(enum.StrEnum):
     DEAD_AT = "x-hookline-dead-at"
     SEQUENCE = "x-hookline-seq"  # ordered endpoints: when the dispatcher first saw the event (ns)
     ACCEPTED_AT_MS = "x-hookline-accepted-at-ms"  # set by the ingest API: when the event was accepted
+    ORIGIN = (
+        "x-hookline-origin"  # an event put back by hand: "replay" or "redrive" (the delivery log says so)
+    )

@@ -85,6 +85,12 @@ class DeliveryPolicySettings(CommonSettings):
     allow_private_targets: bool = Field(
         False, description="Accept endpoints that resolve to private, loopback or reserved addresses."
     )
+    response_capture_bytes: int = Field(
+        4096,
+        ge=0,
+        le=65536,
+        description="What the delivery log keeps of each response body (sealed at rest).",
+    )
 
 
 class IngestSettings(DeliveryPolicySettings):
@@ -101,6 +107,9 @@ class IngestSettings(DeliveryPolicySettings):
     max_payload_bytes: int = Field(262_144, ge=1024, le=16 * 1024 * 1024)
     registry_wait_s: float = Field(
         10.0, gt=0, description="How long a write waits to be read back from the log."
+    )
+    delivery_log_retention_s: float = Field(
+        604_800.0, gt=0, description="How long the delivery log keeps events and attempts."
     )
     broker_fd_reserve: int = Field(
         100,

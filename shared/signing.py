@@ -38,6 +38,18 @@ def signature_header(keys: Iterable[bytes], message_id: str, timestamp_s: int, b
     return " ".join(sign(key, message_id, timestamp_s, body) for key in keys)
 
 
+def webhook_headers(
+    keys: Iterable[bytes], message_id: str, body: bytes, *, timestamp_s: int
+) -> dict[str, str]:
+    """The headers of a delivery (Standard Webhooks): its id, when it was signed, and the signatures."""
+    return {
+        "content-type": "application/json",
+        "webhook-id": message_id,
+        "webhook-timestamp": str(timestamp_s),
+        "webhook-signature": signature_header(keys, message_id, timestamp_s, body),
+    }
+
+
 def verify(secret: str, message_id: str, timestamp_s: int, body: bytes, header: str) -> bool:
     """True when any ``v1,`` signature in ``header`` matches (constant-time comparison)."""
     expected = sign(secret_key(secret), message_id, timestamp_s, body).encode()

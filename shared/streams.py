@@ -135,3 +135,20 @@ async def read_until_now(
         await publisher.publish(marker, exchange="", routing_key=stream)
         await read_back
         await queue.cancel(tag)
+
+
+async def read_at(broker: Broker, stream: str, offset: int, *, timeout_s: float) -> bytes | None:
+    """The body of the record at ``offset``; None when retention has removed it."""
+    found: asyncio.Future[tuple[object, bytes]] = asyncio.get_running_loop().create_future()
+
+    async def on_message(message: AbstractIncomingMessage) -> None:
+        if not found.done():
+            found.set_result(((message.headers or {}).get("x-stream-offset"), message.body))
+
+    async with asyncio.timeout(timeout_s), broker.channel(prefetch=1) as channel:
+        queue = await passive_queue(channel, stream)
+        # Reading from an offset older than the stream's first starts at its first record instead.
+        tag = await queue.consume(on_message, arguments={"x-stream-offset": offset})
+        at, body = await found
+        await queue.cancel(tag)
+    return body if at == offset else None

@@ -14,6 +14,13 @@ from pydantic import Field, TypeAdapter
 
 from hookline.shared.models import Model
 
+#: Why an attempt was made: the first delivery of an event, a retry, a half-open breaker's probe, one
+#: asked for by hand, an event replayed or redriven (a fresh budget), or an endpoint's verification.
+AttemptKind = Literal["delivery", "retry", "probe", "manual", "replay", "redrive", "verification"]
+#: Attempts made beside an event's course (by hand, or an endpoint's verification, both by the ingest):
+#: in the delivery log, but they neither settle the event nor count for the breaker or the statistics.
+ASIDE_KINDS: frozenset[str] = frozenset({"manual", "verification"})
+
 
 class AttemptRecord(Model):
     kind: Literal["attempt"] = "attempt"
@@ -35,6 +42,9 @@ class AttemptRecord(Model):
     next_attempt_at_s: float | None = None
     dead_letter_reason: str | None = None
     probe: bool = False  # the one delivery a half-open breaker lets through
+    attempt_kind: AttemptKind = "delivery"
+    response_headers: dict[str, str] = Field(default_factory=dict)
+    response_body: str | None = None  # its first bytes; sealed (enc:v1:…) when HOOKLINE_SECRET_KEY is set
 
 
 class Heartbeat(Model):

@@ -307,3 +307,84 @@ async def follow_view(follower: StreamFollower, view: View, loop: Loop) -> None:
         with contextlib.suppress(asyncio.CancelledError, Exception):
             await consuming
         await view.flush()
+
+
+class RowView:
+    """A view whose rows are derived from each record alone (an insert log): :meth:`apply` derives and
+    buffers them, :meth:`flush` writes them with the offset reached, in one transaction. Open with
+    ``async with``; follow the stream from :attr:`next_offset` (see :func:`follow_view`).
+
+    ``derive(offset, message)`` gives the rows of one record (none for a record it skips) for
+    ``insert``, an ``INSERT`` statement with one placeholder per column.
+    """
+
+    def __init__(
+        self,
+        path: str | Path | None,
+        *,
+        schema: ViewSchema,
+        identity: str,
+        insert: str,
+        derive: Callable[[int, StreamMessage], Sequence[Sequence[Any]]],
+    ) -> None:
+        self.store = ViewStore(path, schema=schema, identity=identity)
+        self._insert = insert
+        self._derive = derive
+        self._rows: list[Sequence[Any]] = []
+        self._applied: Applied | None = None
+        self._flushing = asyncio.Lock()
+
+    async def __aenter__(self) -> Self:
+        await self.store.open()
+        self._applied = self.store.last_applied
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        try:
+            await self.flush()
+        finally:
+            await self.store.close()
+
+    @property
+    def next_offset(self) -> Offset:
+        return self.store.next_offset
+
+    @property
+    def last_applied(self) -> Applied | None:
+        return self.store.last_applied
+
+    @property
+    def pending(self) -> int:
+        return len(self._rows)
+
+    def apply(self, message: StreamMessage) -> None:
+        offset = (message.headers or {}).get("x-stream-offset")
+        # A record read a second time (a consumer re-attached before its acks were counted) is skipped.
+        if not isinstance(offset, int) or (self._applied is not None and offset <= self._applied[0]):
+            return
+        self._applied = (offset, message.message_id)
+        self._rows.extend(self._derive(offset, message))
+
+    async def flush(self) -> None:
+        async with self._flushing:
+            rows, applied = self._rows, self._applied
+            if applied is None or (not rows and applied == self.store.last_applied):
+                return
+            self._rows = []
+            try:
+                await self.store.write(lambda db: db.executemany(self._insert, rows), applied=applied)
+            except BaseException:
+                self._rows = rows + self._rows  # written next time, ahead of what came since
+                raise
+
+    async def reset(self, *, reason: str) -> None:
+        async with self._flushing:
+            self._rows, self._applied = [], None
+            await self.store.reset(reason=reason)
+
+    async def read(self, fn: Callable[[sqlite3.Connection], T]) -> T:
+        """Run a query on the view, after writing every record applied so far."""
+        await self.flush()
+        return await self.store.read(fn)

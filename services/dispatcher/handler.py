@@ -35,7 +35,7 @@ from hookline.shared.deadletters import dead_letter_message
 from hookline.shared.delivery import AttemptResult, DeliveryClient
 from hookline.shared.models import DeadLetterReason, EndpointStatus, StoredEndpoint
 from hookline.shared.registry import ChangeLog, EndpointRegistry
-from hookline.shared.sealing import Sealer
+from hookline.shared.sealing import RESPONSE_PURPOSE, Sealer
 from hookline.shared.settings import DispatcherSettings
 from hookline.shared.telemetry import AttemptRecord
 
@@ -192,6 +192,17 @@ class Handler:
                 next_attempt_at_s=ended_s + next_attempt_in_s if next_attempt_in_s is not None else None,
                 dead_letter_reason=dead_letter_reason,
                 probe=probe,
+                attempt_kind="probe"
+                if probe
+                else "retry"
+                if parsed.attempt > 1
+                else parsed.origin or "delivery",
+                response_headers=result.response_headers,
+                response_body=self._sealer.seal(
+                    result.response_body.decode("utf-8", "replace"), purpose=RESPONSE_PURPOSE
+                )
+                if result.response_body
+                else None,
             )
         )
         log.info(
@@ -288,13 +299,7 @@ class Handler:
         )
 
     async def _attempt(self, endpoint: StoredEndpoint, event_id: str, body: bytes) -> AttemptResult:
-        timestamp_s = int(time.time())
-        headers = {
-            "content-type": "application/json",
-            "webhook-id": event_id,
-            "webhook-timestamp": str(timestamp_s),
-            "webhook-signature": signing.signature_header(self._keys(endpoint), event_id, timestamp_s, body),
-        }
+        headers = signing.webhook_headers(self._keys(endpoint), event_id, body, timestamp_s=int(time.time()))
         return await self._client.post(endpoint.url, body, headers, timeout_s=endpoint.timeout_s)
 
     def _keys(self, endpoint: StoredEndpoint) -> list[bytes]:

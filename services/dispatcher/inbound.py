@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import ValidationError
 
@@ -19,6 +19,8 @@ from hookline.shared.models import Event, error_summary
 
 _MAX_REASONS = 3
 
+Origin = Literal["replay", "redrive"]
+
 
 @dataclass(frozen=True, slots=True)
 class Inbound:
@@ -26,6 +28,7 @@ class Inbound:
     attempt: int  # the attempt this delivery is, starting at 1
     first_attempt_at_s: float | None  # unix seconds of attempt 1, when this is a retry
     sequence: int | None = None  # ordered endpoints: the event's place in its subject
+    origin: Origin | None = None  # put back by hand (replay, redrive): the delivery log tells them apart
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,7 +77,12 @@ def parse(
         attempt=_positive_int(headers.get(Header.ATTEMPT), default=1),
         first_attempt_at_s=_float(headers.get(Header.FIRST_ATTEMPT_AT)),
         sequence=_positive_int(headers.get(Header.SEQUENCE), default=0) or None,
+        origin=_origin(headers.get(Header.ORIGIN)),
     )
+
+
+def _origin(value: object) -> Origin | None:
+    return "replay" if value == "replay" else "redrive" if value == "redrive" else None
 
 
 def _positive_int(value: object, *, default: int) -> int:

@@ -16,7 +16,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, datetime
 from functools import partial
 
 import structlog
@@ -31,7 +31,7 @@ from hookline.dispatcher.telemetry import Telemetry
 from hookline.shared import lifecycle, registry, topology
 from hookline.shared import logging as hookline_logging
 from hookline.shared.amqp import Broker, Publisher, passive_queue, until_closed
-from hookline.shared.control import BreakerView, control_record
+from hookline.shared.control import BREAKER_LOOKBACK, BreakerView, control_record
 from hookline.shared.delivery import DeliveryClient
 from hookline.shared.models import error_summary
 from hookline.shared.registry import ChangeLog, EndpointRegistry
@@ -41,8 +41,6 @@ from hookline.shared.streams import StreamFollower
 from hookline.shared.supervision import Loop, Supervisor
 
 log = structlog.get_logger(__name__)
-
-BREAKER_LOOKBACK = timedelta(minutes=2)
 
 
 def _check_secrets_open(endpoint_registry: EndpointRegistry, sealer: Sealer) -> None:
@@ -182,6 +180,7 @@ async def serve(settings: DispatcherSettings, stopping: asyncio.Event) -> None:
             user_agent=USER_AGENT,
             allow_http=settings.allow_http,
             allow_private=settings.allow_private_targets,
+            capture_bytes=settings.response_capture_bytes,
         ) as client,
     ):
         await topology.declare(broker, settings.retention)

@@ -4,23 +4,30 @@ view, its supervised loops, and the routes."""
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from datetime import UTC, datetime
 from functools import partial
 
 import structlog
+from aio_pika.abc import AbstractIncomingMessage
 from fastapi import Depends, FastAPI
+from pydantic import ValidationError
 
-from hookline.ingest import deadletters, endpoints, events, replay
+from hookline.ingest import deadletters, endpoints, events, replay, tracking
 from hookline.ingest.auth import parse_tenant_tokens, principal
+from hookline.ingest.deliverylog import DeliveryLog
 from hookline.ingest.state import IngestState
 from hookline.shared import __version__, lifecycle, registry, topology
 from hookline.shared import logging as hookline_logging
 from hookline.shared.amqp import Broker, Publisher
 from hookline.shared.api import BodyLimit, install_error_handlers, probes_router, serve
 from hookline.shared.capacity import CapacityReader
+from hookline.shared.control import BREAKER_LOOKBACK, BreakerView, control_record
 from hookline.shared.deadletters import DeadLetterIndex
 from hookline.shared.delivery import DeliveryClient
+from hookline.shared.models import error_summary
 from hookline.shared.sealing import Sealer
 from hookline.shared.settings import IngestSettings, load
 from hookline.shared.streams import StreamFollower
@@ -29,6 +36,7 @@ from hookline.shared.views import follow_view
 
 log = structlog.get_logger(__name__)
 
+EXPIRY_INTERVAL_S = 600.0
 # Enough for an event at the payload limit plus its envelope (ids, type, timestamps).
 _ENVELOPE_SLACK_BYTES = 8192
 
@@ -50,12 +58,16 @@ def create_app(settings: IngestSettings) -> FastAPI:
                 user_agent=f"hookline/{__version__}",
                 allow_http=settings.allow_http,
                 allow_private=settings.allow_private_targets,
+                capture_bytes=settings.response_capture_bytes,
             ) as client,
             CapacityReader(
                 management_url=settings.rabbitmq_management_url,
                 diagnostics_command=settings.rabbitmq_diagnostics,
                 amqp_url=settings.amqp_url,
             ) as capacity,
+            DeliveryLog(
+                state_path, vhost=broker.vhost, retention_s=settings.delivery_log_retention_s
+            ) as delivery_log,
         ):
             await topology.declare(broker, settings.retention)
             publisher = Publisher(broker)
@@ -78,6 +90,8 @@ def create_app(settings: IngestSettings) -> FastAPI:
                 supervisor.spawn("dead-letters", partial(follow_view, dead_letter_log, dead_letters))
                 await supervisor.wait_up("dead-letters", timeout_s=settings.connect_timeout_s)
                 await dead_letter_log.sync(timeout_s=settings.connect_timeout_s)
+                breakers = BreakerView()
+                _follow_delivery_log(broker, publisher, supervisor, delivery_log, breakers)
                 state = IngestState(
                     settings=settings,
                     broker=broker,
@@ -89,6 +103,8 @@ def create_app(settings: IngestSettings) -> FastAPI:
                     dead_letters_index=dead_letters,
                     client=client,
                     capacity=capacity,
+                    delivery_log=delivery_log,
+                    breakers=breakers,
                     sealer=Sealer(settings.secret_key.get_secret_value() if settings.secret_key else None),
                     tenant_tokens=parse_tenant_tokens(
                         settings.tenant_tokens.get_secret_value() if settings.tenant_tokens else None
@@ -116,8 +132,49 @@ def create_app(settings: IngestSettings) -> FastAPI:
     app.include_router(endpoints.router, dependencies=[guard])
     app.include_router(replay.router, dependencies=[guard])
     app.include_router(deadletters.router, dependencies=[guard])
+    app.include_router(tracking.router, dependencies=[guard])
     app.include_router(probes_router(lambda: _problems(app)))
     return app
+
+
+def _follow_delivery_log(
+    broker: Broker,
+    publisher: Publisher,
+    supervisor: Supervisor,
+    delivery_log: DeliveryLog,
+    breakers: BreakerView,
+) -> None:
+    """The delivery log's views and the breaker states it explains waits with. Not required: a view
+    catching up (or down a while) leaves the ingest taking events; its answers are then behind."""
+    for name, view, stream in (
+        ("delivery-log-events", delivery_log.events, topology.EVENT_LOG),
+        ("delivery-log-attempts", delivery_log.attempts, topology.TELEMETRY_LOG),
+    ):
+        follower = StreamFollower(broker, stream, view.apply, publisher=publisher, start=view.next_offset)
+        supervisor.spawn(name, partial(follow_view, follower, view), required=False)
+    breaker_log = StreamFollower(
+        broker, topology.BREAKER_LOG, partial(_apply_breakers, breakers), publisher=publisher,
+        start=datetime.now(UTC) - BREAKER_LOOKBACK, prefetch=100,
+    )  # fmt: skip
+    supervisor.spawn("breakers", breaker_log.run, required=False)
+    supervisor.spawn("delivery-log-expiry", partial(_expire, delivery_log), required=False)
+
+
+def _apply_breakers(breakers: BreakerView, message: AbstractIncomingMessage) -> None:
+    try:
+        breakers.apply(control_record.validate_json(message.body))
+    except ValidationError as exc:
+        log.error("control_record_unreadable", error=error_summary(exc))
+
+
+async def _expire(delivery_log: DeliveryLog, loop: Loop) -> None:
+    loop.mark_up()
+    while True:
+        removed = await delivery_log.expire(now_s=time.time())
+        if removed:
+            log.info("delivery_log_expired", rows=removed)
+        loop.beat()
+        await asyncio.sleep(EXPIRY_INTERVAL_S)
 
 
 def _problems(app: FastAPI) -> list[str]:

@@ -125,7 +125,7 @@ async def redrive(request: RedriveRequest, state: State, caller: Caller) -> Redr
     sent = await resend(
         state,
         (
-            Resend(endpoint_id=item.endpoint_id or "", event_id=item.event_id or "", body=bodies[item.id])
+            Resend(item.endpoint_id or "", item.event_id or "", bodies[item.id], origin="redrive")
             for item in items
         ),
     )

@@ -102,6 +102,8 @@ async def replay(endpoint_id: str, request: ReplayRequest, state: State, caller:
         start=request.since - _SEEK_MARGIN,
         timeout_s=REPLAY_TIMEOUT_S,
     )
-    sent = await resend(state, (Resend(endpoint.id, event_id, body) for event_id, body in found.items()))
+    sent = await resend(
+        state, (Resend(endpoint.id, event_id, body, origin="replay") for event_id, body in found.items())
+    )
     log.info("endpoint_replayed", endpoint_id=endpoint.id, tenant=endpoint.tenant, count=sent)
     return ReplayResult(replayed=sent, since=request.since, until=until)

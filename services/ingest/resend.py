@@ -5,11 +5,13 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Literal
 
 import aio_pika
 
 from hookline.ingest.state import IngestState
 from hookline.shared import topology
+from hookline.shared.headers import Header
 
 #: Confirms awaited together; enough to keep the broker busy without holding thousands of futures.
 WINDOW = 200
@@ -20,6 +22,7 @@ class Resend:
     endpoint_id: str
     event_id: str
     body: bytes
+    origin: Literal["replay", "redrive"]  # what the delivery log calls its next attempt
 
 
 async def resend(state: IngestState, items: Iterable[Resend]) -> int:
@@ -39,6 +42,7 @@ async def resend(state: IngestState, items: Iterable[Resend]) -> int:
             content_type="application/json",
             delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
             message_id=item.event_id,
+            headers={Header.ORIGIN: item.origin},
         )
         queue = topology.endpoint_queue(endpoint.id, endpoint.queue_generation)
         pending.append(state.publisher.publish(message, exchange="", routing_key=queue))

@@ -6,8 +6,10 @@ from dataclasses import dataclass
 
 from fastapi import Request
 
+from hookline.ingest.deliverylog import DeliveryLog
 from hookline.shared.amqp import Broker, Publisher
 from hookline.shared.capacity import CapacityReader
+from hookline.shared.control import BreakerView
 from hookline.shared.deadletters import DeadLetterIndex
 from hookline.shared.delivery import DeliveryClient
 from hookline.shared.registry import ChangeLog, EndpointRegistry
@@ -30,6 +32,8 @@ class IngestState:
     dead_letters_index: DeadLetterIndex
     client: DeliveryClient  # verification handshakes
     capacity: CapacityReader  # the broker's file handles and alarms, before a new queue is declared
+    delivery_log: DeliveryLog  # events and attempts, for "where is my event?"
+    breakers: BreakerView  # the breaker states in force, to explain why an event waits
     sealer: Sealer
     tenant_tokens: dict[str, str]  # token -> tenant
 

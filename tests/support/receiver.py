@@ -24,6 +24,7 @@ class Reply:
     headers: dict[str, str] | None = None
     delay_s: float = 0.0
     close: bool = False  # drop the connection without answering
+    body: bytes = b""
 
 
 Responder = Callable[[Received], Reply]
@@ -78,7 +79,7 @@ class Receiver:
             assert request.transport is not None
             request.transport.close()
             return web.Response(status=500)
-        return web.Response(status=reply.status, headers=reply.headers)
+        return web.Response(status=reply.status, headers=reply.headers, body=reply.body or None)
 
     async def wait_for(
         self, count: int, *, timeout_s: float = 20.0, path: str | None = None

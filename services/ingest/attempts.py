@@ -1,0 +1,84 @@
+"""Attempts the ingest makes itself (an endpoint's verification, an event sent again by hand): signed
+like every delivery, and recorded in the telemetry stream like the dispatchers' attempts, so that the
+delivery log has them. Beside the event's course (ASIDE_KINDS): no retry follows them."""
+
+from __future__ import annotations
+
+import os
+import time
+from datetime import UTC, datetime
+
+import aio_pika
+import structlog
+
+from hookline.ingest.state import IngestState
+from hookline.shared import signing, topology
+from hookline.shared.amqp import BROKER_ERRORS
+from hookline.shared.delivery import AttemptResult
+from hookline.shared.models import StoredEndpoint
+from hookline.shared.sealing import RESPONSE_PURPOSE
+from hookline.shared.telemetry import AttemptKind, AttemptRecord, batch
+
+log = structlog.get_logger(__name__)
+
+
+def signing_keys(state: IngestState, endpoint: StoredEndpoint, now: datetime) -> list[bytes]:
+    return [
+        signing.secret_key(state.sealer.open(secret.value))
+        for secret in endpoint.secrets
+        if secret.expires_at is None or secret.expires_at > now
+    ]
+
+
+async def attempt(
+    state: IngestState,
+    endpoint: StoredEndpoint,
+    *,
+    event_id: str,
+    event_type: str,
+    body: bytes,
+    kind: AttemptKind,
+    number: int,
+) -> tuple[AttemptResult, AttemptRecord]:
+    """POST ``body`` to the endpoint now and record the attempt (a record that cannot be published is
+    only missing from the delivery log: the attempt itself happened)."""
+    keys = signing_keys(state, endpoint, datetime.now(UTC))
+    headers = signing.webhook_headers(keys, event_id, body, timestamp_s=int(time.time()))
+    started_s = time.time()
+    result = await state.client.post(endpoint.url, body, headers, timeout_s=endpoint.timeout_s)
+    ok = result.status is not None and 200 <= result.status < 300
+    record = AttemptRecord(
+        at_s=time.time(),
+        dispatcher_id=f"ingest:{os.getpid()}",
+        event_id=event_id,
+        endpoint_id=endpoint.id,
+        tenant=endpoint.tenant,
+        type=event_type,
+        attempt=number,
+        outcome="success" if ok else "failed",
+        status=result.status,
+        error=result.error,
+        duration_ms=result.timings.total_ms,
+        dns_ms=result.timings.dns_ms,
+        connect_ms=result.timings.connect_ms,
+        first_byte_ms=result.timings.first_byte_ms,
+        first_attempt_at_s=started_s,
+        attempt_kind=kind,
+        response_headers=result.response_headers,
+        response_body=state.sealer.seal(
+            result.response_body.decode("utf-8", "replace"), purpose=RESPONSE_PURPOSE
+        )
+        if result.response_body
+        else None,
+    )
+    try:
+        await state.publisher.publish(
+            aio_pika.Message(batch.dump_json([record]), content_type="application/json"),
+            exchange=topology.TELEMETRY_EXCHANGE,
+            routing_key="",
+        )
+    except BROKER_ERRORS as exc:
+        log.warning(
+            "attempt_unrecorded", event_id=event_id, endpoint_id=endpoint.id, error=type(exc).__name__
+        )
+    return result, record

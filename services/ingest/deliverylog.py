@@ -1,0 +1,251 @@
+"""The delivery log: every event accepted and every attempt made, queryable by event, endpoint and time.
+
+Two durable views (:class:`~hookline.shared.views.RowView`, SQLite beside the ingest's other views):
+the events, from the event log stream (``hookline.events.log``: id, tenant, type, subject, when, and
+the offset to read the event back from), and the attempts, from the telemetry stream the dispatchers
+already publish (one record per attempt, with timings and the start of the receiver's answer, sealed
+when ``HOOKLINE_SECRET_KEY`` is set). Both keep ``HOOKLINE_DELIVERY_LOG_RETENTION_S``; a view rebuilt
+from scratch has what its stream still holds (the telemetry stream keeps 25 h).
+"""
+
+from __future__ import annotations
+
+import sqlite3
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from types import TracebackType
+from typing import Any, Self
+
+import orjson
+import structlog
+from pydantic import ValidationError
+
+from hookline.shared import topology
+from hookline.shared.headers import Header
+from hookline.shared.models import Model
+from hookline.shared.telemetry import AttemptRecord, batch
+from hookline.shared.views import RowView, StreamMessage, ViewSchema
+
+log = structlog.get_logger(__name__)
+
+EVENTS_SCHEMA = ViewSchema(
+    version=1,
+    statements=[
+        """CREATE TABLE events (
+            offset INTEGER PRIMARY KEY,
+            event_id TEXT NOT NULL,
+            tenant TEXT NOT NULL,
+            type TEXT NOT NULL,
+            subject TEXT,
+            accepted_at_s REAL NOT NULL
+        )""",
+        "CREATE INDEX events_by_id ON events (event_id)",
+        "CREATE INDEX events_by_tenant ON events (tenant, offset)",
+        "CREATE INDEX events_by_time ON events (accepted_at_s)",
+    ],
+)
+ATTEMPTS_SCHEMA = ViewSchema(
+    version=1,
+    statements=[
+        """CREATE TABLE attempts (
+            id INTEGER PRIMARY KEY,
+            event_id TEXT NOT NULL,
+            endpoint_id TEXT NOT NULL,
+            tenant TEXT NOT NULL,
+            record BLOB NOT NULL,
+            outcome TEXT NOT NULL,
+            at_s REAL NOT NULL
+        )""",
+        "CREATE INDEX attempts_by_event ON attempts (event_id, id)",
+        "CREATE INDEX attempts_by_endpoint ON attempts (endpoint_id, id)",
+        "CREATE INDEX attempts_by_time ON attempts (at_s)",
+    ],
+)
+# Telemetry batches hold at most 500 records: an attempt's id is its batch's offset and its place in it.
+_PER_BATCH = 1024
+
+
+class LoggedEvent(Model):
+    offset: int  # in the event log: where its body is read back from
+    event_id: str
+    tenant: str
+    type: str
+    subject: str | None
+    accepted_at_s: float
+
+
+def _event_rows(offset: int, message: StreamMessage) -> list[tuple[Any, ...]]:
+    try:
+        body = orjson.loads(message.body)
+    except orjson.JSONDecodeError:
+        return []  # not an event: the dispatchers dead-letter it as invalid_event
+    if not isinstance(body, dict) or not all(
+        isinstance(body.get(key), str) for key in ("id", "tenant", "type")
+    ):
+        return []
+    accepted_ms = (message.headers or {}).get(Header.ACCEPTED_AT_MS)
+    if isinstance(accepted_ms, int):
+        accepted_at_s = accepted_ms / 1000
+    elif message.timestamp is not None:
+        accepted_at_s = message.timestamp.timestamp()
+    else:
+        accepted_at_s = time.time()
+    subject = body.get("subject")
+    return [
+        (
+            offset,
+            body["id"],
+            body["tenant"],
+            body["type"],
+            subject if isinstance(subject, str) else None,
+            accepted_at_s,
+        )
+    ]
+
+
+def _attempt_rows(offset: int, message: StreamMessage) -> list[tuple[Any, ...]]:
+    try:
+        records = batch.validate_json(message.body)
+    except ValidationError:
+        log.warning("telemetry_unreadable", offset=offset)
+        return []
+    return [
+        (
+            offset * _PER_BATCH + index,
+            record.event_id,
+            record.endpoint_id,
+            record.tenant,
+            record.model_dump_json().encode(),
+            record.outcome,
+            record.at_s,
+        )
+        for index, record in enumerate(records)
+        if isinstance(record, AttemptRecord)
+    ]
+
+
+class DeliveryLog:
+    """The two views; open with ``async with``, follow each stream from its ``next_offset``."""
+
+    def __init__(self, path: Path | None, *, vhost: str, retention_s: float) -> None:
+        self.retention_s = retention_s
+        self.events = RowView(
+            path.with_suffix(".events.sqlite") if path else None,
+            schema=EVENTS_SCHEMA,
+            identity=f"{vhost}/{topology.EVENT_LOG}",
+            insert="INSERT OR REPLACE INTO events VALUES (?, ?, ?, ?, ?, ?)",
+            derive=_event_rows,
+        )
+        self.attempts = RowView(
+            path.with_suffix(".attempts.sqlite") if path else None,
+            schema=ATTEMPTS_SCHEMA,
+            identity=f"{vhost}/{topology.TELEMETRY_LOG}",
+            insert="INSERT OR REPLACE INTO attempts VALUES (?, ?, ?, ?, ?, ?, ?)",
+            derive=_attempt_rows,
+        )
+
+    async def __aenter__(self) -> Self:
+        await self.events.__aenter__()
+        try:
+            await self.attempts.__aenter__()
+        except BaseException:
+            await self.events.__aexit__(None, None, None)
+            raise
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        try:
+            await self.attempts.__aexit__(exc_type, exc, tb)
+        finally:
+            await self.events.__aexit__(exc_type, exc, tb)
+
+    # --- queries -------------------------------------------------------------------------------------
+
+    async def event(self, event_id: str) -> LoggedEvent | None:
+        def query(db: sqlite3.Connection) -> tuple[Any, ...] | None:
+            row: tuple[Any, ...] | None = db.execute(
+                "SELECT * FROM events WHERE event_id = ? ORDER BY offset DESC LIMIT 1", (event_id,)
+            ).fetchone()
+            return row
+
+        row = await self.events.read(query)
+        return None if row is None else _logged_event(row)
+
+    async def recent_events(
+        self,
+        *,
+        tenant: str | None,
+        type: str | None,
+        subject: str | None,
+        since_s: float | None,
+        until_s: float | None,
+        before_offset: int | None,
+        limit: int,
+    ) -> list[LoggedEvent]:
+        """Newest first; ``before_offset`` continues a page (the last offset of the previous one)."""
+        clauses, parameters = _where(
+            ("tenant = ?", tenant), ("type = ?", type), ("subject = ?", subject),
+            ("accepted_at_s >= ?", since_s), ("accepted_at_s < ?", until_s), ("offset < ?", before_offset),
+        )  # fmt: skip
+        sql = f"SELECT * FROM events {clauses} ORDER BY offset DESC LIMIT ?"  # noqa: S608 - fixed clauses
+        rows = await self.events.read(lambda db: db.execute(sql, (*parameters, limit)).fetchall())
+        return [_logged_event(row) for row in rows]
+
+    async def attempts_of_event(self, event_id: str) -> list[AttemptRecord]:
+        sql = "SELECT record FROM attempts WHERE event_id = ? ORDER BY id"
+        rows = await self.attempts.read(lambda db: db.execute(sql, (event_id,)).fetchall())
+        return [AttemptRecord.model_validate_json(row[0]) for row in rows]
+
+    async def attempts_of_endpoint(
+        self,
+        endpoint_id: str,
+        *,
+        outcome: str | None,
+        since_s: float | None,
+        before_id: int | None,
+        limit: int,
+    ) -> list[tuple[int, AttemptRecord]]:
+        """Newest first, each with the id that continues a page after it."""
+        clauses, parameters = _where(
+            ("endpoint_id = ?", endpoint_id),
+            ("outcome = ?", outcome),
+            ("at_s >= ?", since_s),
+            ("id < ?", before_id),
+        )
+        sql = f"SELECT id, record FROM attempts {clauses} ORDER BY id DESC LIMIT ?"  # noqa: S608 - fixed clauses
+        rows = await self.attempts.read(lambda db: db.execute(sql, (*parameters, limit)).fetchall())
+        return [(row[0], AttemptRecord.model_validate_json(row[1])) for row in rows]
+
+    async def expire(self, *, now_s: float) -> int:
+        """Forget what is older than the retention; how many rows went."""
+        cutoff_s = now_s - self.retention_s
+        events = await self.events.store.write(
+            lambda db: db.execute("DELETE FROM events WHERE accepted_at_s < ?", (cutoff_s,)).rowcount
+        )
+        attempts = await self.attempts.store.write(
+            lambda db: db.execute("DELETE FROM attempts WHERE at_s < ?", (cutoff_s,)).rowcount
+        )
+        return int(events) + int(attempts)
+
+
+def _where(*conditions: tuple[str, Any]) -> tuple[str, list[Any]]:
+    """A WHERE clause of the conditions whose value is given (not None), and its parameters."""
+    used = [(clause, value) for clause, value in conditions if value is not None]
+    if not used:
+        return "", []
+    return "WHERE " + " AND ".join(clause for clause, _ in used), [value for _, value in used]
+
+
+def _logged_event(row: Sequence[Any]) -> LoggedEvent:
+    offset, event_id, tenant, type_, subject, accepted_at_s = row
+    return LoggedEvent(
+        offset=offset,
+        event_id=event_id,
+        tenant=tenant,
+        type=type_,
+        subject=subject,
+        accepted_at_s=accepted_at_s,
+    )

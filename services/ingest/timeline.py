@@ -1,0 +1,104 @@
+"""Where an event stands at one endpoint, and why it waits: a pure function of what is known about it.
+
+The attempts come from the delivery log, the endpoint from the change log, the breaker from the breaker
+log and the dead letters from their index; time is passed in. The answer is the one a support engineer
+needs: not only "3 attempts, last one 503" but "in a delay queue until 14:05", "behind an open
+breaker", "the endpoint is paused".
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from datetime import UTC, datetime
+from typing import Literal
+
+from hookline.shared.control import BreakerCommand, BreakerState
+from hookline.shared.deadletters import DeadLetterItem
+from hookline.shared.models import EndpointStatus, Model, StoredEndpoint
+from hookline.shared.telemetry import ASIDE_KINDS, AttemptRecord
+
+EventState = Literal[
+    "delivered", "pending", "retrying", "dead", "paused", "breaker_open", "unverified", "disabled"
+]
+
+
+class Standing(Model):
+    state: EventState
+    next_attempt_at: datetime | None
+    waiting_reason: str | None  # None once delivered
+
+
+def standing(
+    endpoint: StoredEndpoint | None,
+    attempts: Sequence[AttemptRecord],
+    dead_letters: Sequence[DeadLetterItem],
+    breaker: BreakerCommand | None,
+    *,
+    now_s: float,
+) -> Standing:
+    """The event's state at the endpoint. ``attempts`` in the order they were made; ``dead_letters``
+    those of this event at this endpoint not redriven since."""
+    if any(attempt.outcome == "success" for attempt in attempts):
+        return Standing(state="delivered", next_attempt_at=None, waiting_reason=None)
+    course = [attempt for attempt in attempts if attempt.attempt_kind not in ASIDE_KINDS]
+    last = course[-1] if course else None
+    dead = last is not None and last.dead_letter_reason is not None
+    if dead or (dead_letters and (last is None or dead_letters[-1].dead_at.timestamp() >= last.at_s)):
+        reason = last.dead_letter_reason if dead and last is not None else dead_letters[-1].reason.value
+        return Standing(
+            state="dead",
+            next_attempt_at=None,
+            waiting_reason=f"dead-lettered ({reason}); redrive it to try again",
+        )
+    if endpoint is None:
+        return Standing(state="dead", next_attempt_at=None, waiting_reason="the endpoint was deleted")
+    next_at_s = last.next_attempt_at_s if last is not None else None
+    next_at = datetime.fromtimestamp(next_at_s, UTC) if next_at_s is not None else None
+    if endpoint.status is EndpointStatus.DISABLED:
+        return Standing(
+            state="disabled",
+            next_attempt_at=None,
+            waiting_reason="the endpoint is disabled; resume it to deliver",
+        )
+    if endpoint.status is EndpointStatus.PAUSED:
+        return Standing(
+            state="paused",
+            next_attempt_at=None,
+            waiting_reason="the endpoint is paused; resume it to deliver",
+        )
+    if not endpoint.verified:
+        return Standing(
+            state="unverified", next_attempt_at=None,
+            waiting_reason="the endpoint has not answered its verification request yet; verify it to deliver",
+        )  # fmt: skip
+    if breaker is not None and breaker.state is not BreakerState.CLOSED:
+        probe_at = (breaker.opened_at_s or now_s) + breaker.cooldown_s
+        return Standing(
+            state="breaker_open", next_attempt_at=next_at,
+            waiting_reason=f"behind the endpoint's open circuit breaker (after {breaker.consecutive_failures} "
+            f"failures); a probe goes out at {_clock(probe_at)}, deliveries resume when it succeeds",
+        )  # fmt: skip
+    if last is not None and next_at_s is not None:
+        if next_at_s > now_s:
+            why = f"attempt {last.attempt} failed ({_failure(last)}); in a delay queue until {_clock(next_at_s)}"
+        else:
+            why = f"attempt {last.attempt} failed ({_failure(last)}); due, waiting for a dispatcher"
+        return Standing(state="retrying", next_attempt_at=next_at, waiting_reason=why)
+    return Standing(state="pending", next_attempt_at=None, waiting_reason=_queued(endpoint))
+
+
+def _queued(endpoint: StoredEndpoint) -> str:
+    why = "queued for delivery"
+    if endpoint.rate_limit_per_s is not None:
+        why += f"; the endpoint is paced at {endpoint.rate_limit_per_s:g}/s"
+    if endpoint.ordered:
+        why += "; ordered: it goes out after the earlier events of its subject"
+    return why
+
+
+def _failure(attempt: AttemptRecord) -> str:
+    return f"HTTP {attempt.status}" if attempt.status is not None else attempt.error or "no answer"
+
+
+def _clock(at_s: float) -> str:
+    return datetime.fromtimestamp(at_s, UTC).isoformat(timespec="seconds")
