@@ -8,7 +8,9 @@
 5. dispatcher memory with 1,000 registered endpoints, idle and after traffic to all of them;
 6. health monitor start-up and memory with 1,000,000 telemetry records and 100,000 dead letters behind
    it: rebuilt from the streams, restarted from its checkpoint, restarted after SIGKILL
-   (bench/monitor_restart.py).
+   (bench/monitor_restart.py);
+7. the ingest's delivery log with 1,000,000 attempts stored: query latencies and disk
+   (bench/delivery_log.py).
 
 Everything runs in a vhost of its own, deleted afterwards. Results: bench/results/latest.{json,md}.
 Numbers drift on a shared 2-core machine: compare ratios within one run.
@@ -570,6 +572,10 @@ async def main(arguments: argparse.Namespace) -> dict[str, Any]:
         report["monitor_restart"] = await monitor_restart.measure(
             monitor_url, work, arguments.monitor_records, arguments.monitor_dead_letters
         )
+    from bench import delivery_log
+
+    print(f"delivery log with {arguments.delivery_log_attempts:,} attempts…", flush=True)
+    report["delivery_log"] = await delivery_log.main(arguments.delivery_log_attempts, runs=300)
     return report
 
 
@@ -639,6 +645,16 @@ def markdown(report: dict[str, Any]) -> str:
             f"{restart['restart_ready_s']:.1f} s ({restart['restart_rss_mib']:.0f} MiB); after SIGKILL "
             f"{restart['after_kill_ready_s']:.1f} s ({restart['after_kill_rss_mib']:.0f} MiB) | |"
         )
+    stored = report.get("delivery_log")
+    if stored:
+        queries = stored["queries"]
+        lines.append(
+            f"| delivery log with {stored['attempts']:,} attempts ({stored['disk_mb']:,.0f} MB): p50 / p99 | "
+            f"an event's attempts {queries['event_attempts']['p50_ms']} / {queries['event_attempts']['p99_ms']} ms; "
+            f"an endpoint's latest 100 {queries['endpoint_attempts_first_page']['p50_ms']} / "
+            f"{queries['endpoint_attempts_first_page']['p99_ms']} ms; a tenant's latest 50 events "
+            f"{queries['tenant_recent_events']['p50_ms']} / {queries['tenant_recent_events']['p99_ms']} ms | |"
+        )
     lines += [
         "",
         "| delivery client (concurrency 32, same receiver) | requests/s | vs aiohttp |",
@@ -667,6 +683,7 @@ if __name__ == "__main__":
     )
     parser.add_argument("--monitor-records", type=int, default=1_000_000)
     parser.add_argument("--monitor-dead-letters", type=int, default=100_000)
+    parser.add_argument("--delivery-log-attempts", type=int, default=1_000_000)
     report = uvloop.run(main(parser.parse_args()))
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "latest.json").write_text(json.dumps(report, indent=2))

@@ -55,6 +55,13 @@ def _receive(args: argparse.Namespace) -> int:
     return 0
 
 
+def _synthetic(args: argparse.Namespace) -> int:
+    from hookline.shared.synthetic import run
+
+    run(host=args.host, port=args.port)
+    return 0
+
+
 class ApiClient:
     def __init__(self, settings: ClientSettings, *, monitor: bool = False) -> None:
         headers = {"user-agent": f"hookline-cli/{__version__}"}
@@ -304,6 +311,13 @@ def build_parser() -> argparse.ArgumentParser:
     receive.add_argument("--status", type=int, default=204, help="the status to answer with (try 500)")
     receive.add_argument("--secret", help="the endpoint's whsec_ secret, to verify signatures")
     receive.set_defaults(run=_receive)
+
+    synthetic = commands.add_parser(
+        "synthetic", help="endpoints that behave as their path says: /ok /status/503 /slow/2000 /flaky/25 …"
+    )
+    synthetic.add_argument("--host", default="127.0.0.1")
+    synthetic.add_argument("--port", type=int, default=9100)
+    synthetic.set_defaults(run=_synthetic)
 
     endpoints = commands.add_parser("endpoints", help="manage endpoints").add_subparsers(
         dest="action", required=True, metavar="ACTION"

@@ -14,6 +14,7 @@ from typing import Annotated, Literal, TypeVar
 from pydantic import Field, SecretStr, ValidationError, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+from hookline.shared import signing
 from hookline.shared.topology import Retention
 
 LogLevel = Literal["debug", "info", "warning", "error"]
@@ -220,6 +221,13 @@ class MonitorSettings(CommonSettings):
         le=1,
         description="Share of the broker's file handles in use (or queues per handle) that fires an alert.",
     )
+    alert_webhook_urls: str | None = Field(
+        None,
+        description="Operator alert sinks: [alerts=][slack+]URL, space or comma separated (README, Operations).",
+    )
+    alert_webhook_secret: SecretStr | None = Field(
+        None, description="A whsec_ secret that signs what plain alert sinks receive."
+    )
     retired_queue_grace_s: float = Field(
         300.0,
         gt=0,
@@ -231,6 +239,13 @@ class MonitorSettings(CommonSettings):
     def _token_length(cls, value: SecretStr) -> SecretStr:
         if len(value.get_secret_value()) < 16:
             raise ValueError("must be at least 16 characters")
+        return value
+
+    @field_validator("alert_webhook_secret")
+    @classmethod
+    def _whsec(cls, value: SecretStr | None) -> SecretStr | None:
+        if value is not None:
+            signing.secret_key(value.get_secret_value())  # raises, naming what is wrong
         return value
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -10,11 +11,13 @@ from fastapi import Depends, FastAPI
 
 from hookline.health_monitor import status
 from hookline.health_monitor.monitor import Monitor, monitoring
+from hookline.health_monitor.sinks import AlertSinks, parse_sinks
 from hookline.shared import __version__, lifecycle, registry, topology
 from hookline.shared import logging as hookline_logging
 from hookline.shared.amqp import Broker, Publisher
 from hookline.shared.api import bearer_token_guard, install_error_handlers, probes_router, serve
 from hookline.shared.capacity import CapacityReader
+from hookline.shared.delivery import DeliveryClient
 from hookline.shared.settings import MonitorSettings, load
 from hookline.shared.supervision import Supervisor
 
@@ -23,6 +26,11 @@ log = structlog.get_logger(__name__)
 
 def create_app(settings: MonitorSettings) -> FastAPI:
     supervisor = Supervisor()
+    try:
+        sinks = parse_sinks(settings.alert_webhook_urls)
+    except ValueError as exc:
+        print(f"hookline: invalid setting HOOKLINE_ALERT_WEBHOOK_URLS: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -37,6 +45,20 @@ def create_app(settings: MonitorSettings) -> FastAPI:
                 diagnostics_command=settings.rabbitmq_diagnostics,
                 amqp_url=settings.amqp_url,
             ) as capacity,
+            DeliveryClient(
+                # The operator's own URLs, from the settings: not subject to the endpoints' SSRF rules.
+                max_connections=8,
+                user_agent=f"hookline/{__version__}",
+                allow_http=True,
+                allow_private=True,
+            ) as client,
+            AlertSinks(
+                sinks,
+                secret=settings.alert_webhook_secret.get_secret_value()
+                if settings.alert_webhook_secret
+                else None,
+                client=client,
+            ) as alert_sinks,
         ):
             await topology.declare(broker, settings.retention)
             publisher = Publisher(broker)
@@ -50,7 +72,7 @@ def create_app(settings: MonitorSettings) -> FastAPI:
                     sync_timeout_s=settings.connect_timeout_s,
                 )
                 async with monitoring(
-                    settings, broker, publisher, supervisor, change_log, capacity
+                    settings, broker, publisher, supervisor, change_log, capacity, alert_sinks
                 ) as monitor:
                     app.state.monitor = monitor
                     log.info("monitor_ready", endpoints=len(change_log.registry))

@@ -39,6 +39,7 @@ from hookline.health_monitor import checkpoint
 from hookline.health_monitor.alerts import Alert, AlertBook, AlertPolicy, broker_alerts, evaluate
 from hookline.health_monitor.breaker import Breaker, BreakerPolicy
 from hookline.health_monitor.health import Health, HealthPolicy
+from hookline.health_monitor.sinks import AlertSinks
 from hookline.shared import topology
 from hookline.shared.amqp import BROKER_ERRORS, CALL_TIMEOUT_S, Broker, Publisher, QueueProbe, until_closed
 from hookline.shared.capacity import BrokerCapacity, CapacityReader
@@ -116,7 +117,9 @@ class Monitor:
         change_log: ChangeLog,
         dead_letters: DeadLetterIndex,
         health: Health | None,
+        sinks: AlertSinks,
     ) -> None:
+        self._sinks = sinks
         self.settings = settings
         self.registry = change_log.registry
         self._broker = broker
@@ -475,6 +478,8 @@ class Monitor:
             message_id=new_id("alert"),
             type=f"{alert.name}.{state}",
         )
+        assert message.message_id is not None
+        self._sinks.send(message.message_id, body)
         self._unsent_alerts.append(message)
         await self._send_unsent_alerts()
 
@@ -559,6 +564,7 @@ async def monitoring(
     supervisor: Supervisor,
     change_log: ChangeLog,
     capacity: CapacityReader,
+    sinks: AlertSinks,
 ) -> AsyncIterator[Monitor]:
     telemetry_identity = f"{broker.vhost}/{topology.TELEMETRY_LOG}"
     state_path = settings.state_file("health-monitor", settings.monitor_port)
@@ -568,7 +574,7 @@ async def monitoring(
     ):
         started = time.monotonic()
         health, offset = await _load_checkpoint(store, telemetry_identity)
-        monitor = Monitor(settings, broker, publisher, change_log, dead_letters, health)
+        monitor = Monitor(settings, broker, publisher, change_log, dead_letters, health, sinks)
         wait_s = settings.connect_timeout_s
 
         breaker_log = StreamFollower(
