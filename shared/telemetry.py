@@ -8,11 +8,13 @@ statistics, never a lost event.
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import Field, TypeAdapter
 
+from hookline.shared.delivery import AttemptResult
 from hookline.shared.models import Model
+from hookline.shared.sealing import RESPONSE_PURPOSE, Sealer
 
 #: Why an attempt was made: the first delivery of an event, a retry, a half-open breaker's probe, one
 #: asked for by hand, an event replayed or redriven (a fresh budget), or an endpoint's verification.
@@ -56,6 +58,24 @@ class Heartbeat(Model):
     # Messages this dispatcher holds unacked, per endpoint (only those with some): what a queue's
     # ready count does not show, for the ingest's "events pending" check before a delete.
     unacked: dict[str, int] = Field(default_factory=dict)
+
+
+def exchange(result: AttemptResult, sealer: Sealer) -> dict[str, Any]:
+    """An attempt record's fields about the HTTP exchange: the status or error, the timings, and the
+    start of the receiver's answer, sealed at rest (it may hold a customer's data)."""
+    body = result.response_body
+    return {
+        "status": result.status,
+        "error": result.error,
+        "duration_ms": result.timings.total_ms,
+        "dns_ms": result.timings.dns_ms,
+        "connect_ms": result.timings.connect_ms,
+        "first_byte_ms": result.timings.first_byte_ms,
+        "response_headers": result.response_headers,
+        "response_body": sealer.seal(body.decode("utf-8", "replace"), purpose=RESPONSE_PURPOSE)
+        if body
+        else None,
+    }
 
 
 TelemetryRecord = Annotated[AttemptRecord | Heartbeat, Field(discriminator="kind")]

@@ -35,9 +35,9 @@ from hookline.shared.deadletters import dead_letter_message
 from hookline.shared.delivery import AttemptResult, DeliveryClient
 from hookline.shared.models import DeadLetterReason, EndpointStatus, StoredEndpoint
 from hookline.shared.registry import ChangeLog, EndpointRegistry
-from hookline.shared.sealing import RESPONSE_PURPOSE, Sealer
+from hookline.shared.sealing import Sealer
 from hookline.shared.settings import DispatcherSettings
-from hookline.shared.telemetry import AttemptRecord
+from hookline.shared.telemetry import AttemptRecord, exchange
 
 log = structlog.get_logger(__name__)
 
@@ -182,12 +182,6 @@ class Handler:
                 type=event.type,
                 attempt=parsed.attempt,
                 outcome=outcome.value,
-                status=result.status,
-                error=result.error,
-                duration_ms=result.timings.total_ms,
-                dns_ms=result.timings.dns_ms,
-                connect_ms=result.timings.connect_ms,
-                first_byte_ms=result.timings.first_byte_ms,
                 first_attempt_at_s=first_attempt_at_s,
                 next_attempt_at_s=ended_s + next_attempt_in_s if next_attempt_in_s is not None else None,
                 dead_letter_reason=dead_letter_reason,
@@ -197,12 +191,7 @@ class Handler:
                 else "retry"
                 if parsed.attempt > 1
                 else parsed.origin or "delivery",
-                response_headers=result.response_headers,
-                response_body=self._sealer.seal(
-                    result.response_body.decode("utf-8", "replace"), purpose=RESPONSE_PURPOSE
-                )
-                if result.response_body
-                else None,
+                **exchange(result, self._sealer),
             )
         )
         log.info(

@@ -16,8 +16,7 @@ from hookline.shared import signing, topology
 from hookline.shared.amqp import BROKER_ERRORS
 from hookline.shared.delivery import AttemptResult
 from hookline.shared.models import StoredEndpoint
-from hookline.shared.sealing import RESPONSE_PURPOSE
-from hookline.shared.telemetry import AttemptKind, AttemptRecord, batch
+from hookline.shared.telemetry import AttemptKind, AttemptRecord, batch, exchange
 
 log = structlog.get_logger(__name__)
 
@@ -56,20 +55,9 @@ async def attempt(
         type=event_type,
         attempt=number,
         outcome="success" if ok else "failed",
-        status=result.status,
-        error=result.error,
-        duration_ms=result.timings.total_ms,
-        dns_ms=result.timings.dns_ms,
-        connect_ms=result.timings.connect_ms,
-        first_byte_ms=result.timings.first_byte_ms,
         first_attempt_at_s=started_s,
         attempt_kind=kind,
-        response_headers=result.response_headers,
-        response_body=state.sealer.seal(
-            result.response_body.decode("utf-8", "replace"), purpose=RESPONSE_PURPOSE
-        )
-        if result.response_body
-        else None,
+        **exchange(result, state.sealer),
     )
     try:
         await state.publisher.publish(
