@@ -27,3 +27,15 @@ def encode_ulid(timestamp_ms: int, randomness: bytes) -> str:
 def new_id(prefix: str) -> str:
     """A fresh id such as ``evt_01JD…`` or ``ep_01JD…``."""
     return f"{prefix}_{encode_ulid(time.time_ns() // 1_000_000, os.urandom(10))}"
+
+
+def id_time_s(identifier: str) -> float | None:
+    """When an id made by :func:`new_id` was made (unix seconds, millisecond precision); None for an id
+    that is not prefix + ULID (an upstream may choose its own event ids)."""
+    _, _, ulid = identifier.rpartition("_")
+    if len(ulid) != 26 or any(char not in _CROCKFORD for char in ulid):
+        return None
+    value = 0
+    for char in ulid[:10]:
+        value = value * 32 + _CROCKFORD.index(char)
+    return value / 1000

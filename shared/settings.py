@@ -221,6 +221,15 @@ class MonitorSettings(CommonSettings):
         le=1,
         description="Share of the broker's file handles in use (or queues per handle) that fires an alert.",
     )
+    canary_interval_s: float = Field(
+        0.0,
+        ge=0,
+        description="A canary event every this many seconds to the canary tenant's endpoints (0: off).",
+    )
+    canary_tenant: str = Field("canary", description="The tenant canaries are published for.")
+    canary_late_s: float = Field(
+        60.0, gt=0, description="A canary not delivered within this fires canary_late."
+    )
     alert_webhook_urls: str | None = Field(
         None,
         description="Operator alert sinks: [alerts=][slack+]URL, space or comma separated (README, Operations).",

@@ -43,18 +43,18 @@ def evaluate(
     *,
     recent_dead_letters: Callable[[str], int],
     missing: Mapping[str, str | None] = {},
-    broker: Sequence[Alert] = (),
+    others: Sequence[Alert] = (),
     now_s: float,
     policy: AlertPolicy,
 ) -> dict[AlertKey, Alert]:
     """``missing``: queues and streams found missing (each mapped to its endpoint, None for the core
-    ones every service needs); they are declared again, but whatever they held is lost. ``broker``:
-    :func:`broker_alerts`."""
+    ones every service needs); they are declared again, but whatever they held is lost. ``others``:
+    alerts decided elsewhere (:func:`broker_alerts`, the canaries')."""
     alerts: list[Alert] = [
         Alert("topology_missing", None, None, f"{name} was missing and has been declared again")
         for name, endpoint_id in sorted(missing.items()) if endpoint_id is None
     ]  # fmt: skip
-    alerts += broker
+    alerts += others
     missing_endpoints = {endpoint_id: name for name, endpoint_id in missing.items() if endpoint_id}
     for endpoint_id, endpoint in endpoints.items():
         tenant = endpoint.tenant

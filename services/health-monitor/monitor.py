@@ -38,6 +38,7 @@ from pydantic import ValidationError
 from hookline.health_monitor import checkpoint
 from hookline.health_monitor.alerts import Alert, AlertBook, AlertPolicy, broker_alerts, evaluate
 from hookline.health_monitor.breaker import Breaker, BreakerPolicy
+from hookline.health_monitor.canary import CANARY_TYPE, CanaryBook
 from hookline.health_monitor.health import Health, HealthPolicy
 from hookline.health_monitor.sinks import AlertSinks
 from hookline.shared import topology
@@ -52,7 +53,7 @@ from hookline.shared.registry import ChangeLog
 from hookline.shared.settings import MonitorSettings
 from hookline.shared.streams import StreamFollower, offset_of
 from hookline.shared.supervision import Loop, Supervisor
-from hookline.shared.telemetry import batch
+from hookline.shared.telemetry import AttemptRecord, batch
 from hookline.shared.views import follow_view
 
 log = structlog.get_logger(__name__)
@@ -103,6 +104,12 @@ BROKER_FD_LIMIT = prometheus_client.Gauge(
     "hookline_broker_file_descriptors_limit", "File handles the broker may use."
 )
 BROKER_QUEUES = prometheus_client.Gauge("hookline_broker_queues", "Queues on the broker, every vhost.")
+CANARY_LATENCY = prometheus_client.Gauge(
+    "hookline_canary_latency_seconds",
+    "The last canary's publish-to-delivery time, per endpoint.",
+    ["endpoint_id"],
+)
+CANARIES_SENT = prometheus_client.Counter("hookline_canaries_sent", "Canary events published.")
 BROKER_GAUGES = [BROKER_MEMORY_ALARM, BROKER_DISK_ALARM, BROKER_DISK_FREE, BROKER_DISK_FREE_LIMIT]
 BROKER_GAUGES += [BROKER_FD_USED, BROKER_FD_LIMIT, BROKER_QUEUES]
 _STATE_VALUE = {BreakerState.CLOSED: 0, BreakerState.HALF_OPEN: 1, BreakerState.OPEN: 2}
@@ -144,6 +151,7 @@ class Monitor:
             broker_disk_headroom_bytes=settings.broker_disk_headroom_bytes,
             broker_fd_ratio=settings.broker_fd_ratio,
         )
+        self.canaries = CanaryBook()
         self.capacity: BrokerCapacity | None = None  # the broker's last reading (None: unreadable)
         # Alerts the alerts exchange did not take (the broker refused publishes): sent once it takes them.
         self._unsent_alerts: collections.deque[aio_pika.Message] = collections.deque(maxlen=UNSENT_ALERTS_MAX)
@@ -179,6 +187,8 @@ class Monitor:
         for record in records:
             for command in self.health.observe(record, now_s=now_s, live=moving):
                 self._outbox.put_nowait(command)
+            if isinstance(record, AttemptRecord):
+                self.canaries.on_attempt(record)
 
     def on_breaker_log(self, message: AbstractIncomingMessage) -> None:
         try:
@@ -424,21 +434,52 @@ class Monitor:
                 "disabled_at": now.isoformat(),
             },
         )
+        await self._publish_event(event)
+        log.warning(
+            "endpoint_disabled", endpoint_id=endpoint.id, tenant=endpoint.tenant, reason=reason, alert=True
+        )
+
+    async def _publish_event(self, event: Event) -> None:
+        """To ``events``, as an upstream publishes (confirmed): delivered like any other event."""
         await self._publisher.publish(
             aio_pika.Message(
                 event.model_dump_json(exclude_none=True).encode(),
                 content_type="application/json",
                 delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
                 message_id=event.id,
-                timestamp=now,
-                headers={Header.ACCEPTED_AT_MS: int(now.timestamp() * 1000)},
+                timestamp=event.occurred_at,
+                headers={Header.ACCEPTED_AT_MS: int(event.occurred_at.timestamp() * 1000)},
             ),
             exchange=topology.EVENTS_EXCHANGE,
-            routing_key=topology.event_routing_key(endpoint.tenant, DISABLED_EVENT_TYPE),
+            routing_key=topology.event_routing_key(event.tenant, event.type),
         )
-        log.warning(
-            "endpoint_disabled", endpoint_id=endpoint.id, tenant=endpoint.tenant, reason=reason, alert=True
-        )
+
+    def _canary_endpoints(self) -> list[str]:
+        return [
+            endpoint.id
+            for endpoint in self.registry.all()
+            if endpoint.tenant == self.settings.canary_tenant and endpoint.status is EndpointStatus.ACTIVE
+        ]
+
+    async def send_canaries(self, loop: Loop) -> None:
+        """While leading, a canary event every HOOKLINE_CANARY_INTERVAL_S, if an endpoint takes them."""
+        loop.mark_up()
+        while True:
+            loop.beat()
+            if self.leader and self._canary_endpoints():
+                now = datetime.now(UTC)
+                canary = Event(
+                    id=new_id("evt"), type=CANARY_TYPE, tenant=self.settings.canary_tenant, occurred_at=now,
+                    data={"sent_at": now.isoformat()},
+                )  # fmt: skip
+                self.canaries.sending(canary.id)
+                try:
+                    await self._publish_event(canary)
+                    CANARIES_SENT.inc()
+                except BROKER_ERRORS as exc:
+                    # Not sent is as good as not delivered: canary_late says so in a moment.
+                    log.warning("canary_unpublished", error=type(exc).__name__)
+            await asyncio.sleep(self.settings.canary_interval_s)
 
     async def _alert(self, *, now_s: float) -> None:
         recent = await self.dead_letters.counts_since(
@@ -450,7 +491,15 @@ class Monitor:
             {endpoint.id: endpoint for endpoint in self.registry.all()},
             recent_dead_letters=lambda endpoint_id: recent.get(endpoint_id, 0),
             missing=missing,
-            broker=broker_alerts(self.capacity, blocked=self._broker.blocked, policy=self.alert_policy),
+            others=[
+                *broker_alerts(self.capacity, blocked=self._broker.blocked, policy=self.alert_policy),
+                *self.canaries.alerts(
+                    self._canary_endpoints(),
+                    tenant=self.settings.canary_tenant,
+                    now_s=now_s,
+                    late_s=self.settings.canary_late_s,
+                ),
+            ],
             now_s=now_s,
             policy=self.alert_policy,
         )
@@ -519,6 +568,9 @@ class Monitor:
                 QUEUE_DEPTH.labels(endpoint_id).set(health.queue_depth)
         for name, _ in self.alerts.firing:
             ALERTS_FIRING.labels(name).inc()
+        CANARY_LATENCY.clear()
+        for endpoint_id, latency_s in self.canaries.latency_s.items():
+            CANARY_LATENCY.labels(endpoint_id).set(latency_s)
         AWAITING_RETRY.set(self.awaiting_retry)
         DEAD_LETTERS.set(await self.dead_letters.count())
         QUEUES_MISSING.set(len(self.missing))
@@ -615,11 +667,17 @@ async def monitoring(
         supervisor.spawn("queues", monitor.poll_queues, stall_s=120)
         supervisor.spawn("checkpoint", partial(monitor.save_checkpoints, store, telemetry), stall_s=120)
         supervisor.spawn("broker", partial(monitor.watch_broker, capacity), stall_s=120)
+        if settings.canary_interval_s > 0:
+            supervisor.spawn(
+                "canaries", monitor.send_canaries, stall_s=max(60, 3 * settings.canary_interval_s)
+            )
         try:
             yield monitor
         finally:
             # Stop the loops (leadership first: the lock goes with its channel), then the views close.
-            await supervisor.stop("leadership", "tick", "breaker-commands", "queues", "checkpoint", "broker")
+            await supervisor.stop(
+                "leadership", "tick", "breaker-commands", "queues", "checkpoint", "broker", "canaries"
+            )
             offset_now = telemetry.next_offset
             if isinstance(offset_now, int) and offset_now > 0:
                 monitor.health.prune(now_s=time.time())

@@ -1,10 +1,11 @@
 from __future__ import annotations
 
 import re
+import time
 
 import pytest
 
-from hookline.shared.ids import encode_ulid, new_id
+from hookline.shared.ids import encode_ulid, id_time_s, new_id
 
 
 def test_ulid_encoding_of_known_values() -> None:
@@ -24,3 +25,13 @@ def test_new_id_has_prefix_and_ulid() -> None:
 def test_ulid_needs_ten_random_bytes() -> None:
     with pytest.raises(ValueError, match="10 random bytes"):
         encode_ulid(0, b"short")
+
+
+def test_an_ids_time_is_read_back_and_a_foreign_id_has_none() -> None:
+    made = new_id("evt")
+    made_s = id_time_s(made)
+    assert made_s is not None
+    assert abs(made_s - time.time()) < 5
+    assert id_time_s("evt_" + encode_ulid(1_700_000_000_123, bytes(10))) == 1_700_000_000.123
+    assert id_time_s("order-42") is None
+    assert id_time_s("evt_" + "u" * 26) is None  # not Crockford base32

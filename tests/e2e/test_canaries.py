@@ -1,0 +1,67 @@
+"""Canaries with the real services: the leading monitor publishes one every half second to the canary
+tenant's endpoint; its latency is exported; a failing endpoint fires canary_failed, a slow one
+canary_late; both resolve once canaries arrive again."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+from conftest import System
+from support.receiver import Receiver, Reply
+from support.waiting import eventually
+from test_monitors_and_repair import get_json
+
+pytestmark = pytest.mark.e2e
+
+SYSTEM_ENV = {
+    "HOOKLINE_CANARY_INTERVAL_S": "0.5",
+    "HOOKLINE_CANARY_LATE_S": "3",
+    "HOOKLINE_TICK_S": "0.2",
+    "HOOKLINE_RETRY_SCHEDULE_S": "1",
+    "HOOKLINE_BREAKER_FAILURE_THRESHOLD": "1000",
+}
+
+
+async def test_canaries_measure_the_whole_path_and_say_when_it_breaks(
+    system: System, receiver: Receiver
+) -> None:
+    status, delay_s = 204, 0.0
+    receiver.responder = lambda _: Reply(status=status, delay_s=delay_s)
+    canary = system.add_endpoint("canary", receiver.url("/canary"), ["hookline.canary"])
+
+    async def latency() -> float | None:
+        async with httpx.AsyncClient(base_url=system.monitor.base_url, timeout=10) as client:
+            text = (await client.get("/metrics")).text
+        for line in text.splitlines():
+            if line.startswith("hookline_canary_latency_seconds{") and canary["id"] in line:
+                return float(line.rsplit(" ", 1)[1])
+        return None
+
+    measured = await eventually(latency, timeout_s=20)
+    assert 0 <= measured < 5
+    arrived = await receiver.wait_for(2, path="/canary")
+    assert all(r.headers["webhook-id"].startswith("evt_") for r in arrived)
+
+    async def firing() -> set[str]:
+        return {
+            a["alert"]
+            for a in await get_json(system.monitor, "/v1/alerts") or []
+            if a["endpoint_id"] == canary["id"]
+        }
+
+    async def fires(name: str) -> bool:
+        return name in await firing()
+
+    async def quiet() -> bool:
+        return not await firing()
+
+    status = 503
+    await eventually(lambda: fires("canary_failed"), timeout_s=20)
+    status = 204
+    await eventually(quiet, timeout_s=20)
+
+    delay_s = 5.0  # answered, but each canary arrives 5 s after it was sent: later than 3 s
+    await eventually(lambda: fires("canary_late"), timeout_s=20)
+    assert "canary_failed" not in await firing()
+    delay_s = 0.0
+    await eventually(quiet, timeout_s=30)
