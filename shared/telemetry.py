@@ -78,5 +78,23 @@ def exchange(result: AttemptResult, sealer: Sealer) -> dict[str, Any]:
     }
 
 
-TelemetryRecord = Annotated[AttemptRecord | Heartbeat, Field(discriminator="kind")]
+DeferralReason = Literal["ordering", "pacing"]
+
+
+class Deferral(Model):
+    """An event put back without an attempt, not its turn yet: behind an earlier event of its subject
+    (ordered endpoints), or paced by the endpoint's rate limit or a 429's Retry-After."""
+
+    kind: Literal["deferral"] = "deferral"
+    at_s: float
+    dispatcher_id: str
+    event_id: str
+    endpoint_id: str
+    tenant: str
+    reason: DeferralReason
+    behind_event_id: str | None = None  # ordering: the earlier event it waits for
+    until_s: float  # when it comes back from the delay queues
+
+
+TelemetryRecord = Annotated[AttemptRecord | Heartbeat | Deferral, Field(discriminator="kind")]
 batch: TypeAdapter[list[TelemetryRecord]] = TypeAdapter(list[TelemetryRecord])

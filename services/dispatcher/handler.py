@@ -37,7 +37,7 @@ from hookline.shared.models import DeadLetterReason, EndpointStatus, StoredEndpo
 from hookline.shared.registry import ChangeLog, EndpointRegistry
 from hookline.shared.sealing import Sealer
 from hookline.shared.settings import DispatcherSettings
-from hookline.shared.telemetry import AttemptRecord, exchange
+from hookline.shared.telemetry import AttemptRecord, Deferral, DeferralReason, exchange
 
 log = structlog.get_logger(__name__)
 
@@ -129,9 +129,9 @@ class Handler:
 
         event = parsed.event
         sequence = (parsed.sequence or time.time_ns()) if endpoint.ordered and event.subject else None
-        defer_s = await self._gate(endpoint, parsed, sequence, probe=probe)
-        if defer_s is not None:
-            await self._defer(message, endpoint, parsed, sequence, defer_s)
+        deferred = await self._gate(endpoint, parsed, sequence, probe=probe)
+        if deferred is not None:
+            await self._defer(message, endpoint, parsed, sequence, *deferred)
             return False
         try:
             await self._attempt_and_settle(message, endpoint, parsed, sequence, probe=probe)
@@ -227,9 +227,9 @@ class Handler:
 
     async def _gate(
         self, endpoint: StoredEndpoint, parsed: inbound.Inbound, sequence: int | None, *, probe: bool
-    ) -> float | None:
+    ) -> tuple[float, DeferralReason] | None:
         """Wait for this delivery's turn (per-subject order, rate limit, 429 pause); or, when the wait
-        is long, return the seconds to defer the message by instead (no attempt is spent)."""
+        is long, return the seconds to defer the message by instead (no attempt is spent), and why."""
         now_s = time.time()
         if sequence is not None:
             assert parsed.event.subject is not None
@@ -237,7 +237,7 @@ class Handler:
                 endpoint.id, parsed.event.subject, parsed.event.id, sequence, now_s=now_s
             )
             if order_s is not None:
-                return order_s
+                return order_s, "ordering"
         if probe:
             return None  # the one delivery a half-open breaker lets through goes now
         wait_s = self._pacer.wait_s(
@@ -247,7 +247,7 @@ class Handler:
             if sequence is not None:
                 assert parsed.event.subject is not None
                 self._order.retrying(endpoint.id, parsed.event.subject, parsed.event.id, due_s=now_s + wait_s)
-            return wait_s
+            return wait_s, "pacing"
         if wait_s > 0:
             await asyncio.sleep(wait_s)
         return None
@@ -259,8 +259,10 @@ class Handler:
         parsed: inbound.Inbound,
         sequence: int | None,
         delay_s: float,
+        reason: DeferralReason,
     ) -> None:
-        """Not this event's turn yet: through the delay queues again, same attempt number, then ack."""
+        """Not this event's turn yet: through the delay queues again, same attempt number, then ack; the
+        delivery log is told why (telemetry)."""
         await self._delays.schedule(
             message.body,
             content_type=message.content_type,
@@ -273,9 +275,23 @@ class Handler:
             sequence=sequence,
         )
         await message.ack()
-        log.info(
-            "delivery_deferred", event_id=parsed.event.id, endpoint_id=endpoint.id, delay_s=math.ceil(delay_s)
+        event = parsed.event
+        behind = (
+            self._order.holding(endpoint.id, event.subject, event.id)
+            if reason == "ordering" and event.subject is not None
+            else None
         )
+        now_s = time.time()
+        self._telemetry.deferral(
+            Deferral(
+                at_s=now_s, dispatcher_id=self._telemetry.dispatcher_id, event_id=event.id, endpoint_id=endpoint.id,
+                tenant=event.tenant, reason=reason, behind_event_id=behind, until_s=now_s + max(1, math.ceil(delay_s)),
+            )
+        )  # fmt: skip
+        log.info(
+            "delivery_deferred", event_id=event.id, endpoint_id=endpoint.id, delay_s=math.ceil(delay_s),
+            reason=reason, behind_event_id=behind,
+        )  # fmt: skip
 
     def _policy(self, endpoint: StoredEndpoint) -> RetryPolicy:
         settings = self._settings

@@ -49,6 +49,18 @@ class SubjectOrder:
         outstanding[event_id] = _Outstanding(sequence, now_s + delay_s)
         return delay_s
 
+    def holding(self, endpoint_id: str, subject: str, event_id: str) -> str | None:
+        """The earliest other event of the subject still outstanding before ``event_id`` (the one it
+        waits for), if any."""
+        outstanding = self._subjects.get((endpoint_id, subject), {})
+        mine = outstanding.get(event_id)
+        earlier = [
+            (o.sequence, other)
+            for other, o in outstanding.items()
+            if other != event_id and (mine is None or o.sequence < mine.sequence)
+        ]
+        return min(earlier)[1] if earlier else None
+
     def retrying(self, endpoint_id: str, subject: str, event_id: str, *, due_s: float) -> None:
         outstanding = self._subjects.get((endpoint_id, subject), {})
         if event_id in outstanding:

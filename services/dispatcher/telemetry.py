@@ -20,7 +20,7 @@ from hookline.dispatcher import metrics
 from hookline.shared import topology
 from hookline.shared.amqp import BrokerBlockedError, Publisher
 from hookline.shared.supervision import Loop
-from hookline.shared.telemetry import AttemptRecord, Heartbeat, TelemetryRecord, batch
+from hookline.shared.telemetry import AttemptRecord, Deferral, Heartbeat, TelemetryRecord, batch
 
 log = structlog.get_logger(__name__)
 
@@ -37,11 +37,19 @@ class Telemetry:
         self.dispatcher_id = dispatcher_id
         self._load = load  # () -> (in flight, consumers, unacked per endpoint), for heartbeats
         self._buffer: list[TelemetryRecord] = []
+        # Deferrals go in batches of their own: a monitor or ingest of an earlier version, which does
+        # not know the record, then drops only those batches, never attempts.
+        self._deferrals: list[TelemetryRecord] = []
         self._full = asyncio.Event()
 
     def attempt(self, record: AttemptRecord) -> None:
         self._buffer.append(record)
         if len(self._buffer) >= MAX_BATCH:
+            self._full.set()
+
+    def deferral(self, record: Deferral) -> None:
+        self._deferrals.append(record)
+        if len(self._deferrals) >= MAX_BATCH:
             self._full.set()
 
     async def run(self, loop: Loop) -> None:
@@ -71,9 +79,19 @@ class Telemetry:
             await self.flush()
 
     async def flush(self) -> None:
-        if not self._buffer:
+        await self._send(self._take(deferrals=False))
+        await self._send(self._take(deferrals=True))
+
+    def _take(self, *, deferrals: bool) -> list[TelemetryRecord]:
+        if deferrals:
+            records, self._deferrals = self._deferrals, []
+        else:
+            records, self._buffer = self._buffer, []
+        return records
+
+    async def _send(self, records: list[TelemetryRecord]) -> None:
+        if not records:
             return
-        records, self._buffer = self._buffer, []
         try:
             await self._publisher.publish(
                 aio_pika.Message(batch.dump_json(records), content_type="application/json"),

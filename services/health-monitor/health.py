@@ -14,7 +14,7 @@ from hookline.health_monitor import breaker as breakers
 from hookline.health_monitor.breaker import Breaker, BreakerPolicy
 from hookline.health_monitor.stats import RollingStats, Stats
 from hookline.shared.control import BreakerCommand, BreakerSnapshot, BreakerState
-from hookline.shared.telemetry import ASIDE_KINDS, AttemptRecord, Heartbeat, TelemetryRecord
+from hookline.shared.telemetry import ASIDE_KINDS, AttemptRecord, Deferral, Heartbeat, TelemetryRecord
 
 DAY_S, HOUR_S = 86_400, 3_600
 RECENT_S, MINUTE_S = 300, 60
@@ -94,7 +94,7 @@ class Health:
         if isinstance(record, Heartbeat):
             self.dispatchers[record.dispatcher_id] = record
             return []
-        if record.attempt_kind in ASIDE_KINDS:
+        if isinstance(record, Deferral) or record.attempt_kind in ASIDE_KINDS:
             return []  # a manual attempt or a verification: not the endpoint's delivery traffic
         health = self.endpoint(record.endpoint_id)
         health.day.add(record, now_s=now_s)

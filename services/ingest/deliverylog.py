@@ -24,7 +24,7 @@ from pydantic import ValidationError
 from hookline.shared import topology
 from hookline.shared.headers import Header
 from hookline.shared.models import Model
-from hookline.shared.telemetry import AttemptRecord, batch
+from hookline.shared.telemetry import AttemptRecord, Deferral, batch
 from hookline.shared.views import RowView, StreamMessage, ViewSchema
 
 log = structlog.get_logger(__name__)
@@ -46,7 +46,7 @@ EVENTS_SCHEMA = ViewSchema(
     ],
 )
 ATTEMPTS_SCHEMA = ViewSchema(
-    version=1,
+    version=2,  # 2: deferrals too (outcome "deferred")
     statements=[
         """CREATE TABLE attempts (
             id INTEGER PRIMARY KEY,
@@ -62,6 +62,7 @@ ATTEMPTS_SCHEMA = ViewSchema(
         "CREATE INDEX attempts_by_time ON attempts (at_s)",
     ],
 )
+DEFERRED = "deferred"  # the outcome column of a deferral: put back without an attempt
 # Telemetry batches hold at most 500 records: an attempt's id is its batch's offset and its place in it.
 _PER_BATCH = 1024
 
@@ -117,11 +118,11 @@ def _attempt_rows(offset: int, message: StreamMessage) -> list[tuple[Any, ...]]:
             record.endpoint_id,
             record.tenant,
             record.model_dump_json().encode(),
-            record.outcome,
+            record.outcome if isinstance(record, AttemptRecord) else DEFERRED,
             record.at_s,
         )
         for index, record in enumerate(records)
-        if isinstance(record, AttemptRecord)
+        if isinstance(record, AttemptRecord | Deferral)
     ]
 
 
@@ -195,9 +196,15 @@ class DeliveryLog:
         return [_logged_event(row) for row in rows]
 
     async def attempts_of_event(self, event_id: str) -> list[AttemptRecord]:
-        sql = "SELECT record FROM attempts WHERE event_id = ? ORDER BY id"
-        rows = await self.attempts.read(lambda db: db.execute(sql, (event_id,)).fetchall())
+        sql = "SELECT record FROM attempts WHERE event_id = ? AND outcome != ? ORDER BY id"
+        rows = await self.attempts.read(lambda db: db.execute(sql, (event_id, DEFERRED)).fetchall())
         return [AttemptRecord.model_validate_json(row[0]) for row in rows]
+
+    async def deferrals_of_event(self, event_id: str) -> list[Deferral]:
+        """The times the event was put back without an attempt (not its turn yet), oldest first."""
+        sql = "SELECT record FROM attempts WHERE event_id = ? AND outcome = ? ORDER BY id"
+        rows = await self.attempts.read(lambda db: db.execute(sql, (event_id, DEFERRED)).fetchall())
+        return [Deferral.model_validate_json(row[0]) for row in rows]
 
     async def attempts_of_endpoint(
         self,
@@ -211,6 +218,7 @@ class DeliveryLog:
         """Newest first, each with the id that continues a page after it."""
         clauses, parameters = _where(
             ("endpoint_id = ?", endpoint_id),
+            ("outcome != ?", DEFERRED),
             ("outcome = ?", outcome),
             ("at_s >= ?", since_s),
             ("id < ?", before_id),

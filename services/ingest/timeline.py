@@ -15,7 +15,7 @@ from typing import Literal
 from hookline.shared.control import BreakerCommand, BreakerState
 from hookline.shared.deadletters import DeadLetterItem
 from hookline.shared.models import EndpointStatus, Model, StoredEndpoint
-from hookline.shared.telemetry import ASIDE_KINDS, AttemptRecord
+from hookline.shared.telemetry import ASIDE_KINDS, AttemptRecord, Deferral
 
 EventState = Literal[
     "delivered", "pending", "retrying", "dead", "paused", "breaker_open", "unverified", "disabled"
@@ -33,11 +33,13 @@ def standing(
     attempts: Sequence[AttemptRecord],
     dead_letters: Sequence[DeadLetterItem],
     breaker: BreakerCommand | None,
+    deferral: Deferral | None = None,
     *,
     now_s: float,
 ) -> Standing:
     """The event's state at the endpoint. ``attempts`` in the order they were made; ``dead_letters``
-    those of this event at this endpoint not redriven since."""
+    those of this event at this endpoint not redriven since; ``deferral`` the last time it was put back
+    without an attempt (not its turn yet)."""
     if any(attempt.outcome == "success" for attempt in attempts):
         return Standing(state="delivered", next_attempt_at=None, waiting_reason=None)
     course = [attempt for attempt in attempts if attempt.attempt_kind not in ASIDE_KINDS]
@@ -78,6 +80,15 @@ def standing(
             waiting_reason=f"behind the endpoint's open circuit breaker (after {breaker.consecutive_failures} "
             f"failures); a probe goes out at {_clock(probe_at)}, deliveries resume when it succeeds",
         )  # fmt: skip
+    if deferral is not None and (last is None or deferral.at_s > last.at_s) and deferral.until_s > now_s:
+        if deferral.reason == "ordering":
+            behind = f" behind event {deferral.behind_event_id}" if deferral.behind_event_id else ""
+            why = f"held back by ordering{behind} (same subject, published earlier) until {_clock(deferral.until_s)}"
+        else:
+            why = f"paced by the endpoint's rate limit (or a 429's Retry-After) until {_clock(deferral.until_s)}"
+        return Standing(
+            state="pending", next_attempt_at=datetime.fromtimestamp(deferral.until_s, UTC), waiting_reason=why
+        )
     if last is not None and next_at_s is not None:
         if next_at_s > now_s:
             why = f"attempt {last.attempt} failed ({_failure(last)}); in a delay queue until {_clock(next_at_s)}"

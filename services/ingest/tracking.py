@@ -194,6 +194,7 @@ async def resend_event(
 
 async def _story(state: IngestState, logged: LoggedEvent, *, with_attempts: bool = True) -> EventStory:
     attempts = await state.delivery_log.attempts_of_event(logged.event_id)
+    deferrals = await state.delivery_log.deferrals_of_event(logged.event_id)
     dead = await state.dead_letters_index.select(event_id=logged.event_id)
     subscribed = [
         endpoint.id
@@ -212,6 +213,7 @@ async def _story(state: IngestState, logged: LoggedEvent, *, with_attempts: bool
             mine,
             [item for item in dead if item.endpoint_id == endpoint_id],
             state.breakers.state(endpoint_id),
+            next((d for d in reversed(deferrals) if d.endpoint_id == endpoint_id), None),
             now_s=now_s,
         )
         courses.append(

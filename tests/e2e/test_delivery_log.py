@@ -194,3 +194,46 @@ async def test_an_events_story_at_every_endpoint(system: System, receiver: Recei
     )
     assert shown.returncode == 0, shown.stderr
     assert course(json.loads(shown.stdout), flaky["id"])["state"] == "delivered"
+
+
+async def test_an_event_held_back_by_ordering_says_behind_which(system: System, receiver: Receiver) -> None:
+    api = Ingest(system)
+    acme = tenant()
+    failing: set[str] = set()
+    delivered: list[str] = []
+
+    def respond(request: Received) -> Reply:
+        event_id = request.headers["webhook-id"]
+        if event_id in failing:
+            return Reply(status=503)
+        delivered.append(event_id)
+        return Reply(status=204)
+
+    receiver.responder = respond
+    endpoint = system.add_endpoint(acme, receiver.url("/ordered"), ["#"], ordered=True)
+
+    async def publish(event_id: str) -> None:
+        body = {"id": event_id, "tenant": acme, "type": "order.updated", "subject": "o_7", "data": {}}
+        assert (await api("POST", "/v1/events", json=body)).status_code == 202
+
+    first, second = f"evt_first_{acme}", f"evt_second_{acme}"
+    failing.add(first)
+    await publish(first)
+    await receiver.wait_for(1, path="/ordered")
+    await publish(second)
+
+    async def held_back() -> dict[str, Any] | None:
+        found = await api.story(second)
+        mine = course(found, endpoint["id"]) if found else None
+        return mine if mine and "held back by ordering" in (mine["waiting_reason"] or "") else None
+
+    waiting = await eventually(held_back, timeout_s=20)
+    assert waiting["state"] == "pending"
+    assert f"behind event {first}" in waiting["waiting_reason"]
+    assert waiting["attempts"] == []  # put back without spending an attempt
+    failing.clear()
+    await eventually(lambda: _true(delivered == [first, second]), timeout_s=30)
+
+
+async def _true(value: Any) -> bool:
+    return bool(value)

@@ -87,3 +87,13 @@ def test_an_earlier_event_settled_elsewhere_blocks_its_subject_only_until_it_is_
     assert order.admit("ep", "s1", "e2", 2, now_s=10 + STALE_S - 1) == 1  # late, but could still come
     assert order.admit("ep", "s1", "e2", 2, now_s=10 + STALE_S + 1) is None  # gone: the subject moves on
     assert order.admit("ep", "s1", "e3", 3, now_s=10 + STALE_S + 2) == 1  # e2 is the one out now
+
+
+def test_the_event_holding_a_subject_back_is_named() -> None:
+    order = SubjectOrder()
+    assert order.admit("ep", "s1", "e1", 1, now_s=0) is None
+    assert order.admit("ep", "s1", "e0", 0, now_s=0) is None  # published earlier, seen later: goes
+    assert order.admit("ep", "s1", "e2", 2, now_s=0) == 1
+    assert order.holding("ep", "s1", "e2") == "e0"  # the earliest of those before it
+    assert order.holding("ep", "s1", "e0") is None
+    assert order.holding("ep", "other", "x") is None

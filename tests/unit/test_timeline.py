@@ -11,7 +11,7 @@ from hookline.ingest.timeline import standing
 from hookline.shared.control import BreakerCommand, BreakerState
 from hookline.shared.deadletters import DeadLetterItem
 from hookline.shared.models import DeadLetterReason, EndpointStatus, SigningSecret, StoredEndpoint
-from hookline.shared.telemetry import AttemptRecord
+from hookline.shared.telemetry import AttemptRecord, Deferral
 
 NOW_S = 1_800_000_000.0
 EP = "ep_" + "1" * 26
@@ -188,3 +188,52 @@ def test_standing(
         assert found.waiting_reason is not None
         assert reason in found.waiting_reason
     assert (found.next_attempt_at is not None) == (state in ("retrying", "breaker_open") and bool(attempts))
+
+
+def deferral(reason: str, *, at_s: float, until_s: float, behind: str | None = None) -> Deferral:
+    return Deferral.model_validate(
+        {"at_s": at_s, "dispatcher_id": "d1", "event_id": "evt_1", "endpoint_id": EP, "tenant": "acme",
+         "reason": reason, "behind_event_id": behind, "until_s": until_s}
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("attempts", "put_back", "state", "reason"),
+    [
+        pytest.param(
+            [],
+            deferral("ordering", at_s=NOW_S - 1, until_s=NOW_S + 9, behind="evt_0"),
+            "pending",
+            "held back by ordering behind event evt_0",
+            id="behind an earlier event",
+        ),
+        pytest.param(
+            [],
+            deferral("pacing", at_s=NOW_S - 1, until_s=NOW_S + 9),
+            "pending",
+            "paced by the endpoint's rate limit",
+            id="paced",
+        ),
+        pytest.param(
+            [RETRY_LATER],
+            deferral("ordering", at_s=NOW_S - 200, until_s=NOW_S + 9),
+            "retrying",
+            "attempt 1 failed",
+            id="an attempt since: the deferral is history",
+        ),
+        pytest.param(
+            [],
+            deferral("pacing", at_s=NOW_S - 20, until_s=NOW_S - 10),
+            "pending",
+            "queued for delivery",
+            id="back from the delay queues: queued again",
+        ),
+    ],
+)
+def test_an_event_put_back_says_why(
+    attempts: list[AttemptRecord], put_back: Deferral, state: str, reason: str
+) -> None:
+    found = standing(ENDPOINT, attempts, [], None, put_back, now_s=NOW_S)
+    assert found.state == state
+    assert found.waiting_reason is not None
+    assert reason in found.waiting_reason
