@@ -221,12 +221,17 @@ async def test_alerts_are_published_once_and_resolved(system: System, receiver: 
         await wait_health(system, endpoint["id"], lambda v: v["breaker_state"] == "open")
         failing = False
         await wait_health(system, endpoint["id"], lambda v: v["breaker_state"] == "closed", timeout_s=30)
-        await asyncio.sleep(1)
-        received = []
-        while (message := await queue.get(no_ack=True, fail=False)) is not None:
-            body = json.loads(message.body)
-            if body["endpoint_id"] == endpoint["id"]:
-                received.append(body["state"])
+        received: list[str] = []
+
+        async def resolved() -> bool:
+            while (message := await queue.get(no_ack=True, fail=False)) is not None:
+                body = json.loads(message.body)
+                if body["endpoint_id"] == endpoint["id"]:
+                    received.append(body["state"])
+            return "resolved" in received
+
+        # The resolution goes out at the next alert evaluation (every 2 s) after the breaker closed.
+        await eventually(resolved, timeout_s=15)
     assert received == ["firing", "resolved"], "deduplicated while it lasts, resolved when it ends"
 
 
