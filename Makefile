@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 export HOOKLINE_AMQP_URL ?= amqp://guest:guest@localhost:5672/
 
-.PHONY: install run test lint unit bench clean
+.PHONY: install browser run test lint unit bench clean
 
 install: $(STAMP)
 
@@ -30,7 +30,10 @@ lint: $(STAMP)
 unit: $(STAMP)
 	$(BIN)/pytest tests/unit -q
 
-test: lint
+browser:
+	@scripts/install-browser.sh
+
+test: lint browser
 	$(BIN)/pytest -q
 
 bench: $(STAMP)

@@ -18,6 +18,7 @@ fi
 
 cat >&2 <<INFO
 hookline: ingest http://127.0.0.1:${HOOKLINE_INGEST_PORT:-8000}  monitor http://127.0.0.1:${HOOKLINE_MONITOR_PORT:-8001}
+hookline: dashboard http://127.0.0.1:${HOOKLINE_MONITOR_PORT:-8001}/ui/ (log in with the token below)
 hookline: dispatcher metrics :8002 and :8003; broker ${HOOKLINE_AMQP_URL%%@*}@…
 hookline: export HOOKLINE_API_TOKEN=$HOOKLINE_API_TOKEN   # for curl and the hookline command
 INFO
@@ -33,7 +34,8 @@ trap stop INT TERM
 "$BIN/hookline" ingest & pids+=($!)
 HOOKLINE_DISPATCHER_METRICS_PORT=8002 "$BIN/hookline" dispatcher & pids+=($!)
 HOOKLINE_DISPATCHER_METRICS_PORT=8003 "$BIN/hookline" dispatcher & pids+=($!)
-"$BIN/hookline" health-monitor & pids+=($!)
+HOOKLINE_INGEST_URL="${HOOKLINE_INGEST_URL:-http://127.0.0.1:${HOOKLINE_INGEST_PORT:-8000}}" \
+  "$BIN/hookline" health-monitor & pids+=($!)
 
 # Any service exiting on its own (a bad setting, the broker unreachable) stops the rest.
 wait -n "${pids[@]}" || true

@@ -242,6 +242,10 @@ class MonitorSettings(CommonSettings):
         gt=0,
         description="A queue an endpoint left (moved or deleted) is removed after staying empty this long.",
     )
+    ingest_url: str = Field(
+        "http://127.0.0.1:8000",
+        description="Where the dashboard (/ui/) reaches the ingest API, with the logged-in user's token.",
+    )
 
     @field_validator("api_token")
     @classmethod

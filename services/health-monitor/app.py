@@ -9,8 +9,10 @@ from contextlib import asynccontextmanager
 import structlog
 from fastapi import Depends, FastAPI
 
-from hookline.health_monitor import status
+from hookline.health_monitor import dashboard, status
+from hookline.health_monitor.ingest_api import IngestApi
 from hookline.health_monitor.monitor import Monitor, monitoring
+from hookline.health_monitor.sessions import Sessions
 from hookline.health_monitor.sinks import AlertSinks, parse_sinks
 from hookline.shared import __version__, lifecycle, registry, topology
 from hookline.shared import logging as hookline_logging
@@ -59,10 +61,12 @@ def create_app(settings: MonitorSettings) -> FastAPI:
                 else None,
                 client=client,
             ) as alert_sinks,
+            IngestApi(settings.ingest_url) as ingest_api,
         ):
             await topology.declare(broker, settings.retention)
             publisher = Publisher(broker)
             app.state.broker = broker
+            app.state.ingest_api = ingest_api
             try:
                 change_log = await registry.follow(
                     broker,
@@ -95,6 +99,9 @@ def create_app(settings: MonitorSettings) -> FastAPI:
         status.router, dependencies=[Depends(bearer_token_guard(settings.api_token.get_secret_value()))]
     )
     app.include_router(probes_router(problems))
+    # The dashboard has its own login (a session cookie), not the bearer guard of the API.
+    app.state.sessions = Sessions()
+    app.include_router(dashboard.router)
     return app
 
 

@@ -91,6 +91,11 @@ class RollingStats:
                 merged.merge(stats)
         return merged
 
+    def series(self, *, now_s: float) -> list[Stats | None]:
+        """One entry per slot of the window, oldest first; None where nothing was recorded."""
+        oldest = self._oldest_slot(now_s)
+        return [self._slots.get(slot) for slot in range(oldest + 1, int(now_s // self.slot_s) + 1)]
+
     def _oldest_slot(self, now_s: float) -> int:
         return int(now_s // self.slot_s) - self.window_s // self.slot_s
 

@@ -15,7 +15,7 @@ from aio_pika.abc import AbstractIncomingMessage
 from fastapi import Depends, FastAPI
 from pydantic import ValidationError
 
-from hookline.ingest import deadletters, endpoints, events, replay, tracking
+from hookline.ingest import auth, deadletters, endpoints, events, replay, tracking
 from hookline.ingest.auth import parse_tenant_tokens, principal
 from hookline.ingest.deliverylog import DeliveryLog
 from hookline.ingest.state import IngestState
@@ -133,6 +133,7 @@ def create_app(settings: IngestSettings) -> FastAPI:
     app.include_router(replay.router, dependencies=[guard])
     app.include_router(deadletters.router, dependencies=[guard])
     app.include_router(tracking.router, dependencies=[guard])
+    app.include_router(auth.router, dependencies=[guard])
     app.include_router(probes_router(lambda: _problems(app)))
     return app
 

@@ -9,10 +9,11 @@ import hmac
 from dataclasses import dataclass
 from typing import Annotated
 
-from fastapi import Depends, Request
+from fastapi import APIRouter, Depends, Request
 
 from hookline.ingest.state import IngestState, ingest_state
 from hookline.shared.api import ApiError
+from hookline.shared.models import Model
 
 
 @dataclass(frozen=True)
@@ -63,3 +64,17 @@ def principal(request: Request, state: Annotated[IngestState, Depends(ingest_sta
 
 
 Caller = Annotated[Principal, Depends(principal)]
+
+
+router = APIRouter(tags=["auth"])
+
+
+class Identity(Model):
+    admin: bool
+    tenant: str | None  # the tenant a tenant token is limited to; None for the admin
+
+
+@router.get("/v1/whoami", response_model=Identity)
+async def whoami(caller: Caller) -> Identity:
+    """Who this token is: the dashboard asks at login, so that tokens are checked in one place."""
+    return Identity(admin=caller.tenant is None, tenant=caller.tenant)

@@ -78,6 +78,7 @@ def system(
             amqp_url, HOOKLINE_STATE_DIR=str(log_dir / "state"), **getattr(request.module, "SYSTEM_ENV", {})
         )
         ingest = services.start("ingest", env, log_dir)
+        env["HOOKLINE_INGEST_URL"] = ingest.base_url  # the monitor's dashboard calls it
         dispatchers = [services.start("dispatcher", env, log_dir, name=f"dispatcher-{n}") for n in (1, 2)]
         monitor = services.start("health-monitor", env, log_dir)
         running = System(amqp_url, env, log_dir, ingest, dispatchers, monitor)

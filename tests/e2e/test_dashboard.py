@@ -1,0 +1,187 @@
+"""The support dashboard (/ui/ on the health monitor) in a real headless Chromium, against the real services.
+
+A support engineer logs in with a tenant's token, finds an event by id and reads its attempts at each
+endpoint, redrives the dead letter it left once the receiver is fixed and watches it arrive, and pauses
+an endpoint; another tenant's endpoints and events stay out of sight throughout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from conftest import System
+from playwright.async_api import Page, expect
+from support import services
+from support.browser import chromium
+from support.receiver import Received, Receiver, Reply
+from support.waiting import eventually
+
+pytestmark = pytest.mark.e2e
+
+ACME_TOKEN = "acme-tenant-token-0123456789"
+GLOBEX_TOKEN = "globex-tenant-token-0123456789"
+SYSTEM_ENV = {
+    "HOOKLINE_TENANT_TOKENS": f"acme:{ACME_TOKEN},globex:{GLOBEX_TOKEN}",
+    "HOOKLINE_SECRET_KEY": "a-long-random-secret-key-for-the-tests-0123456789",
+}
+DOCS_SCREENSHOT = Path(__file__).parents[2] / "docs" / "dashboard.png"
+
+
+async def publish(system: System, tenant: str, event_type: str, subject: str) -> str:
+    async with httpx.AsyncClient(
+        base_url=system.ingest.base_url, headers={"authorization": f"Bearer {services.TOKEN}"}, timeout=30
+    ) as api:
+        response = await api.post(
+            "/v1/events", json={"tenant": tenant, "type": event_type, "subject": subject, "data": {"n": 1}}
+        )
+    assert response.status_code == 202, response.text
+    event_id: str = response.json()["id"]
+    return event_id
+
+
+async def story(system: System, event_id: str) -> dict[str, Any]:
+    with system.api() as api:
+        response = await asyncio.to_thread(api.get, f"/v1/events/{event_id}")
+    assert response.status_code == 200, response.text
+    found: dict[str, Any] = response.json()
+    return found
+
+
+def state_at(found: dict[str, Any], endpoint_id: str) -> str:
+    [course] = [c for c in found["endpoints"] if c["endpoint_id"] == endpoint_id]
+    state: str = course["state"]
+    return state
+
+
+async def log_in(page: Page, system: System, token: str) -> None:
+    await page.goto(f"{system.monitor.base_url}/ui/")
+    await expect(page).to_have_url(f"{system.monitor.base_url}/ui/login")  # not logged in yet
+    await page.fill("input[name=token]", token)
+    await page.click("button[type=submit]")
+
+
+async def test_support_engineer_finds_redrives_and_pauses(
+    system: System, receiver: Receiver, tmp_path: Path
+) -> None:
+    refusing = True
+
+    def respond(request: Received) -> Reply:
+        if request.path == "/orders" and refusing:
+            return Reply(
+                status=400, body=b'{"error":"unknown type"}', headers={"content-type": "application/json"}
+            )
+        return Reply(status=200, body=b"thanks", headers={"content-type": "text/plain"})
+
+    receiver.responder = respond
+    ok = system.add_endpoint("acme", receiver.url("/ok"), ["order.*"])
+    orders = system.add_endpoint("acme", receiver.url("/orders"), ["order.*"])
+    hidden = system.add_endpoint("globex", receiver.url("/globex"), ["order.*"])
+    event_id = await publish(system, "acme", "order.created", "o_1")
+    other_event = await publish(system, "globex", "order.created", "g_1")
+
+    async def settled() -> bool:
+        found = await story(system, event_id)
+        return state_at(found, ok["id"]) == "delivered" and state_at(found, orders["id"]) == "dead"
+
+    await eventually(settled, timeout_s=30)
+
+    async with chromium() as browser:
+        page = await browser.new_page(viewport={"width": 1400, "height": 900})
+
+        # A wrong token is refused, and says so.
+        await log_in(page, system, "not-a-token-at-all-0123")
+        await expect(page.get_by_role("alert")).to_contain_text("not valid")
+
+        await page.fill("input[name=token]", ACME_TOKEN)
+        await page.click("button[type=submit]")
+        await expect(page).to_have_url(f"{system.monitor.base_url}/ui/")
+        await expect(page.locator("header .who")).to_contain_text("acme")
+        endpoints = page.locator("#endpoints")
+        await expect(endpoints.locator(f"tr[data-endpoint={ok['id']}]")).to_be_visible()
+        await expect(endpoints.locator(f"tr[data-endpoint={orders['id']}]")).to_be_visible()
+        assert hidden["id"] not in await page.content()  # another tenant's endpoint
+
+        # Find the event by id: its attempts at each endpoint, and why one of them is dead.
+        await page.fill("header input[name=id]", event_id)
+        await page.click("header button:has-text('Find')")
+        await expect(page.locator("h1")).to_contain_text(event_id)
+        delivered = page.locator(f"section.course[data-endpoint={ok['id']}]")
+        await expect(delivered.locator("[data-state]")).to_have_text("delivered")
+        await expect(delivered.locator("table.attempts")).to_contain_text("200")
+        await expect(delivered.locator("table.attempts")).to_contain_text("thanks")
+        dead = page.locator(f"section.course[data-endpoint={orders['id']}]")
+        await expect(dead.locator("[data-state]")).to_have_text("dead")
+        await expect(dead.locator(".why")).to_contain_text("permanent_status")
+        await expect(dead.locator("table.attempts")).to_contain_text("400")
+
+        # Another tenant's event is not found, whatever its id.
+        await page.goto(f"{system.monitor.base_url}/ui/events/{other_event}")
+        await expect(page.get_by_role("alert")).to_be_visible()
+        assert "globex" not in await page.locator("main").inner_text()
+
+        # The receiver is fixed: redrive the dead letter from the dead-letter page and see it arrive.
+        refusing = False
+        await page.click("header a:has-text('Dead letters')")
+        await expect(page.locator("#analysis")).to_contain_text(orders["id"])
+        row = page.locator("#dead-letters tr[data-dead-letter]").filter(has_text=event_id)
+        await expect(row).to_have_count(1)
+        await row.locator("button:has-text('Redrive')").click()
+        await expect(page.get_by_role("status")).to_contain_text("Redrove 1")
+
+        async def redriven() -> bool:
+            await page.goto(f"{system.monitor.base_url}/ui/events/{event_id}")
+            state = await dead.locator("[data-state]").inner_text()
+            return state == "delivered"
+
+        await eventually(redriven, timeout_s=30, every_s=0.5)
+        await expect(dead.locator("table.attempts")).to_contain_text("redrive")
+        assert [r.path for r in receiver.requests if r.headers.get("webhook-id") == event_id].count(
+            "/orders"
+        ) == 2
+
+        # Pause an endpoint from the overview; the ingest says it is paused.
+        await page.click("header a:has-text('Overview')")
+        await page.locator(f"#endpoints tr[data-endpoint={ok['id']}] button:has-text('Pause')").click()
+        await expect(page.get_by_role("status")).to_contain_text(f"Paused {ok['id']}")
+        await expect(page.locator(f"#endpoints tr[data-endpoint={ok['id']}]")).to_contain_text("paused")
+        with system.api() as api:
+            assert (await asyncio.to_thread(api.get, f"/v1/endpoints/{ok['id']}")).json()[
+                "status"
+            ] == "paused"
+
+        await page.screenshot(path=tmp_path / "dashboard.png", full_page=True)
+        if os.environ.get("HOOKLINE_DASHBOARD_SCREENSHOT"):  # refreshes the README's picture
+            await page.screenshot(path=DOCS_SCREENSHOT, full_page=True)
+
+        # Logging out ends the session: the pages ask for a login again.
+        await page.click("header button:has-text('Log out')")
+        await page.goto(f"{system.monitor.base_url}/ui/")
+        await expect(page).to_have_url(f"{system.monitor.base_url}/ui/login")
+
+
+async def test_forms_without_the_session_token_are_refused(system: System) -> None:
+    """A form posted from another site (no CSRF token) changes nothing, even with the session cookie."""
+    endpoint = system.add_endpoint("acme", "http://127.0.0.1:9/never", ["order.*"])
+    async with httpx.AsyncClient(base_url=system.monitor.base_url, timeout=30) as ui:
+        login = await ui.post("/ui/login", data={"token": ACME_TOKEN})
+        assert login.status_code == 303, login.text
+        assert login.cookies["hookline_session"]
+        assert "httponly" in login.headers["set-cookie"].lower()
+        assert "samesite=strict" in login.headers["set-cookie"].lower()
+        forged = await ui.post(f"/ui/endpoints/{endpoint['id']}/pause", data={"csrf": "guessed"})
+        assert forged.status_code == 403, forged.text
+        page = await ui.get("/ui/")
+        assert page.status_code == 200
+        assert "default-src 'none'" in page.headers["content-security-policy"]  # no script runs
+        assert page.headers["cache-control"] == "no-store"
+    with system.api() as api:
+        assert (await asyncio.to_thread(api.get, f"/v1/endpoints/{endpoint['id']}")).json()[
+            "status"
+        ] == "active"
+    assert json.loads(forged.text)["error"] == "forbidden"
