@@ -105,6 +105,9 @@ def _endpoint_fields(args: argparse.Namespace) -> dict[str, Any]:
         "timeout_s": args.timeout_s,
         "rate_limit_per_s": args.rate_limit_per_s,
         "max_in_flight": args.max_in_flight,
+        "body_format": args.body_format,
+        "notify_url": args.notify_url,
+        "notify_format": args.notify_format,
     }
     return {name: value for name, value in fields.items() if value is not None}
 
@@ -294,6 +297,13 @@ def _add_endpoint_options(parser: argparse.ArgumentParser, *, creating: bool) ->
     parser.add_argument("--timeout-s", type=float, help="per-attempt timeout, 1-30 s (default 15)")
     parser.add_argument("--rate-limit-per-s", type=float)
     parser.add_argument("--max-in-flight", type=int)
+    parser.add_argument(
+        "--body-format", choices=["event", "slack"], help='slack: POST {"text": ...} (incoming webhooks)'
+    )
+    parser.add_argument(
+        "--notify-url", help="where hookline tells you this endpoint is failing, recovered or disabled"
+    )
+    parser.add_argument("--notify-format", choices=["event", "slack"])
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -112,6 +112,11 @@ MaxAttempts = Annotated[int, Field(ge=1, le=10_000)]
 RetentionS = Annotated[float, Field(ge=60, le=30 * 86400)]
 
 
+#: How a delivery's body is shaped: the event itself, or ``{"text": ...}`` for Slack-compatible incoming
+#: webhooks (hookline.shared.notifications.render).
+BodyFormat = Literal["event", "slack"]
+
+
 class EndpointStatus(enum.StrEnum):
     ACTIVE = "active"
     PAUSED = "paused"
@@ -130,6 +135,11 @@ class EndpointCreate(Model):
     retry_schedule_s: RetrySchedule | None = None
     max_attempts: MaxAttempts | None = None
     retention_s: RetentionS | None = None
+    body_format: BodyFormat = "event"
+    notify_url: Url | None = Field(
+        None, description="where hookline tells the tenant of this endpoint's trouble"
+    )
+    notify_format: BodyFormat = "event"
     verify: bool = Field(True, description="run the verification handshake (false: for development only)")
 
 
@@ -147,6 +157,9 @@ class EndpointUpdate(Model):
     retry_schedule_s: RetrySchedule | None = None
     max_attempts: MaxAttempts | None = None
     retention_s: RetentionS | None = None
+    body_format: BodyFormat | None = None
+    notify_url: Url | None = None
+    notify_format: BodyFormat | None = None
     verify: bool = Field(True, description="verify the new url, when it changes, before delivering to it")
 
 
@@ -174,6 +187,9 @@ class Endpoint(Model):
     retry_schedule_s: RetrySchedule | None = None
     max_attempts: MaxAttempts | None = None
     retention_s: RetentionS | None = None
+    body_format: BodyFormat = "event"
+    notify_url: Url | None = None  # operational notifications (hookline.shared.notifications)
+    notify_format: BodyFormat = "event"
     status: EndpointStatus = EndpointStatus.ACTIVE
     verified: bool = Field(True, description="deliveries go only to verified endpoints")
     verification: Verification | None = None
@@ -221,10 +237,12 @@ class EndpointCreated(Endpoint):
     """The answer to ``POST /v1/endpoints``: the only time the secret is shown unasked."""
 
     secret: str
+    notify_secret: str | None = None  # signs what notify_url receives
 
 
 class EndpointSecret(Model):
     secret: str
+    notify_secret: str | None = None
 
 
 class RotateSecret(Model):

@@ -28,7 +28,7 @@ from hookline.dispatcher.ordering import SubjectOrder
 from hookline.dispatcher.outcome import Ack, DeadLetter, Retry, Settlement, classify, settle
 from hookline.dispatcher.pacing import Pacer
 from hookline.dispatcher.telemetry import Telemetry
-from hookline.shared import __version__, signing, topology
+from hookline.shared import __version__, notifications, signing, topology
 from hookline.shared.amqp import BROKER_ERRORS, Publisher
 from hookline.shared.control import BreakerView
 from hookline.shared.deadletters import dead_letter_message
@@ -304,6 +304,7 @@ class Handler:
         )
 
     async def _attempt(self, endpoint: StoredEndpoint, event_id: str, body: bytes) -> AttemptResult:
+        body = notifications.render(endpoint.body_format, body)
         headers = signing.webhook_headers(self._keys(endpoint), event_id, body, timestamp_s=int(time.time()))
         return await self._client.post(endpoint.url, body, headers, timeout_s=endpoint.timeout_s)
 

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from datetime import UTC, datetime
 
-from hookline.health_monitor.health import Health
+from hookline.health_monitor.breaker import open_for_s
+from hookline.health_monitor.health import EndpointHealth, Health
 from hookline.shared.capacity import BrokerCapacity
 from hookline.shared.control import BreakerState
 from hookline.shared.models import EndpointStatus, StoredEndpoint
@@ -23,6 +25,7 @@ class AlertPolicy:
     dead_letters_min: int = 1  # new dead letters in the last 5 minutes
     broker_disk_headroom_bytes: int = 5_000_000_000  # free disk above the broker's own limit
     broker_fd_ratio: float = 0.8  # share of the broker's file handles in use (or taken by queues)
+    disable_after_s: float = 259_200.0  # open this long, an endpoint is disabled; warned at half of it
 
 
 @dataclass(frozen=True)
@@ -72,11 +75,8 @@ def evaluate(
         state = health.endpoints.get(endpoint_id)
         if state is None:
             continue
-        if state.breaker.state is not BreakerState.CLOSED:
-            alert(
-                "breaker_open",
-                f"circuit breaker {state.breaker.state.value} after {state.breaker.consecutive_failures} failures",
-            )
+        for name, detail in _failing(endpoint, state, now_s=now_s, policy=policy):
+            alert(name, detail)
         p95 = state.p95_recent_ms(now_s)
         if p95 is not None and p95 > policy.slow_p95_ms:
             alert(
@@ -94,6 +94,31 @@ def evaluate(
             if count >= policy.spike_min_count and count >= policy.spike_min_ratio * recent.attempts:
                 alert(name, f"{count} of {recent.attempts} attempts in 5 minutes answered {what}")
     return {alert.key: alert for alert in alerts}
+
+
+def _failing(
+    endpoint: StoredEndpoint, state: EndpointHealth, *, now_s: float, policy: AlertPolicy
+) -> list[tuple[str, str]]:
+    """An open breaker, and (at half the time after which the endpoint is disabled) the warning."""
+    if state.breaker.state is BreakerState.CLOSED:
+        return []
+    failing = [
+        (
+            "breaker_open",
+            f"circuit breaker {state.breaker.state.value} after {state.breaker.consecutive_failures} failures",
+        )
+    ]
+    open_s = open_for_s(state.breaker, now_s=now_s)
+    if endpoint.status is EndpointStatus.ACTIVE and open_s >= policy.disable_after_s / 2:
+        disable_at = datetime.fromtimestamp(now_s - open_s + policy.disable_after_s, UTC)
+        failing.append(
+            (
+                "endpoint_disabling",
+                f"failing for {open_s / 3600:.1f} h: disabled at {disable_at:%Y-%m-%d %H:%M:%SZ} "
+                "unless it recovers",
+            )
+        )
+    return failing
 
 
 def broker_alerts(capacity: BrokerCapacity | None, *, blocked: bool, policy: AlertPolicy) -> list[Alert]:

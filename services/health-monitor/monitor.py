@@ -41,7 +41,7 @@ from hookline.health_monitor.breaker import Breaker, BreakerPolicy
 from hookline.health_monitor.canary import CANARY_TYPE, CanaryBook
 from hookline.health_monitor.health import Health, HealthPolicy
 from hookline.health_monitor.sinks import AlertSinks
-from hookline.shared import topology
+from hookline.shared import notifications, topology
 from hookline.shared.amqp import BROKER_ERRORS, CALL_TIMEOUT_S, Broker, Publisher, QueueProbe, until_closed
 from hookline.shared.capacity import BrokerCapacity, CapacityReader
 from hookline.shared.control import BreakerCommand, BreakerState, BreakerView, ControlRecord, control_record
@@ -59,7 +59,7 @@ from hookline.shared.views import follow_view
 log = structlog.get_logger(__name__)
 
 SNAPSHOT_INTERVAL_S = 5.0
-UNSENT_ALERTS_MAX = 1_000
+UNSENT_MAX = 1_000
 EVALUATION_INTERVAL_S = 2.0
 # dump() runs on the event loop (about 0.1-0.3 s for a day of 1M records): not too often.
 CHECKPOINT_INTERVAL_S = 30.0
@@ -150,11 +150,15 @@ class Monitor:
             oldest_pending_s=settings.oldest_pending_alert_s,
             broker_disk_headroom_bytes=settings.broker_disk_headroom_bytes,
             broker_fd_ratio=settings.broker_fd_ratio,
+            disable_after_s=settings.disable_after_s,
         )
         self.canaries = CanaryBook()
         self.capacity: BrokerCapacity | None = None  # the broker's last reading (None: unreadable)
-        # Alerts the alerts exchange did not take (the broker refused publishes): sent once it takes them.
-        self._unsent_alerts: collections.deque[aio_pika.Message] = collections.deque(maxlen=UNSENT_ALERTS_MAX)
+        # Alerts and notifications the broker did not take (it refused publishes): sent, in order, once it
+        # takes them again. (message, exchange, routing key)
+        self._unsent: collections.deque[tuple[aio_pika.Message, str, str]] = collections.deque(
+            maxlen=UNSENT_MAX
+        )
         self.alerts = AlertBook()
         self.dead_letters = dead_letters
         self.awaiting_retry = 0
@@ -506,10 +510,44 @@ class Monitor:
         fired, resolved = self.alerts.update(current)
         if not self.leader:
             return  # a standby knows what fires (its API says so); the leader tells the world
-        await self._send_unsent_alerts()
+        await self._send_unsent()
         for state, changed in (("firing", fired), ("resolved", resolved)):
             for alert in changed:
                 await self._publish_alert(alert, state, now_s)
+                await self._notify(alert, state, now_s)
+
+    async def _notify(self, alert: Alert, state: str, now_s: float) -> None:
+        """Tell the endpoint's tenant, at its notify_url, through its notifier's queue (retried there)."""
+        endpoint = self.registry.get(alert.endpoint_id) if alert.endpoint_id else None
+        notice = notifications.notice_for(alert.name, state, endpoint)
+        if notice is None or endpoint is None:
+            return
+        notifier_id = notifications.notifier_of(endpoint)
+        notifier = self.registry.get(notifier_id) if notifier_id else None
+        if notifier is None:
+            log.warning("notifier_missing", endpoint_id=endpoint.id, notifier_id=notifier_id)
+            return
+        event = notifications.notification(
+            notice, endpoint, alert.detail, now=datetime.fromtimestamp(now_s, UTC)
+        )
+        message = aio_pika.Message(
+            event.model_dump_json(exclude_none=True).encode(),
+            content_type="application/json",
+            delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
+            message_id=event.id,
+            timestamp=event.occurred_at,
+        )
+        log.info(
+            "notification",
+            notice=notice.value,
+            endpoint_id=endpoint.id,
+            tenant=endpoint.tenant,
+            notifier_id=notifier.id,
+            event_id=event.id,
+        )
+        queue = topology.endpoint_queue(notifier.id, notifier.queue_generation)
+        self._unsent.append((message, "", queue))
+        await self._send_unsent()
 
     async def _publish_alert(self, alert: Alert, state: str, now_s: float) -> None:
         body = {
@@ -529,20 +567,21 @@ class Monitor:
         )
         assert message.message_id is not None
         self._sinks.send(message.message_id, body)
-        self._unsent_alerts.append(message)
-        await self._send_unsent_alerts()
+        self._unsent.append((message, topology.ALERTS_EXCHANGE, message.type or ""))
+        await self._send_unsent()
 
-    async def _send_unsent_alerts(self) -> None:
+    async def _send_unsent(self) -> None:
         """In order, until the broker refuses one; the rest wait for the next evaluation."""
-        while self._unsent_alerts:
-            message = self._unsent_alerts[0]
+        while self._unsent:
+            message, exchange, routing_key = self._unsent[0]
             try:
-                await self._publisher.publish(
-                    message, exchange=topology.ALERTS_EXCHANGE, routing_key=message.type or ""
-                )
+                await self._publisher.publish(message, exchange=exchange, routing_key=routing_key)
+            except aiormq.exceptions.DeliveryError:
+                # Nowhere to go (a notifier's queue deleted with it): waiting would hold up the rest.
+                log.warning("unroutable", exchange=exchange, routing_key=routing_key, type=message.type)
             except BROKER_ERRORS:
                 return
-            self._unsent_alerts.popleft()
+            self._unsent.popleft()
 
     async def watch_broker(self, reader: CapacityReader, loop: Loop) -> None:
         """The broker's alarms, free disk and file handles, read every few seconds (for alerts, /metrics

@@ -12,7 +12,7 @@ import aio_pika
 import structlog
 
 from hookline.ingest.state import IngestState
-from hookline.shared import signing, topology
+from hookline.shared import notifications, signing, topology
 from hookline.shared.amqp import BROKER_ERRORS
 from hookline.shared.delivery import AttemptResult
 from hookline.shared.models import StoredEndpoint
@@ -42,6 +42,7 @@ async def attempt(
     """POST ``body`` to the endpoint now and record the attempt (a record that cannot be published is
     only missing from the delivery log: the attempt itself happened)."""
     keys = signing_keys(state, endpoint, datetime.now(UTC))
+    body = notifications.render(endpoint.body_format, body)
     headers = signing.webhook_headers(keys, event_id, body, timestamp_s=int(time.time()))
     started_s = time.time()
     result = await state.client.post(endpoint.url, body, headers, timeout_s=endpoint.timeout_s)

@@ -23,7 +23,7 @@ from pydantic import ValidationError
 from hookline.ingest.auth import Caller
 from hookline.ingest.state import IngestState, ingest_state
 from hookline.ingest.verification import verify
-from hookline.shared import topology
+from hookline.shared import notifications, topology
 from hookline.shared.amqp import QueueProbe
 from hookline.shared.api import ApiError, broker_unavailable
 from hookline.shared.ids import new_id
@@ -70,13 +70,56 @@ def _invalid(field: str, message: str) -> ApiError:
     )
 
 
-async def _check_target(url: str, state: IngestState) -> None:
+async def _check_target(url: str, state: IngestState, field: str = "url") -> None:
     """Refuse, naming the reason, a URL hookline would not call (scheme, private or reserved addresses)."""
     refusal = await registration_refusal(
         url, allow_http=state.settings.allow_http, allow_private=state.settings.allow_private_targets
     )
     if refusal is not None:
-        raise _invalid("url", refusal)
+        raise _invalid(field, refusal)
+
+
+async def _notifier(state: IngestState, endpoint: StoredEndpoint) -> StoredEndpoint | None:
+    """The notifier that delivers ``endpoint``'s notifications (notifications.py): registered in the
+    operator tenant the first time a tenant names that URL and format, shared after that."""
+    notifier_id = notifications.notifier_of(endpoint)
+    if notifier_id is None or endpoint.notify_url is None:
+        return None
+    if (existing := state.registry.get(notifier_id)) is not None:
+        return existing
+    await _check_target(endpoint.notify_url, state, "notify_url")
+    now = datetime.now(UTC)
+    notifier = StoredEndpoint(
+        id=notifier_id,
+        tenant=notifications.OPERATOR_TENANT,
+        url=endpoint.notify_url,
+        event_types=[notifications.NOTIFIER_EVENT_TYPE],
+        description=f"notifications for tenant {endpoint.tenant}",
+        body_format=endpoint.notify_format,
+        # No handshake: a notifier carries only hookline's own operational facts, and a Slack hook
+        # would refuse the handshake's body.
+        verified=True,
+        created_at=now,
+        updated_at=now,
+        secrets=[SigningSecret(value=state.sealer.seal(generate_secret()), created_at=now)],
+        routed=True,
+    )
+    await _check_capacity(state)
+    async with state.broker.channel() as admin:
+        await topology.provision(admin, notifier)
+    try:
+        written = await _write(state, notifier, base_version=0)
+    except ApiError:
+        if (current := state.registry.get(notifier_id)) is None:
+            raise
+        return current  # another replica registered the same notifier first: one is enough
+    log.info("notifier_created", endpoint_id=notifier_id, for_tenant=endpoint.tenant)
+    return written
+
+
+def _reserved(tenant: str) -> None:
+    if tenant == notifications.OPERATOR_TENANT:
+        raise _invalid("tenant", f"{tenant!r} is reserved for hookline's own notifications")
 
 
 def _stored(state: IngestState, endpoint_id: str, caller: Caller) -> StoredEndpoint:
@@ -153,6 +196,7 @@ async def create_endpoint(
     spec: EndpointCreate, state: State, caller: Caller, response: Response
 ) -> EndpointCreated:
     caller.require(spec.tenant)
+    _reserved(spec.tenant)
     await _check_target(spec.url, state)
     now = datetime.now(UTC)
     secret = generate_secret()
@@ -166,6 +210,7 @@ async def create_endpoint(
         secrets=[SigningSecret(value=state.sealer.seal(secret), created_at=now)],
         routed=True,
     )
+    notifier = await _notifier(state, endpoint)
     await _check_capacity(state)
     async with state.broker.channel() as admin:
         await topology.provision(admin, endpoint)
@@ -174,7 +219,11 @@ async def create_endpoint(
     if spec.verify:
         endpoint = await _record_verification(state, endpoint)
     _etag(response, endpoint)
-    return EndpointCreated(**endpoint.public().model_dump(), secret=secret)
+    return EndpointCreated(
+        **endpoint.public().model_dump(),
+        secret=secret,
+        notify_secret=state.sealer.open(notifier.secrets[0].value) if notifier else None,
+    )
 
 
 @router.get("", response_model=EndpointList)
@@ -208,7 +257,13 @@ async def get_endpoint(endpoint_id: str, state: State, caller: Caller, response:
 
 @router.get("/{endpoint_id}/secret", response_model=EndpointSecret)
 async def get_secret(endpoint_id: str, state: State, caller: Caller) -> EndpointSecret:
-    return EndpointSecret(secret=state.sealer.open(_stored(state, endpoint_id, caller).secrets[0].value))
+    endpoint = _stored(state, endpoint_id, caller)
+    notifier_id = notifications.notifier_of(endpoint)
+    notifier = state.registry.get(notifier_id) if notifier_id else None
+    return EndpointSecret(
+        secret=state.sealer.open(endpoint.secrets[0].value),
+        notify_secret=state.sealer.open(notifier.secrets[0].value) if notifier else None,
+    )
 
 
 @router.patch("/{endpoint_id}", response_model=Endpoint)
@@ -223,7 +278,7 @@ async def update_endpoint(
     before = _stored(state, endpoint_id, caller)
     base_version = _base_version(before, if_match)
     changes = change.model_dump(exclude_unset=True, exclude={"verify"})
-    for field in ("url", "event_types", "ordered"):
+    for field in ("url", "event_types", "ordered", "body_format", "notify_format"):
         if field in changes and changes[field] is None:
             raise _invalid(field, "must not be null")
     if "url" in changes:
@@ -232,6 +287,8 @@ async def update_endpoint(
     after = StoredEndpoint.model_validate(
         {**before.model_dump(), **changes, "updated_at": datetime.now(UTC), "routed": True}
     )
+    if notifications.notifier_of(after) != notifications.notifier_of(before):
+        await _notifier(state, after)
     url_changed = after.url != before.url
     if url_changed and change.verify:
         after = after.model_copy(update={"verified": False})

@@ -18,6 +18,7 @@ from hookline.shared.api import ApiError, broker_unavailable, invalid_input
 from hookline.shared.headers import Header
 from hookline.shared.ids import new_id
 from hookline.shared.models import Event, EventAccepted, EventIn
+from hookline.shared.notifications import OPERATOR_TENANT
 
 log = structlog.get_logger(__name__)
 router = APIRouter(prefix="/v1/events", tags=["events"])
@@ -59,6 +60,10 @@ async def publish_event(
     except ValidationError as exc:
         raise invalid_input(exc.errors()) from None
     caller.require(event_in.tenant)
+    if event_in.tenant == OPERATOR_TENANT:
+        raise ApiError(
+            422, "invalid_fields", f"tenant {OPERATOR_TENANT!r} is reserved for hookline's own notifications"
+        )
     now = datetime.now(UTC)
     event = event_in.complete(event_id=new_id("evt"), now=now)
     body = event.model_dump_json(exclude_none=True).encode()

@@ -54,7 +54,10 @@ def test_the_cli_manages_endpoints(system: System) -> None:
     shown = hookline(system, "endpoints", "show", endpoint_id)
     assert shown["description"] == "orders"
     assert "secret" not in shown
-    assert hookline(system, "endpoints", "secret", endpoint_id) == {"secret": created["secret"]}
+    assert hookline(system, "endpoints", "secret", endpoint_id) == {
+        "secret": created["secret"],
+        "notify_secret": None,
+    }
 
     updated = hookline(
         system, "endpoints", "update", endpoint_id, "--url", "http://127.0.0.1:9/b", "--timeout-s", "5"
