@@ -112,6 +112,11 @@ class IngestSettings(DeliveryPolicySettings):
     delivery_log_retention_s: float = Field(
         604_800.0, gt=0, description="How long the delivery log keeps events and attempts."
     )
+    delivery_log_max_bytes: int = Field(
+        10_000_000_000,
+        ge=10_000_000,
+        description="The delivery log's files stay under this; past it the oldest rows go first.",
+    )
     broker_fd_reserve: int = Field(
         100,
         ge=0,

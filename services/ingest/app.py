@@ -66,7 +66,10 @@ def create_app(settings: IngestSettings) -> FastAPI:
                 amqp_url=settings.amqp_url,
             ) as capacity,
             DeliveryLog(
-                state_path, vhost=broker.vhost, retention_s=settings.delivery_log_retention_s
+                state_path,
+                vhost=broker.vhost,
+                retention_s=settings.delivery_log_retention_s,
+                max_bytes=settings.delivery_log_max_bytes,
             ) as delivery_log,
         ):
             await topology.declare(broker, settings.retention)

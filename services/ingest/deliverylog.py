@@ -4,8 +4,9 @@ Two durable views (:class:`~hookline.shared.views.RowView`, SQLite beside the in
 the events, from the event log stream (``hookline.events.log``: id, tenant, type, subject, when, and
 the offset to read the event back from), and the attempts, from the telemetry stream the dispatchers
 already publish (one record per attempt, with timings and the start of the receiver's answer, sealed
-when ``HOOKLINE_SECRET_KEY`` is set). Both keep ``HOOKLINE_DELIVERY_LOG_RETENTION_S``; a view rebuilt
-from scratch has what its stream still holds (the telemetry stream keeps 25 h).
+when ``HOOKLINE_SECRET_KEY`` is set). Both keep ``HOOKLINE_DELIVERY_LOG_RETENTION_S``, and together
+stay under ``HOOKLINE_DELIVERY_LOG_MAX_BYTES`` (the oldest rows go first); a view rebuilt from scratch
+has what its stream still holds (the telemetry stream keeps 25 h).
 """
 
 from __future__ import annotations
@@ -65,6 +66,11 @@ ATTEMPTS_SCHEMA = ViewSchema(
 DEFERRED = "deferred"  # the outcome column of a deferral: put back without an attempt
 # Telemetry batches hold at most 500 records: an attempt's id is its batch's offset and its place in it.
 _PER_BATCH = 1024
+#: How HOOKLINE_DELIVERY_LOG_MAX_BYTES is shared: an event row is about a sixth of an attempt's, and
+#: most events have an attempt or more.
+_EVENTS_SHARE = 0.2
+#: A trim goes this much below the budget, so that it does not run again at every pass.
+_TRIM_HEADROOM = 0.05
 
 
 class LoggedEvent(Model):
@@ -129,8 +135,11 @@ def _attempt_rows(offset: int, message: StreamMessage) -> list[tuple[Any, ...]]:
 class DeliveryLog:
     """The two views; open with ``async with``, follow each stream from its ``next_offset``."""
 
-    def __init__(self, path: Path | None, *, vhost: str, retention_s: float) -> None:
+    def __init__(
+        self, path: Path | None, *, vhost: str, retention_s: float, max_bytes: int = 10_000_000_000
+    ) -> None:
         self.retention_s = retention_s
+        self.max_bytes = max_bytes
         self.events = RowView(
             path.with_suffix(".events.sqlite") if path else None,
             schema=EVENTS_SCHEMA,
@@ -228,7 +237,8 @@ class DeliveryLog:
         return [(row[0], AttemptRecord.model_validate_json(row[1])) for row in rows]
 
     async def expire(self, *, now_s: float) -> int:
-        """Forget what is older than the retention; how many rows went."""
+        """Forget what is older than the retention, then the oldest rows past the size budget; how many
+        rows went."""
         cutoff_s = now_s - self.retention_s
         events = await self.events.store.write(
             lambda db: db.execute("DELETE FROM events WHERE accepted_at_s < ?", (cutoff_s,)).rowcount
@@ -236,7 +246,37 @@ class DeliveryLog:
         attempts = await self.attempts.store.write(
             lambda db: db.execute("DELETE FROM attempts WHERE at_s < ?", (cutoff_s,)).rowcount
         )
+        events += await self.events.store.write(
+            lambda db: _trim(db, "events", "offset", int(self.max_bytes * _EVENTS_SHARE))
+        )
+        attempts += await self.attempts.store.write(
+            lambda db: _trim(db, "attempts", "id", int(self.max_bytes * (1 - _EVENTS_SHARE)))
+        )
         return int(events) + int(attempts)
+
+    async def used_bytes(self) -> int:
+        """What the rows take in both files (pages freed by deletions are reused, not counted)."""
+        return await self.events.read(_used_bytes) + await self.attempts.read(_used_bytes)
+
+
+def _used_bytes(db: sqlite3.Connection) -> int:
+    page_size, pages, free = (
+        db.execute(f"PRAGMA {name}").fetchone()[0] for name in ("page_size", "page_count", "freelist_count")
+    )
+    return int((pages - free) * page_size)
+
+
+def _trim(db: sqlite3.Connection, table: str, key: str, budget_bytes: int) -> int:
+    """Delete the oldest rows of ``table`` (by ``key``) until its file's pages in use fit the budget."""
+    used = _used_bytes(db)
+    if used <= budget_bytes:
+        return 0
+    rows = int(db.execute(f"SELECT count(*) FROM {table}").fetchone()[0])  # noqa: S608 - fixed names
+    excess = int(rows * (used - budget_bytes * (1 - _TRIM_HEADROOM)) / used) + 1
+    sql = f"DELETE FROM {table} WHERE {key} IN (SELECT {key} FROM {table} ORDER BY {key} LIMIT ?)"  # noqa: S608
+    removed = int(db.execute(sql, (excess,)).rowcount)
+    log.warning("delivery_log_trimmed", table=table, rows=removed, used_bytes=used, budget_bytes=budget_bytes)
+    return removed
 
 
 def _where(*conditions: tuple[str, Any]) -> tuple[str, list[Any]]:
