@@ -81,6 +81,12 @@ class EventIn(Model):
         )
 
 
+#: Where an event stands at one endpoint (the delivery log's answer; the dashboard filters by it).
+EventState = Literal[
+    "delivered", "pending", "retrying", "dead", "paused", "breaker_open", "unverified", "disabled"
+]
+
+
 class EventAccepted(Model):
     id: EventId
     tenant: Tenant

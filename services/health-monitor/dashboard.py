@@ -9,9 +9,9 @@ the pages drawn from local state keep to the session's tenant the same way.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime
-from typing import Annotated, Any
+from typing import Annotated, Any, get_args
 from urllib.parse import parse_qsl, quote, urlencode
 
 import jinja2
@@ -26,23 +26,15 @@ from hookline.health_monitor.sessions import COOKIE, Session, Sessions
 from hookline.health_monitor.status import EndpointHealthView, endpoint_view, status
 from hookline.shared.api import ApiError
 from hookline.shared.control import BreakerState
-from hookline.shared.models import DeadLetterReason
+from hookline.shared.models import DeadLetterReason, EventState
 
 log = structlog.get_logger(__name__)
 router = APIRouter(prefix="/ui", include_in_schema=False)
 
 MAX_FORM_BYTES = 64 * 1024
+MAX_ROWS = 200  # endpoints on the overview, degrading first; the rest are counted
 ENDPOINT_ACTIONS = ("pause", "resume", "verify", "replay")
-EVENT_STATES = (
-    "delivered",
-    "pending",
-    "retrying",
-    "dead",
-    "paused",
-    "breaker_open",
-    "unverified",
-    "disabled",
-)
+EVENT_STATES = get_args(EventState)
 # No script at all, and nothing framed or cached: the pages hold tenants' data.
 SECURITY_HEADERS = {
     "content-security-policy": "default-src 'none'; style-src 'unsafe-inline'; img-src 'self' data:; "
@@ -259,26 +251,20 @@ async def _summary(monitor: Monitor, session: Session, rows: list[EndpointRow]) 
 @router.get("/")
 async def overview(request: Request, session: Current, monitor: LocalState) -> HTMLResponse:
     now_s = time.time()
-    rows = []
-    for endpoint in monitor.registry.all():
-        if not session.may_see(endpoint.tenant):
-            continue
-        health = monitor.health.endpoints.get(endpoint.id)
-        p95s = (
-            [s.percentile_ms(0.95) if s else None for s in health.hour.series(now_s=now_s)] if health else []
-        )
-        rows.append(
-            EndpointRow(
-                health=endpoint_view(monitor, endpoint.id, endpoint, now_s),
-                url=endpoint.url,
-                sparkline=sparkline.points(p95s),
-            )
-        )
-    rows = ranked(rows)
+    tenant = session.tenant or request.query_params.get("tenant") or None
+    views = [
+        (endpoint, endpoint_view(monitor, endpoint.id, endpoint, now_s))
+        for endpoint in monitor.registry.all()
+        if session.may_see(endpoint.tenant) and (tenant is None or endpoint.tenant == tenant)
+    ]
+    rows = ranked([EndpointRow(health=view, url=endpoint.url, sparkline="") for endpoint, view in views])
+    shown = [
+        replace(row, sparkline=_sparkline(monitor, row.health.endpoint_id, now_s)) for row in rows[:MAX_ROWS]
+    ]
     alerts = [
         alert
         for alert in monitor.alerts.firing.values()
-        if session.tenant is None or alert.tenant == session.tenant
+        if session.may_see(alert.tenant) and (tenant is None or alert.tenant == tenant)
     ]
     return _page_for(
         request,
@@ -286,9 +272,18 @@ async def overview(request: Request, session: Current, monitor: LocalState) -> H
         session,
         summary=await _summary(monitor, session, rows),
         alerts=alerts,
-        rows=rows,
-        back="/ui/",
+        rows=shown,
+        total=len(rows),
+        tenant=tenant or "",
+        back=f"/ui/?{urlencode({'tenant': tenant})}" if tenant else "/ui/",
     )
+
+
+def _sparkline(monitor: Monitor, endpoint_id: str, now_s: float) -> str:
+    health = monitor.health.endpoints.get(endpoint_id)
+    if health is None:
+        return ""
+    return sparkline.points([s.percentile_ms(0.95) if s else None for s in health.hour.series(now_s=now_s)])
 
 
 # --- events -----------------------------------------------------------------------------------------

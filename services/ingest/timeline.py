@@ -10,16 +10,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from datetime import UTC, datetime
-from typing import Literal
 
 from hookline.shared.control import BreakerCommand, BreakerState
 from hookline.shared.deadletters import DeadLetterItem
-from hookline.shared.models import EndpointStatus, Model, StoredEndpoint
+from hookline.shared.models import EndpointStatus, EventState, Model, StoredEndpoint
 from hookline.shared.telemetry import ASIDE_KINDS, AttemptRecord, Deferral
-
-EventState = Literal[
-    "delivered", "pending", "retrying", "dead", "paused", "breaker_open", "unverified", "disabled"
-]
 
 
 class Standing(Model):

@@ -15,10 +15,10 @@ from hookline.ingest.attempts import attempt
 from hookline.ingest.auth import Caller
 from hookline.ingest.deliverylog import LoggedEvent
 from hookline.ingest.state import IngestState, ingest_state
-from hookline.ingest.timeline import EventState, standing
+from hookline.ingest.timeline import standing
 from hookline.shared import topology
 from hookline.shared.api import ApiError
-from hookline.shared.models import Model
+from hookline.shared.models import EventState, Model
 from hookline.shared.sealing import RESPONSE_PURPOSE, SealedSecretError
 from hookline.shared.streams import read_at
 from hookline.shared.telemetry import AttemptKind, AttemptRecord

@@ -185,3 +185,22 @@ async def test_forms_without_the_session_token_are_refused(system: System) -> No
             "status"
         ] == "active"
     assert json.loads(forged.text)["error"] == "forbidden"
+
+
+async def test_the_admin_sees_every_tenant_and_filters_by_one(system: System) -> None:
+    acme = system.add_endpoint("acme", "http://127.0.0.1:9/acme", ["order.*"])
+    globex = system.add_endpoint("globex", "http://127.0.0.1:9/globex", ["order.*"])
+    async with httpx.AsyncClient(base_url=system.monitor.base_url, timeout=30) as ui:
+        assert (await ui.post("/ui/login", data={"token": services.TOKEN})).status_code == 303
+        everything = (await ui.get("/ui/")).text
+        assert acme["id"] in everything
+        assert globex["id"] in everything
+        only_globex = (await ui.get("/ui/", params={"tenant": "globex"})).text
+        assert globex["id"] in only_globex
+        assert acme["id"] not in only_globex
+        # A tenant's session ignores the filter: it is its own tenant, whatever the query says.
+        ui.cookies.clear()
+        assert (await ui.post("/ui/login", data={"token": ACME_TOKEN})).status_code == 303
+        asked_for_globex = (await ui.get("/ui/", params={"tenant": "globex"})).text
+        assert acme["id"] in asked_for_globex
+        assert globex["id"] not in asked_for_globex
