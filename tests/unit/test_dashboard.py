@@ -56,6 +56,7 @@ def test_a_session_accepts_only_its_own_form_token_and_tenant() -> None:
         ([0.0, 10.0], "0.0,23.0 120.0,1.0"),
         ([10.0, None, 5.0], "0.0,1.0 120.0,12.0"),
         ([0.0, 0.0], "0.0,23.0 120.0,23.0"),
+        ([None, None, 4.0, 8.0], "0.0,12.0 120.0,1.0"),  # from where the data starts
     ],
 )
 def test_sparkline_points(values: list[float | None], expected: str) -> None:
