@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from hookline.health_monitor.dashboard import EndpointRow, ranked
+from hookline.health_monitor.dashboard import EndpointRow, _page, ranked
 from hookline.health_monitor.sessions import Sessions
 from hookline.health_monitor.sparkline import points
 from hookline.health_monitor.status import EndpointHealthView, Percentiles
@@ -86,3 +86,68 @@ def test_degrading_endpoints_come_first() -> None:
     ]
     assert [r.health.endpoint_id for r in ranked(rows)] == ["open", "probing", "slow", "slower", "fast"]
     assert [r.degrading for r in rows] == [False, False, True, True, True]
+
+
+def test_every_page_renders_and_escapes_what_it_shows() -> None:
+    """Each template with the fields it uses (StrictUndefined: a missing one fails here, not in prod)."""
+    session = Sessions().open(token="t" * 20, tenant=None, now_s=0.0)
+    row = _row("ep_x", BreakerState.OPEN, slow=True, p95_ms=2500)
+    row = EndpointRow(
+        health=row.health.model_copy(update={"consecutive_failures": 1, "status": "paused"}),
+        url="https://acme.example/<script>",
+        sparkline="0,1 120,2",
+    )
+    overview = _page(
+        "overview.html",
+        session,
+        summary=[("pending", "3")],
+        alerts=[],
+        rows=[row],
+        total=1,
+        tenant="",
+        back="/ui/",
+    ).body.decode()
+    assert "1 failure in a row" in overview
+    assert "Resume" in overview  # a paused endpoint offers resume, not pause
+    assert "&lt;script&gt;" in overview
+    assert "<script>" not in overview
+    attempt = {
+        "attempt": 1, "kind": "delivery", "at": "2026-11-30T10:00:00Z", "status": 503, "outcome": "retry",
+        "error": None, "dns_ms": None, "connect_ms": 1.0, "first_byte_ms": 2.0, "duration_ms": 2.5,
+        "dispatcher_id": "d:1", "response_body": "<b>busy</b>",
+    }  # fmt: skip
+    course = {
+        "endpoint_id": "ep_x", "state": "retrying", "attempts": [attempt],
+        "next_attempt_at": "2026-11-30T10:00:05Z", "waiting_reason": "in a delay queue",
+    }  # fmt: skip
+    story = {
+        "id": "evt_1", "tenant": "acme", "type": "order.created", "subject": None,
+        "accepted_at": "2026-11-30T10:00:00Z", "endpoints": [course],
+    }  # fmt: skip
+    event = _page("event.html", session, story=story, event_id="evt_1", back="/ui/events/evt_1").body.decode()
+    assert "in a delay queue" in event
+    assert "&lt;b&gt;busy&lt;/b&gt;" in event
+    assert "2026-11-30 10:00:05Z" in event
+    events = _page(
+        "events.html",
+        session,
+        events=[story],
+        next_after="o5",
+        filters={"state": "", "type": "", "subject": "", "after": ""},
+        states=("delivered",),
+    ).body.decode()
+    assert "evt_1" in events
+    assert "after=o5" in events
+    dead = _page(
+        "dead_letters.html",
+        session,
+        dead_letters=[],
+        next_after=None,
+        analysis=[],
+        filters={"endpoint_id": "", "reason": "", "event_id": "", "after": ""},
+        reasons=["permanent_status"],
+        back="/ui/dead-letters",
+    ).body.decode()
+    assert "No dead letters." in dead
+    assert session.csrf in overview  # every form carries the session's token
+    assert "Log in" in _page("login.html", None).body.decode()
