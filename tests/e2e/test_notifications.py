@@ -25,7 +25,7 @@ SYSTEM_ENV = {
     "HOOKLINE_BREAKER_FAILURE_THRESHOLD": "3",
     "HOOKLINE_BREAKER_COOLDOWN_S": "1",
     "HOOKLINE_BREAKER_MAX_COOLDOWN_S": "2",
-    "HOOKLINE_DISABLE_AFTER_S": "12",
+    "HOOKLINE_DISABLE_AFTER_S": "6",
     "HOOKLINE_RETRY_SCHEDULE_S": "1",
     "HOOKLINE_MAX_ATTEMPTS": "1000",
 }
@@ -96,8 +96,9 @@ async def test_a_tenant_whose_only_endpoint_is_broken_hears_of_it(system: System
         ] == "disabled"
 
     # Each kind once: the alert book de-duplicates, and the notifier delivered each on its first try.
-    kinds = [json.loads(r.body)["type"] for r in notices(receiver, "/notify")]
-    assert kinds == ["endpoint.failing", "endpoint.disabling", "endpoint.disabled"]
+    # (Two dispatchers serve the notifier: two notifications queued together may cross.)
+    kinds = sorted(json.loads(r.body)["type"] for r in notices(receiver, "/notify"))
+    assert kinds == ["endpoint.disabled", "endpoint.disabling", "endpoint.failing"]
 
     # The notifier is an endpoint of the operator tenant: its attempts are in the delivery log.
     with system.api() as api:
