@@ -82,8 +82,9 @@ class _Link:
     """One AMQP connection, reopened on demand after a loss (each failure logged, then retried after a
     growing pause while ``retry``)."""
 
-    def __init__(self, url: str, name: str) -> None:
-        self._url = url
+    def __init__(self, urls: list[str], name: str) -> None:
+        self._urls = urls
+        self._next = 0  # the address that worked last is tried first
         self.name = name
         self._connection: AbstractConnection | None = None
         self.unblocked_event: asyncio.Event | None = None  # set unless connection.blocked
@@ -129,14 +130,33 @@ class _Link:
         if lost is not None:
             with contextlib.suppress(*BROKER_ERRORS, RuntimeError):
                 await lost.close()
-        connection = await aio_pika.connect(
-            self._url, client_properties={"connection_name": self.name}, timeout=timeout_s
-        )
+        connection = await self._first_answering(timeout_s)
         connection.close_callbacks.add(self._on_lost)
         if lost is not None:
             RECONNECTS.inc()
-            log.info("broker_reconnected", connection=self.name)
+            log.info("broker_reconnected", connection=self.name, node=_address(self._urls[self._next]))
         self._connection, self.unblocked_event = connection, _unblocked_event(connection)
+
+    async def _first_answering(self, timeout_s: float) -> AbstractConnection:
+        """The broker addresses in turn (a cluster's nodes), from the one that answered last."""
+        failure: BaseException | None = None
+        for step in range(len(self._urls)):
+            index = (self._next + step) % len(self._urls)
+            try:
+                connection = await aio_pika.connect(
+                    self._urls[index], client_properties={"connection_name": self.name}, timeout=timeout_s
+                )
+            except BROKER_ERRORS as exc:
+                failure = exc
+                if len(self._urls) > 1:
+                    log.warning(
+                        "broker_node_unreachable", node=_address(self._urls[index]), error=type(exc).__name__
+                    )
+                continue
+            self._next = index
+            return connection
+        assert failure is not None
+        raise failure
 
     def _on_lost(self, _: object, exc: BaseException | None = None) -> None:
         if not self.closing:
@@ -156,6 +176,17 @@ class _Link:
                     await connection.close()
 
 
+def broker_urls(setting: str) -> list[str]:
+    """``HOOKLINE_AMQP_URL``: one address, or a cluster's, comma separated (tried in turn)."""
+    return [url.strip() for url in setting.split(",") if url.strip()]
+
+
+def _address(url: str) -> str:
+    """host:port of a broker URL, without its credentials: safe to log."""
+    parts = urlsplit(url)
+    return f"{parts.hostname}:{parts.port or (5671 if parts.scheme == 'amqps' else 5672)}"
+
+
 def _unblocked_event(connection: AbstractConnection) -> asyncio.Event | None:
     """aiormq follows ``connection.blocked``/``unblocked`` in a private event and offers no callback or
     property (reference/control-plane-techniques.md §4); this is the one place that reads it."""
@@ -165,6 +196,12 @@ def _unblocked_event(connection: AbstractConnection) -> asyncio.Event | None:
         log.warning("broker_blocked_undetectable", detail="this aiormq does not expose connection.blocked")
         return None
     return event
+
+
+def _with_heartbeat(url: str) -> str:
+    if "heartbeat" in dict(parse_qsl(urlsplit(url).query)):
+        return url
+    return url + ("&" if urlsplit(url).query else "?") + f"heartbeat={DEFAULT_HEARTBEAT_S}"
 
 
 class Broker:
@@ -184,14 +221,13 @@ class Broker:
 
     def __init__(self, url: str, *, name: str, connect_timeout_s: float) -> None:
         self._connect_timeout_s = connect_timeout_s
-        if "heartbeat" not in dict(parse_qsl(urlsplit(url).query)):
-            url += ("&" if urlsplit(url).query else "?") + f"heartbeat={DEFAULT_HEARTBEAT_S}"
-        self._consuming = _Link(url, f"{name}:{os.getpid()}")
-        self._publishing = _Link(url, f"{name}:{os.getpid()}:publish")
+        urls = [_with_heartbeat(address) for address in broker_urls(url)]
+        self._consuming = _Link(urls, f"{name}:{os.getpid()}")
+        self._publishing = _Link(urls, f"{name}:{os.getpid()}:publish")
         self._last_publish_s = 0.0
         self._blocked_since_s: float | None = None
         self._pulse: asyncio.Task[None] | None = None
-        self.vhost = urlsplit(url).path.lstrip("/") or "/"
+        self.vhost = urlsplit(urls[0]).path.lstrip("/") or "/"
 
     async def __aenter__(self) -> Self:
         deadline = time.monotonic() + self._connect_timeout_s

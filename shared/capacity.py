@@ -190,7 +190,7 @@ class CapacityReader:
         self._target: str | None = None  # the URL (credentials stripped) or the command's path: safe to log
         self._auth: tuple[str, str] | None = None
         self._client: httpx.AsyncClient | None = None
-        amqp = urlsplit(amqp_url)
+        amqp = urlsplit(amqp_url.split(",")[0].strip())  # a cluster: the first node (the local one)
         if management_url:
             parts = urlsplit(management_url)
             self._target = urlunsplit(parts._replace(netloc=parts.netloc.rpartition("@")[2]))

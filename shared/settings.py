@@ -10,6 +10,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 from typing import Annotated, Literal, TypeVar
+from urllib.parse import urlsplit
 
 from pydantic import Field, SecretStr, ValidationError, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
@@ -23,7 +24,10 @@ LogLevel = Literal["debug", "info", "warning", "error"]
 class CommonSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="HOOKLINE_", extra="ignore", frozen=True)
 
-    amqp_url: str = Field("amqp://guest:guest@localhost:5672/", description="RabbitMQ URL, vhost included.")
+    amqp_url: str = Field(
+        "amqp://guest:guest@localhost:5672/",
+        description="RabbitMQ URL, vhost included; a cluster: its nodes' URLs, comma separated, tried in turn.",
+    )
     log_level: LogLevel = "info"
     connect_timeout_s: float = Field(
         30.0, gt=0, description="How long a service waits for the broker at start."
@@ -74,8 +78,13 @@ class CommonSettings(BaseSettings):
     @field_validator("amqp_url")
     @classmethod
     def _amqp_scheme(cls, value: str) -> str:
-        if not value.startswith(("amqp://", "amqps://")):
-            raise ValueError("must start with amqp:// or amqps://")
+        urls = [url.strip() for url in value.split(",") if url.strip()]
+        if not urls:
+            raise ValueError("name at least one broker (amqp://user:password@host:5672/vhost)")
+        if not all(url.startswith(("amqp://", "amqps://")) for url in urls):
+            raise ValueError("each address must start with amqp:// or amqps://")
+        if len({urlsplit(url).path.strip("/") for url in urls}) > 1:
+            raise ValueError("every address must name the same vhost (they are one cluster's nodes)")
         return value
 
 

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 from pydantic_settings import BaseSettings
 
+from hookline.shared.amqp import broker_urls
 from hookline.shared.settings import ClientSettings, DispatcherSettings, IngestSettings, MonitorSettings, load
 
 
@@ -33,6 +34,9 @@ def test_retry_schedule_is_comma_separated_seconds(monkeypatch: pytest.MonkeyPat
         ("HOOKLINE_RETRY_SCHEDULE_S", "0,5", DispatcherSettings),
         ("HOOKLINE_DISPATCHER_METRICS_PORT", "70000", DispatcherSettings),
         ("HOOKLINE_AMQP_URL", "http://localhost", DispatcherSettings),
+        ("HOOKLINE_AMQP_URL", "amqp://a:5672/x, http://b:5672/x", DispatcherSettings),
+        ("HOOKLINE_AMQP_URL", "amqp://a:5672/one,amqp://b:5672/two", DispatcherSettings),
+        ("HOOKLINE_AMQP_URL", " , ", DispatcherSettings),
         ("HOOKLINE_API_TOKEN", "short", IngestSettings),
         ("HOOKLINE_INGEST_PORT", "eighty", IngestSettings),
     ],
@@ -48,6 +52,14 @@ def test_a_bad_setting_exits_with_one_line_naming_it(
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1
     assert lines[0].startswith(f"hookline: invalid setting {variable}: ")
+
+
+def test_a_cluster_is_its_nodes_addresses(monkeypatch: pytest.MonkeyPatch) -> None:
+    nodes = "amqp://u:p@n1:5672/prod, amqp://u:p@n2:5673/prod,amqp://u:p@n3:5674/prod"
+    monkeypatch.setenv("HOOKLINE_AMQP_URL", nodes)
+    assert broker_urls(DispatcherSettings().amqp_url) == [
+        "amqp://u:p@n1:5672/prod", "amqp://u:p@n2:5673/prod", "amqp://u:p@n3:5674/prod",
+    ]  # fmt: skip
 
 
 def test_the_ingest_needs_a_token(

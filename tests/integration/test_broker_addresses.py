@@ -1,0 +1,69 @@
+"""Several broker addresses (a cluster's nodes): the session connects to one that answers and, when its
+node goes, moves to another. Two proxies in front of the real RabbitMQ stand for two nodes."""
+
+from __future__ import annotations
+
+import socket
+from urllib.parse import urlsplit
+
+import aio_pika
+import pytest
+from support.proxy import TcpProxy
+from support.waiting import eventually
+
+from hookline.shared.amqp import BROKER_ERRORS, Broker
+
+pytestmark = pytest.mark.integration
+
+
+def dead_address() -> str:
+    """A local port nobody listens on."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return f"127.0.0.1:{sock.getsockname()[1]}"
+
+
+async def round_trip(broker: Broker) -> bytes:
+    async with broker.channel() as channel:
+        queue = await channel.declare_queue(exclusive=True)
+        await channel.default_exchange.publish(aio_pika.Message(b"ping"), routing_key=queue.name)
+        message = await eventually(lambda: queue.get(fail=False))
+        await message.ack()
+        return message.body
+
+
+async def after_reconnecting(broker: Broker) -> bytes:
+    """A round trip once the session has noticed the loss and reconnected (callers retry, as the
+    services' loops do)."""
+
+    async def attempt() -> bytes | None:
+        try:
+            return await round_trip(broker)
+        except BROKER_ERRORS:
+            return None
+
+    return await eventually(attempt)
+
+
+async def test_a_dead_first_address_is_skipped(amqp_url: str) -> None:
+    parts = urlsplit(amqp_url)
+    dead = parts._replace(netloc=f"{parts.netloc.rpartition('@')[0]}@{dead_address()}").geturl()
+    async with Broker(f"{dead},{amqp_url}", name="hookline-test", connect_timeout_s=10) as broker:
+        assert broker.connected
+        assert await round_trip(broker) == b"ping"
+
+
+async def test_when_its_node_goes_the_session_moves_to_another(amqp_url: str) -> None:
+    broker_address = urlsplit(amqp_url)
+    host, port = broker_address.hostname or "127.0.0.1", broker_address.port or 5672
+    async with TcpProxy(host, port) as first, TcpProxy(host, port) as second:
+        nodes = f"{first.url_for(amqp_url)},{second.url_for(amqp_url)}"
+        async with Broker(nodes, name="hookline-test", connect_timeout_s=10) as broker:
+            assert await round_trip(broker) == b"ping"
+            assert first.connections == 2  # both of the session's connections went to the first node
+            assert second.connections == 0
+            first.refuse(True)  # the first node is gone, and stays gone
+            await first.cut()
+            assert await after_reconnecting(broker) == b"ping"  # through the second
+            assert second.connections >= 1
+            assert first.connections == 0
