@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 export HOOKLINE_AMQP_URL ?= amqp://guest:guest@localhost:5672/
 
-.PHONY: install browser run test lint unit bench clean
+.PHONY: install browser run test test-cluster lint unit bench clean
 
 install: $(STAMP)
 
@@ -35,6 +35,10 @@ browser:
 
 test: lint browser
 	$(BIN)/pytest -q
+
+# Three RabbitMQ nodes on this machine (scripts/start-rabbitmq-cluster.sh), one of them killed under load.
+test-cluster: $(STAMP)
+	$(BIN)/pytest tests/cluster -q -s
 
 bench: $(STAMP)
 	$(BIN)/python -m bench.run

@@ -1,5 +1,6 @@
 """Several broker addresses (a cluster's nodes): the session connects to one that answers and, when its
-node goes, moves to another. Two proxies in front of the real RabbitMQ stand for two nodes."""
+node goes, moves to another (two proxies in front of the real RabbitMQ stand for two nodes); and a
+nacked publish does not leave its channel in use."""
 
 from __future__ import annotations
 
@@ -7,11 +8,12 @@ import socket
 from urllib.parse import urlsplit
 
 import aio_pika
+import aiormq
 import pytest
 from support.proxy import TcpProxy
 from support.waiting import eventually
 
-from hookline.shared.amqp import BROKER_ERRORS, Broker
+from hookline.shared.amqp import BROKER_ERRORS, NACKED_CHANNELS_REOPENED, Broker, Publisher
 
 pytestmark = pytest.mark.integration
 
@@ -67,3 +69,28 @@ async def test_when_its_node_goes_the_session_moves_to_another(amqp_url: str) ->
             assert await after_reconnecting(broker) == b"ping"  # through the second
             assert second.connections >= 1
             assert first.connections == 0
+
+
+async def test_a_nacked_publish_gets_the_next_publish_a_fresh_channel(amqp_url: str) -> None:
+    """A nack (here: a full queue that rejects publishes) raises, and the channel that got it is not
+    used again: after a node dies RabbitMQ 3.10 goes on nacking such a channel for seconds."""
+    async with Broker(amqp_url, name="hookline-test", connect_timeout_s=10) as broker:
+        async with broker.channel() as admin:
+            await admin.declare_queue(
+                "full",
+                durable=True,
+                arguments={"x-queue-type": "classic", "x-max-length": 0, "x-overflow": "reject-publish"},
+            )
+            await admin.declare_queue("fine", durable=True, arguments={"x-queue-type": "quorum"})
+        publisher = Publisher(broker)
+        await publisher.publish(aio_pika.Message(b"1"), exchange="", routing_key="fine")
+        first = publisher._channel
+        before = NACKED_CHANNELS_REOPENED._value.get()
+        with pytest.raises(aiormq.exceptions.DeliveryError):
+            await publisher.publish(aio_pika.Message(b"2"), exchange="", routing_key="full")
+        assert NACKED_CHANNELS_REOPENED._value.get() == before + 1
+        await publisher.publish(aio_pika.Message(b"3"), exchange="", routing_key="fine")
+        assert publisher._channel is not first
+        await publisher.close()
+        async with broker.channel() as admin:
+            assert (await admin.declare_queue("fine", passive=True)).declaration_result.message_count == 2
