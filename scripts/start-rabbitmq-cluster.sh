@@ -63,7 +63,7 @@ EOF
   if [ "$(id -u)" = 0 ]; then chown -R rabbitmq:rabbitmq "$BASE"; fi
 }
 
-start_node() {
+launch_node() {
   local node="$1"
   answers "$node" && return 0
   echo "starting $(node_name "$node") on 127.0.0.1:$(node_port "$node" "$2")" >&2
@@ -71,11 +71,17 @@ start_node() {
     ulimit -n "$(ulimit -Hn)"  # each quorum queue takes a file handle (RabbitMQ 3.x)
     as_broker "$BASE/$node/rabbitmq-env.conf" setsid "$SBIN/rabbitmq-server" -detached
   )
-  for _ in $(seq 1 120); do
+}
+
+await_node() {
+  # A node that was not the last of the cluster to stop waits for its peers before it boots: all three
+  # are launched first, then awaited.
+  local node="$1"
+  for _ in $(seq 1 180); do
     answers "$node" && ctl "$node" await_startup >/dev/null 2>&1 && return 0
     sleep 1
   done
-  echo "$(node_name "$node") did not start within 120 s (log: $BASE/$node/log)" >&2
+  echo "$(node_name "$node") did not start within 180 s (log: $BASE/$node/log)" >&2
   exit 1
 }
 
@@ -85,7 +91,10 @@ case "${1:-start}" in
   start)
     for index in "${!NODES[@]}"; do
       prepare "${NODES[$index]}" "$index"
-      start_node "${NODES[$index]}" "$index"
+      launch_node "${NODES[$index]}" "$index"
+    done
+    for node in "${NODES[@]}"; do
+      await_node "$node"
     done
     for node in "${NODES[@]:1}"; do
       if ! joined "$node"; then
@@ -99,6 +108,14 @@ case "${1:-start}" in
       fi
     done
     ctl a enable_feature_flag all >/dev/null
+    # RabbitMQ 3.10 can come back from a restart without its at-least-once dead-letter supervisor, and
+    # then refuses to declare such quorum queues (INTERNAL_ERROR): start it where it is missing.
+    for node in "${NODES[@]}"; do
+      if [ "$(ctl "$node" eval 'is_pid(whereis(rabbit_fifo_dlx_sup)).')" != true ]; then
+        echo "restarting the dead-letter supervisor on $(node_name "$node") (RabbitMQ 3.10)" >&2
+        ctl "$node" eval 'supervisor:restart_child(rabbit_sup, rabbit_fifo_dlx_sup).' >/dev/null
+      fi
+    done
     urls=()
     for index in "${!NODES[@]}"; do
       urls+=("amqp://guest:guest@127.0.0.1:$(node_port "${NODES[$index]}" "$index")/")
@@ -107,9 +124,9 @@ case "${1:-start}" in
     ;;
   stop | reset)
     for node in "${NODES[@]}"; do
-      [ -f "$BASE/$node/rabbitmq-env.conf" ] && answers "$node" && ctl "$node" stop || true
+      if [ -f "$BASE/$node/rabbitmq-env.conf" ] && answers "$node"; then ctl "$node" stop; fi
     done
-    [ "$1" = reset ] && rm -rf "$BASE"
+    if [ "$1" = reset ]; then rm -rf "$BASE"; fi
     ;;
   ctl)
     shift

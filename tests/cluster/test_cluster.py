@@ -28,7 +28,7 @@ from support import services
 from support.receiver import Receiver
 from support.waiting import eventually
 
-pytestmark = pytest.mark.cluster
+pytestmark = [pytest.mark.cluster, pytest.mark.timeout(600)]
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "start-rabbitmq-cluster.sh"
@@ -196,6 +196,7 @@ async def test_a_node_killed_under_load_loses_nothing(
         await asyncio.sleep(3)  # and the load goes on across its return
         stop.set()
         await publishing
+        await upstream.api.aclose()
 
         async def all_delivered() -> bool:
             return set(upstream.accepted) <= _delivered_ids(receiver, "/orders")
