@@ -3,7 +3,8 @@
 With the real services: the breaker opens (endpoint.failing), the warning comes half-way to disabling
 (endpoint.disabling), then the endpoint is disabled (endpoint.disabled); another tenant, in Slack's format,
 hears of its dead letters and of its endpoint failing, then recovering. Each notification is signed with
-the notifier's secret, which the tenant reads with its endpoint's secret.
+the notifier's secret, which the tenant reads with its endpoint's secret; notifications asked for later
+(PATCH) work the same.
 """
 
 from __future__ import annotations
@@ -100,12 +101,18 @@ async def test_a_tenant_whose_only_endpoint_is_broken_hears_of_it(system: System
     kinds = sorted(json.loads(r.body)["type"] for r in notices(receiver, "/notify"))
     assert kinds == ["endpoint.disabled", "endpoint.disabling", "endpoint.failing"]
 
-    # The notifier is an endpoint of the operator tenant: its attempts are in the delivery log.
+    # The notifier is an endpoint of the operator tenant: its attempts reach the delivery log (which
+    # follows the telemetry stream, so a moment later).
     with system.api() as api:
         notifiers = (await asyncio.to_thread(api.get, "/v1/endpoints", params={"tenant": "hookline"})).json()
         [notifier] = [n for n in notifiers["data"] if n["url"] == receiver.url("/notify")]
-        attempts = (await asyncio.to_thread(api.get, f"/v1/endpoints/{notifier['id']}/attempts")).json()
-    assert sorted(a["status"] for a in attempts["data"]) == [204, 204, 204]
+
+        async def logged() -> list[int] | None:
+            page = (await asyncio.to_thread(api.get, f"/v1/endpoints/{notifier['id']}/attempts")).json()
+            statuses = sorted(a["status"] for a in page["data"])
+            return statuses if len(statuses) >= 3 else None
+
+        assert await eventually(logged) == [204, 204, 204]
 
 
 async def test_slack_format_dead_letters_failing_and_recovered(system: System, receiver: Receiver) -> None:
@@ -115,18 +122,23 @@ async def test_slack_format_dead_letters_failing_and_recovered(system: System, r
         return Reply(status=200) if request.path == "/slack" else Reply(status=mode["status"])
 
     receiver.responder = respond
-    created = system.add_endpoint(
-        "mend",
-        receiver.url("/mend"),
-        ["order.*"],
-        notify_url=receiver.url("/slack"),
-        notify_format="slack",
-    )
+    created = system.add_endpoint("mend", receiver.url("/mend"), ["order.*"])
+    assert created["notify_secret"] is None
+    with system.api() as api:  # notifications asked for later, in Slack's format
+        changed = await asyncio.to_thread(
+            api.patch,
+            f"/v1/endpoints/{created['id']}",
+            json={"notify_url": receiver.url("/slack"), "notify_format": "slack"},
+        )
+        assert changed.status_code == 200, changed.text
+        notify_secret = (await asyncio.to_thread(api.get, f"/v1/endpoints/{created['id']}/secret")).json()[
+            "notify_secret"
+        ]
     await publish(system, "mend")  # refused for good: a dead letter
     growing = await notified(receiver, "/slack", "dead_letters.growing")
     assert set(json.loads(growing.body)) == {"text"}  # what a Slack incoming webhook takes
     assert created["id"] in json.loads(growing.body)["text"]
-    Webhook(created["notify_secret"]).verify(growing.body, growing.headers)
+    Webhook(notify_secret).verify(growing.body, growing.headers)
 
     mode["status"] = 503
     await publish(system, "mend", 4)
