@@ -1,0 +1,188 @@
+"""How hookline scales in endpoints: N endpoints registered (queue, route exchanges, bindings, change
+log record) as the ingest registers them, then a dispatcher replica started against them.
+
+Reported: registration rate, broker memory per endpoint (each node: ``rabbitmqctl status``, before and
+after), the dispatcher's time to attach to every queue (``hookline_dispatcher_consumers`` reaching N)
+and its RSS once attached, and its CPU while idle for 30 s.
+
+    .venv/bin/python -m bench.endpoint_scale --endpoints 10000 --cluster   # scripts/start-rabbitmq-cluster.sh
+
+Needs a vhost of its own (made and deleted here) and a broker whose file-handle limit exceeds N (each
+quorum queue takes one on RabbitMQ 3.x; the cluster script starts its nodes with the hard limit).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from hookline.shared import registry, topology
+from hookline.shared.amqp import Broker, Publisher
+from hookline.shared.ids import new_id
+from hookline.shared.models import SigningSecret, StoredEndpoint
+from hookline.shared.signing import generate_secret
+from hookline.shared.supervision import Supervisor
+from hookline.shared.topology import Retention
+
+ROOT = Path(__file__).resolve().parents[1]
+CLUSTER = ROOT / "scripts" / "start-rabbitmq-cluster.sh"
+CONCURRENCY = 32
+
+
+def ctl(node: str | None, *arguments: str) -> str:
+    command = [str(CLUSTER), "ctl", node, *arguments] if node else ["rabbitmqctl", "-q", *arguments]
+    return subprocess.run(command, capture_output=True, text=True, timeout=600, check=True).stdout
+
+
+def memory_bytes(nodes: list[str | None]) -> dict[str, int]:
+    return {
+        str(node): int(json.loads(ctl(node, "status", "--formatter", "json"))["memory"]["total"]["rss"])
+        for node in nodes
+    }
+
+
+def endpoint(n: int) -> StoredEndpoint:
+    now = datetime.now(UTC)
+    return StoredEndpoint(
+        id=new_id("ep"),
+        tenant=f"t{n % 100}",
+        url="https://receiver.example/hooks",
+        event_types=["order.*"],
+        created_at=now,
+        updated_at=now,
+        secrets=[SigningSecret(value=generate_secret(), created_at=now)],
+        routed=True,
+    )
+
+
+async def register(url: str, count: int) -> float:
+    """Declare and bind each endpoint, then write its record, as the ingest does; the seconds taken."""
+    supervisor = Supervisor()
+    async with Broker(url, name="hookline-bench", connect_timeout_s=30) as broker:
+        await topology.declare(broker, Retention())
+        publisher = Publisher(broker)
+        change_log = await registry.follow(
+            broker, publisher, supervisor, registry.EndpointRegistry(), sync_timeout_s=60
+        )
+        pending = list(range(count))
+        started = time.perf_counter()
+
+        async def worker() -> None:
+            async with broker.channel() as channel:
+                while pending:
+                    stored = endpoint(pending.pop())
+                    await topology.provision(channel, stored)
+                    await change_log.upsert(stored, base_version=0, timeout_s=120)
+
+        await asyncio.gather(*(worker() for _ in range(CONCURRENCY)))
+        elapsed = time.perf_counter() - started
+        await supervisor.stop()
+        await publisher.close()
+    return elapsed
+
+
+def dispatcher(url: str, state_dir: str, port: int) -> subprocess.Popen[bytes]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HOOKLINE_")}
+    env |= {
+        "HOOKLINE_AMQP_URL": url,
+        "HOOKLINE_DISPATCHER_METRICS_PORT": str(port),
+        "HOOKLINE_STATE_DIR": state_dir,
+        "HOOKLINE_LOG_LEVEL": "warning",
+    }
+    hookline = str(Path(sys.executable).with_name("hookline"))
+    return subprocess.Popen(
+        [hookline, "dispatcher"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+    )
+
+
+def consumers(port: int) -> int:
+    try:
+        text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
+    except httpx.HTTPError:
+        return -1
+    for line in text.splitlines():
+        if line.startswith("hookline_dispatcher_consumers "):
+            return int(float(line.split()[1]))
+    return -1
+
+
+def rss_mib(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return 0.0
+
+
+def cpu_s(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def main(count: int, cluster: bool) -> dict[str, Any]:
+    nodes: list[str | None] = ["a", "b", "c"] if cluster else [None]
+    vhost = f"bench-scale-{uuid.uuid4().hex[:8]}"
+    ctl(nodes[0], "add_vhost", vhost)
+    ctl(nodes[0], "set_permissions", "-p", vhost, "guest", ".*", ".*", ".*")
+    ports = [5681, 5682, 5683] if cluster else [5672]
+    url = ",".join(f"amqp://guest:guest@127.0.0.1:{port}/{vhost}" for port in ports)
+    try:
+        before = memory_bytes(nodes)
+        register_s = await register(url, count)
+        after = memory_bytes(nodes)
+        with tempfile.TemporaryDirectory() as state_dir:
+            port = 18990
+            started = time.perf_counter()
+            process = dispatcher(url, state_dir, port)
+            try:
+                while consumers(port) < count:
+                    if process.poll() is not None:
+                        raise RuntimeError(process.stderr.read().decode() if process.stderr else "exited")
+                    if time.perf_counter() - started > 900:
+                        raise RuntimeError(f"attached to {consumers(port)} of {count} in 900 s")
+                    await asyncio.sleep(0.5)
+                attach_s = time.perf_counter() - started
+                attached_rss = rss_mib(process.pid)
+                cpu_before = cpu_s(process.pid)
+                await asyncio.sleep(30)
+                idle_cpu = (cpu_s(process.pid) - cpu_before) / 30
+            finally:
+                process.terminate()
+                process.wait(timeout=60)
+        return {
+            "endpoints": count,
+            "nodes": len(nodes),
+            "register_s": round(register_s, 1),
+            "registered_per_s": round(count / register_s, 1),
+            "broker_rss_per_endpoint_kib": {
+                node: round((after[node] - before[node]) / count / 1024, 1) for node in after
+            },
+            "dispatcher_attach_s": round(attach_s, 1),
+            "dispatcher_rss_mib": round(attached_rss, 1),
+            "dispatcher_idle_cpu": round(idle_cpu, 3),  # share of one core
+        }
+    finally:
+        ctl(nodes[0], "delete_vhost", vhost)
+
+
+def cli() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--endpoints", type=int, default=1000)
+    parser.add_argument("--cluster", action="store_true", help="the three nodes of the cluster script")
+    args = parser.parse_args()
+    print("ENDPOINT_SCALE", json.dumps(asyncio.run(main(args.endpoints, args.cluster))))
+
+
+if __name__ == "__main__":
+    cli()
