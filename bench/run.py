@@ -282,6 +282,14 @@ async def publish_paced(
     return sent
 
 
+def steady_rate(arrivals: list[float]) -> float:
+    """Deliveries/s between the 10th and the 90th percentile arrival: the rate once every consumer is
+    attached, without a process's start-up or the last stragglers."""
+    ordered = sorted(arrivals)
+    low, high = len(ordered) // 10, len(ordered) * 9 // 10
+    return (high - low) / (ordered[high] - ordered[low])
+
+
 def percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
@@ -349,6 +357,7 @@ async def throughput(
         "events": count,
         "delivered": len(arrivals),
         "deliveries_per_s": len(arrivals) / (max(arrivals) - first),
+        "steady_per_s": steady_rate(arrivals),
         "failing_endpoint_attempts": failed_attempts,
     }
 
@@ -508,6 +517,41 @@ def baseline(amqp_url: str, work: Path, count: int, prefetch: int) -> dict[str, 
     return result
 
 
+def celery(
+    amqp_url: str, work: Path, count: int, pool: str, concurrency: int, *, backlog: bool
+) -> dict[str, Any]:
+    """The Celery peer (bench/celery_peer.py) against a receiver of its own, rated like hookline."""
+    sink = start_sink(work)
+    try:
+        output = subprocess.check_output(
+            [sys.executable, "-m", "bench.celery_peer", amqp_url, str(count), pool, str(concurrency),
+             f"http://127.0.0.1:{sink.port}/hook", "backlog" if backlog else "live"],
+            cwd=ROOT,
+        )  # fmt: skip
+    finally:
+        result = sink.finish()
+    sent: dict[str, float] = json.loads(output)["sent"]
+    arrivals = [result["arrivals"][event_id] for event_id in sent if event_id in result["arrivals"]]
+    first = min(arrivals) if backlog else min(sent.values())
+    return {
+        "pool": pool,
+        "concurrency": concurrency,
+        "mode": "backlog" if backlog else "live",
+        "events": count,
+        "delivered": len(arrivals),
+        "deliveries_per_s": len(arrivals) / (max(arrivals) - first),
+        "steady_per_s": steady_rate(arrivals),
+    }
+
+
+def median_of(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """The median run by deliveries/s, with every run's rate beside it (the spread)."""
+    rows = sorted(rows, key=lambda row: row["deliveries_per_s"])
+    median = dict(rows[len(rows) // 2])
+    median["runs_per_s"] = [round(row["deliveries_per_s"]) for row in rows]
+    return median
+
+
 async def main(arguments: argparse.Namespace) -> dict[str, Any]:
     report: dict[str, Any] = {
         "started_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
@@ -516,28 +560,33 @@ async def main(arguments: argparse.Namespace) -> dict[str, Any]:
     with vhost(arguments.amqp_url) as amqp_url:
         work = Path(tempfile.mkdtemp(prefix="hookline-bench-"))
         print(f"logs in {work}", flush=True)
-        print("clients…", flush=True)
-        report["clients"] = clients(work, arguments.client_requests, 32)
-        print("bare loop…", flush=True)
-        report["bare_loop"] = baseline(amqp_url, work, arguments.events, 64)
+        if not arguments.quick:
+            print("clients…", flush=True)
+            report["clients"] = clients(work, arguments.client_requests, 32)
         services = Services(amqp_url, work)
         services.start_ingest()
         try:
-            # Latency first, on a quiet system: later runs leave retries and deletions behind.
-            print("latency at 500/s…", flush=True)
-            report["latency"] = await latency(services, work, 500, arguments.latency_s, 10)
-            report["throughput"] = []
-            configurations = [
+            configurations: list[dict[str, Any]] = [
                 {"dispatchers": 1, "backlog": True},
                 {"dispatchers": 2, "backlog": True},
+                {"dispatchers": 4, "backlog": True},
                 {"dispatchers": 2, "backlog": True, "monitor": True},
                 {"dispatchers": 2, "backlog": True, "failing": True},
                 {"dispatchers": 1, "backlog": False},
                 {"dispatchers": 2, "backlog": False},
             ]
+            peers = [
+                (pool, concurrency, backlog)
+                for pool, concurrency in (("threads", 64), ("prefork", 8))
+                for backlog in (True, False)
+            ]
             # Interleaved repeats, the median reported: one run on a shared 2-core box can be ±20 %.
+            bare_runs: list[dict[str, Any]] = []
             runs: dict[int, list[dict[str, Any]]] = {n: [] for n in range(len(configurations))}
+            peer_runs: dict[int, list[dict[str, Any]]] = {n: [] for n in range(len(peers))}
             for repeat in range(arguments.repeat):
+                print(f"bare loop, run {repeat + 1}/{arguments.repeat}…", flush=True)
+                bare_runs.append(baseline(amqp_url, work, arguments.events, 64))
                 for n, configuration in enumerate(configurations):
                     print(f"throughput {configuration}, run {repeat + 1}/{arguments.repeat}…", flush=True)
                     runs[n].append(
@@ -545,11 +594,22 @@ async def main(arguments: argparse.Namespace) -> dict[str, Any]:
                             services, work, count=arguments.events, endpoints=10, **configuration
                         )
                     )
-            for rows in runs.values():
-                rows.sort(key=lambda row: row["deliveries_per_s"])
-                median = dict(rows[len(rows) // 2])
-                median["runs_per_s"] = [round(row["deliveries_per_s"]) for row in rows]
-                report["throughput"].append(median)
+                for n, (pool, concurrency, backlog) in enumerate(peers):
+                    print(f"celery {pool} ×{concurrency}, backlog={backlog}, run {repeat + 1}…", flush=True)
+                    peer_runs[n].append(
+                        celery(amqp_url, work, arguments.events, pool, concurrency, backlog=backlog)
+                    )
+            report["bare_loop"] = median_of(bare_runs)
+            report["throughput"] = [median_of(rows) for rows in runs.values()]
+            report["celery"] = [median_of(rows) for rows in peer_runs.values()]
+            # Latency on a system that is not saturated: half the rate 2 dispatchers sustained while
+            # events were published.
+            live = next(r for r in report["throughput"] if r["dispatchers"] == 2 and r["mode"] == "live")
+            half_rate = int(live["deliveries_per_s"] / 2)
+            print(f"latency at {half_rate}/s…", flush=True)
+            report["latency"] = await latency(services, work, half_rate, arguments.latency_s, 10)
+            if arguments.quick:
+                return report
             print("delay accuracy…", flush=True)
             report["delays"] = await delay_accuracy(amqp_url)
             print("memory with 1,000 endpoints…", flush=True)
@@ -599,6 +659,44 @@ def machine() -> dict[str, Any]:
     return {"cpus": os.cpu_count(), "python": sys.version.split()[0], "rabbitmq": rabbit}
 
 
+def rate_rows(report: dict[str, Any], bare: float) -> list[str]:
+    """Deliveries/s of every configuration and of the peer, against the bare loop and each other."""
+    lines: list[str] = []
+
+    def runs(row: dict[str, Any]) -> str:
+        return f"median of {', '.join(f'{r:,}' for r in row['runs_per_s'])}"
+
+    for row in report["throughput"]:
+        rate = row["deliveries_per_s"]
+        lines.append(
+            f"| hookline, {row['dispatchers']} dispatcher(s), {row['events']:,} events, {row['mode']} "
+            f"| {rate:,.0f} deliveries/s ({runs(row)}) | {rate / bare:.2f} |"
+        )
+    for row in report["celery"]:
+        rate = row["deliveries_per_s"]
+        lines.append(
+            f"| Celery, {row['pool']} ×{row['concurrency']}, {row['events']:,} events, {row['mode']} "
+            f"| {rate:,.0f} deliveries/s ({runs(row)}) | {rate / bare:.2f} |"
+        )
+    healthy = next(r for r in report["throughput"] if r["mode"] == "backlog" and r["dispatchers"] == 2)
+    for row in report["throughput"]:
+        if row["mode"].startswith("backlog,") and row["dispatchers"] == 2:
+            lines.append(
+                f"| ↳ {row['mode'].removeprefix('backlog, ')} vs the same without | "
+                f"{row['deliveries_per_s'] / healthy['deliveries_per_s']:.2f} | |"
+            )
+    for mode in ("backlog", "live"):
+        best = max(
+            (r for r in report["throughput"] if r["mode"] == mode), key=lambda r: r["deliveries_per_s"]
+        )
+        for peer in (r for r in report["celery"] if r["mode"] == mode):
+            lines.append(
+                f"| hookline ({best['dispatchers']} dispatchers, {mode}) vs Celery {peer['pool']} ({mode}) | "
+                f"{best['deliveries_per_s'] / peer['deliveries_per_s']:.1f}× | |"
+            )
+    return lines
+
+
 def markdown(report: dict[str, Any]) -> str:
     bare = report["bare_loop"]["deliveries_per_s"]
     lines = [
@@ -609,26 +707,13 @@ def markdown(report: dict[str, Any]) -> str:
         "|---|---|---|",
         f"| bare consume→sign→POST→ack loop (1 process) | {bare:,.0f} deliveries/s | 1.00 |",
     ]
-    for row in report["throughput"]:
-        rate = row["deliveries_per_s"]
-        lines.append(
-            f"| hookline, {row['dispatchers']} dispatcher(s), {row['events']:,} events, {row['mode']} "
-            f"| {rate:,.0f} deliveries/s (median of {', '.join(f'{r:,}' for r in row['runs_per_s'])}) "
-            f"| {rate / bare:.2f} |"
-        )
-    healthy = next(r for r in report["throughput"] if r["mode"] == "backlog" and r["dispatchers"] == 2)
-    for row in report["throughput"]:
-        if row["mode"].startswith("backlog,") and row["dispatchers"] == 2:
-            lines.append(
-                f"| ↳ {row['mode'].removeprefix('backlog, ')} vs the same without | "
-                f"{row['deliveries_per_s'] / healthy['deliveries_per_s']:.2f} | |"
-            )
+    lines += rate_rows(report, bare)
     lat = report["latency"]
     lines.append(
         f"| publish→delivery latency at {lat['offered_per_s']}/s offered, 2 dispatchers | p50 {lat['p50_ms']:.1f} ms, "
         f"p95 {lat['p95_ms']:.1f} ms, p99 {lat['p99_ms']:.1f} ms ({lat['delivered']:,}/{lat['events']:,}) | |"
     )
-    mem = report["memory"]
+    mem = report.get("memory", {"skipped": "--quick"})
     if "skipped" in mem:
         lines.append(f"| dispatcher RSS with 1,000 endpoints | skipped: {mem['skipped']} | |")
     else:
@@ -655,6 +740,8 @@ def markdown(report: dict[str, Any]) -> str:
             f"{queries['endpoint_attempts_first_page']['p99_ms']} ms; a tenant's latest 50 events "
             f"{queries['tenant_recent_events']['p50_ms']} / {queries['tenant_recent_events']['p99_ms']} ms | |"
         )
+    if "clients" not in report:
+        return "\n".join(lines) + "\n"
     lines += [
         "",
         "| delivery client (concurrency 32, same receiver) | requests/s | vs aiohttp |",
@@ -684,6 +771,11 @@ if __name__ == "__main__":
     parser.add_argument("--monitor-records", type=int, default=1_000_000)
     parser.add_argument("--monitor-dead-letters", type=int, default=100_000)
     parser.add_argument("--delivery-log-attempts", type=int, default=1_000_000)
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="only the delivery rates (bare loop, hookline, Celery) and the latency",
+    )
     report = uvloop.run(main(parser.parse_args()))
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "latest.json").write_text(json.dumps(report, indent=2))

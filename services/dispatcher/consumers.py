@@ -252,6 +252,7 @@ class Consumers:
         if self._stopping:
             return
         channel = self._channels.pop(prefetch, None)
+        self._handler.acks.forget_closed()
         lost = [name for name, consumer in self._active.items() if consumer.channel is channel]
         for name in lost:
             self._changed.put_nowait(self._active.pop(name).wanted.endpoint_id)
@@ -342,9 +343,11 @@ class Consumers:
         assert task is not None
         self._tasks.add(task)
         self._unacked[endpoint_id] += 1
+        self._handler.acks.delivered(message)
         try:
             await handle(message)
         finally:
+            self._handler.acks.released(message)
             self._tasks.discard(task)
             self._unacked[endpoint_id] -= 1
             if not self._unacked[endpoint_id]:
@@ -388,7 +391,8 @@ class Consumers:
         return len(leftovers)
 
     async def close_channels(self) -> None:
-        """Last: whatever is still unacked goes back to its queue."""
+        """Last: the settled deliveries are acked, whatever is still unacked goes back to its queue."""
+        await self._handler.acks.flush()
         await self._forget_all()
 
 

@@ -22,6 +22,7 @@ import structlog
 from aio_pika.abc import AbstractIncomingMessage
 
 from hookline.dispatcher import inbound, metrics
+from hookline.dispatcher.acks import Acks
 from hookline.dispatcher.backoff import Jitter, RetryPolicy, parse_retry_after
 from hookline.dispatcher.delays import Delays
 from hookline.dispatcher.ordering import SubjectOrder
@@ -73,8 +74,10 @@ class Handler:
         breakers: BreakerView,
         sealer: Sealer,
         *,
+        acks: Acks | None = None,
         random_unit: Callable[[], float] = random.random,
     ) -> None:
+        self.acks = acks or Acks()
         self._settings = settings
         self._registry = registry
         self._change_log = change_log
@@ -85,6 +88,7 @@ class Handler:
         self._telemetry = telemetry
         self._breakers = breakers
         self._signing_keys: dict[str, _Keys] = {}
+        self._policies: dict[str, tuple[datetime, RetryPolicy]] = {}  # per endpoint, with its version
         self._pacer = Pacer()
         self._order = SubjectOrder(stale_s=settings.order_hold_s)
         self._sealer = sealer
@@ -98,7 +102,7 @@ class Handler:
             # pause: until its consumer is cancelled the queue hands it straight back, and every return
             # counts toward the delivery limit.
             await asyncio.sleep(BREAKER_NACK_PAUSE_S)
-            await message.nack(requeue=True)
+            await self.acks.nack(message, requeue=True)
             return False
         endpoint = self._registry.get(endpoint_id)
         if endpoint is None:
@@ -120,7 +124,7 @@ class Handler:
                 message, endpoint.id, endpoint.tenant, DeadLetterReason.INVALID_EVENT,
                 event_id=parsed.event_id, attempts=0, last_status=None, last_error=parsed.reason,
             )  # fmt: skip
-            await message.ack()
+            await self.acks.ack(message)
             log.warning(
                 "event_invalid",
                 endpoint_id=endpoint.id, tenant=endpoint.tenant, event_id=parsed.event_id, reason=parsed.reason,
@@ -170,10 +174,12 @@ class Handler:
         ended_s = time.time()
         next_attempt_in_s = settlement.delay_s if isinstance(settlement, Retry) else None
         dead_letter_reason = settlement.reason.value if isinstance(settlement, DeadLetter) else None
-        metrics.ATTEMPTS.labels(outcome.value).inc()
+        metrics.attempts(outcome.value).inc()
         metrics.ATTEMPT_SECONDS.observe(result.timings.total_ms / 1000)
         self._telemetry.attempt(
-            AttemptRecord(
+            # Built from values typed here already: validating them again would cost the delivery path
+            # as much as the rest of the record.
+            AttemptRecord.model_construct(
                 at_s=ended_s,
                 dispatcher_id=self._telemetry.dispatcher_id,
                 event_id=event.id,
@@ -274,7 +280,7 @@ class Handler:
             delay_s=max(1, math.ceil(delay_s)),
             sequence=sequence,
         )
-        await message.ack()
+        await self.acks.ack(message)
         event = parsed.event
         behind = (
             self._order.holding(endpoint.id, event.subject, event.id)
@@ -294,14 +300,19 @@ class Handler:
         )  # fmt: skip
 
     def _policy(self, endpoint: StoredEndpoint) -> RetryPolicy:
+        cached = self._policies.get(endpoint.id)
+        if cached is not None and cached[0] == endpoint.updated_at:
+            return cached[1]
         settings = self._settings
-        return RetryPolicy(
+        policy = RetryPolicy(
             schedule_s=tuple(endpoint.retry_schedule_s or settings.retry_schedule_s),
             retention_s=endpoint.retention_s or settings.retention_s,
             max_attempts=endpoint.max_attempts or settings.max_attempts,
             jitter=Jitter(settings.retry_jitter),
             retry_after_cap_s=settings.retry_after_cap_s,
         )
+        self._policies[endpoint.id] = (endpoint.updated_at, policy)
+        return policy
 
     async def _attempt(self, endpoint: StoredEndpoint, event_id: str, body: bytes) -> AttemptResult:
         body = notifications.render(endpoint.body_format, body)
@@ -361,7 +372,7 @@ class Handler:
                 await self._disable(endpoint.id, status=result.status)
         else:
             assert isinstance(settlement, Ack)
-        await message.ack()
+        await self.acks.ack(message)
         if sequence is not None:
             assert event.subject is not None
             if isinstance(settlement, Retry):
@@ -402,7 +413,7 @@ class Handler:
             message, endpoint_id, gone.tenant if gone else None, DeadLetterReason.ENDPOINT_GONE,
             event_id=message.message_id, attempts=0, last_status=None, last_error="the endpoint was deleted",
         )  # fmt: skip
-        await message.ack()
+        await self.acks.ack(message)
 
     async def forward(self, endpoint_id: str, message: AbstractIncomingMessage) -> None:
         """A message in a queue the endpoint has left: into its current queue (confirmed), then acked.
@@ -427,7 +438,7 @@ class Handler:
         )
         queue = topology.endpoint_queue(endpoint.id, endpoint.queue_generation)
         await self._publisher.publish(copy, exchange="", routing_key=queue)
-        await message.ack()
+        await self.acks.ack(message)
 
     async def handle_unroutable(self, message: AbstractIncomingMessage) -> None:
         """A retry whose destination disappeared while it waited in the delay queues."""
@@ -442,7 +453,7 @@ class Handler:
             event_id=message.message_id, attempts=0, last_status=None,
             last_error=f"nothing bound for {destination} to take a retry",
         )  # fmt: skip
-        await message.ack()
+        await self.acks.ack(message)
 
     async def _dead_letter(
         self,
@@ -482,7 +493,6 @@ async def handle_safely(
     """The consumer callback: a crash requeues the message (counted toward the poison limit), and a
     broker error hands it back if the channel still can; neither stops the dispatcher. Returns whether
     an attempt was made."""
-    metrics.IN_FLIGHT.inc()
     try:
         return await handler.handle(endpoint_id, message, probe=probe)
     except BROKER_ERRORS as exc:
@@ -490,14 +500,12 @@ async def handle_safely(
         # broker does that by itself); it is tried again.
         log.warning("settle_failed", endpoint_id=endpoint_id, error=type(exc).__name__)
         with contextlib.suppress(*BROKER_ERRORS):
-            await message.nack(requeue=True)
+            await handler.acks.nack(message, requeue=True)
     except Exception as exc:
         log.error("handler_crashed", endpoint_id=endpoint_id, error=type(exc).__name__, exc_info=exc)
         # reject (not nack) counts toward x-delivery-limit on every RabbitMQ version, so a message that
         # keeps crashing the handler is dead-lettered by the broker instead of looping for ever.
         await asyncio.sleep(CRASH_PAUSE_S)
         with contextlib.suppress(*BROKER_ERRORS):
-            await message.reject(requeue=True)
-    finally:
-        metrics.IN_FLIGHT.dec()
+            await handler.acks.reject(message, requeue=True)
     return False

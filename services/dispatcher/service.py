@@ -116,6 +116,7 @@ async def dispatching(
         default_prefetch=settings.prefetch_per_endpoint,
     )
     consumers_ref.append(consumers)
+    metrics.IN_FLIGHT.set_function(lambda: consumers.in_flight)
     # The breaker states in force: the monitor snapshots them every few seconds, so reading the last
     # minutes of its log gives the current state, then the follower keeps up with changes.
     control = StreamFollower(

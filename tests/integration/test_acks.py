@@ -1,0 +1,147 @@
+"""Acks in batches on a real RabbitMQ quorum queue: every settled message acked, none acked early, a held
+delivery never holding the others' prefetch window, and fewer ack frames than messages."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import aio_pika
+import pytest
+from aio_pika.abc import AbstractChannel, AbstractIncomingMessage, AbstractQueue
+from support.waiting import eventually
+
+from hookline.dispatcher.acks import Acks
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture
+async def connection(amqp_url: str) -> AsyncIterator[aio_pika.abc.AbstractConnection]:
+    async with await aio_pika.connect(amqp_url) as opened:
+        yield opened
+
+
+async def _queue_with(connection: aio_pika.abc.AbstractConnection, count: int) -> AbstractQueue:
+    channel = await connection.channel()
+    queue = await channel.declare_queue(
+        f"test.acks.{uuid.uuid4().hex[:8]}", durable=True, arguments={"x-queue-type": "quorum"}
+    )
+    for n in range(count):
+        await channel.default_exchange.publish(
+            aio_pika.Message(b"{}", message_id=str(n), delivery_mode=aio_pika.DeliveryMode.PERSISTENT),
+            routing_key=queue.name,
+        )
+    return queue
+
+
+async def _consume(
+    connection: aio_pika.abc.AbstractConnection,
+    queue_name: str,
+    prefetch: int,
+    on_message: Callable[[AbstractIncomingMessage], Awaitable[None]],
+) -> tuple[AbstractChannel, list[tuple[int, bool]]]:
+    """Consume with ``on_message``; returns the channel and the ack frames sent on it (tag, multiple)."""
+    channel = await connection.channel()
+    await channel.set_qos(prefetch_count=prefetch)
+    frames: list[tuple[int, bool]] = []
+    raw = await channel.get_underlay_channel()
+    send = raw.basic_ack
+
+    async def counted(delivery_tag: int, multiple: bool = False, **kwargs: Any) -> None:
+        frames.append((delivery_tag, multiple))
+        await send(delivery_tag, multiple=multiple, **kwargs)
+
+    raw.basic_ack = counted  # type: ignore[method-assign]  # a spy on the real channel's frames
+    consumer_queue = await channel.get_queue(queue_name, ensure=False)
+    await consumer_queue.consume(on_message)
+    return channel, frames
+
+
+async def _ready_after_close(
+    connection: aio_pika.abc.AbstractConnection, channel: AbstractChannel, queue_name: str
+) -> int:
+    """Messages in the queue once the consumer's channel is closed: whatever it left unacked is back."""
+    await channel.close()
+    probe = await connection.channel()
+    queue = await probe.declare_queue(queue_name, passive=True)
+    count = queue.declaration_result.message_count or 0
+    await queue.delete(if_unused=False, if_empty=False)
+    await probe.close()
+    return count
+
+
+async def test_settled_out_of_order_every_message_is_acked_in_fewer_frames(
+    connection: aio_pika.abc.AbstractConnection,
+) -> None:
+    count = 300
+    queue = await _queue_with(connection, count)
+    acks = Acks()
+    settled: set[str] = set()
+
+    async def on_message(message: AbstractIncomingMessage) -> None:
+        acks.delivered(message)
+        await asyncio.sleep(random.uniform(0, 0.01))
+        await acks.ack(message)
+        settled.add(message.message_id or "")
+
+    channel, frames = await _consume(connection, queue.name, 32, on_message)
+    await eventually(lambda: asyncio.sleep(0, len(settled) == count))
+    await acks.flush()
+    assert await _ready_after_close(connection, channel, queue.name) == 0
+    assert any(multiple for _, multiple in frames)
+    assert len(frames) < count / 2
+
+
+async def test_a_held_delivery_does_not_hold_the_window_and_is_never_acked_with_the_rest(
+    connection: aio_pika.abc.AbstractConnection,
+) -> None:
+    """The first message is held (a slow endpoint); the rest, more than the prefetch window, flow past
+    it. Once the channel closes, the held one (never settled) is back in the queue: nothing acked it."""
+    queue = await _queue_with(connection, 30)
+    acks = Acks()
+    held = asyncio.Event()
+    settled: list[str] = []
+
+    async def on_message(message: AbstractIncomingMessage) -> None:
+        acks.delivered(message)
+        if message.message_id == "0":
+            await held.wait()
+            acks.released(message)  # handled without settling (a shutdown, say)
+            return
+        await acks.ack(message)
+        settled.append(message.message_id or "")
+
+    channel, frames = await _consume(connection, queue.name, 5, on_message)
+    await eventually(lambda: asyncio.sleep(0, len(settled) == 29))
+    held.set()
+    await acks.flush()
+    assert not any(multiple for _, multiple in frames)  # tag 1 was outstanding throughout
+    assert await _ready_after_close(connection, channel, queue.name) == 1
+
+
+async def test_a_nack_in_the_middle_neither_blocks_nor_is_covered(
+    connection: aio_pika.abc.AbstractConnection,
+) -> None:
+    queue = await _queue_with(connection, 50)
+    acks = Acks()
+    seen: dict[str, int] = {}
+
+    async def on_message(message: AbstractIncomingMessage) -> None:
+        acks.delivered(message)
+        key = message.message_id or ""
+        seen[key] = seen.get(key, 0) + 1
+        if key == "10" and seen[key] == 1:
+            await acks.nack(message, requeue=True)  # handed back once, delivered again, then acked
+            return
+        await acks.ack(message)
+        with pytest.raises(aio_pika.exceptions.MessageProcessError):
+            await acks.nack(message, requeue=True)  # settled already: refused, as aio-pika refuses it
+
+    channel, _ = await _consume(connection, queue.name, 16, on_message)
+    await eventually(lambda: asyncio.sleep(0, len(seen) == 50 and seen["10"] == 2))
+    await acks.flush()
+    assert await _ready_after_close(connection, channel, queue.name) == 0
