@@ -64,7 +64,10 @@ def _wait_for(url: str, expected: int, timeout_s: float = 600) -> None:
 
 
 def main(amqp_url: str, count: int, pool: str, concurrency: int, url: str, mode: str) -> None:
-    app.conf.broker_url = amqp_url
+    # The task as the worker knows it: under its module's name, not as ``__main__.deliver``.
+    from bench import celery_peer
+
+    celery_peer.app.conf.broker_url = amqp_url
     payload = {"data": {"x": "a" * 1000}}
     worker_env = dict(os.environ, BENCH_CELERY_BROKER=amqp_url)
     command = [sys.executable, "-m", "celery", "-A", "bench.celery_peer", "worker", "-P", pool]
@@ -75,7 +78,7 @@ def main(amqp_url: str, count: int, pool: str, concurrency: int, url: str, mode:
         sent: dict[str, float] = {}
         for k in range(n):
             sent[f"{prefix}{k}"] = time.time()
-            deliver.delay(url, f"{prefix}{k}", payload)
+            celery_peer.deliver.delay(url, f"{prefix}{k}", payload)
         return sent
 
     worker: subprocess.Popen[bytes] | None = None
@@ -94,7 +97,7 @@ def main(amqp_url: str, count: int, pool: str, concurrency: int, url: str, mode:
         if worker is not None:
             worker.terminate()
             worker.wait(60)
-        with app.connection_for_write() as connection:
+        with celery_peer.app.connection_for_write() as connection:
             connection.default_channel.queue_delete("hookline-bench-celery")
     print(json.dumps({"sent": sent}))
 

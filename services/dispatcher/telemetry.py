@@ -12,15 +12,17 @@ import asyncio
 import contextlib
 import time
 from collections.abc import Callable
+from typing import Any
 
 import aio_pika
+import orjson
 import structlog
 
 from hookline.dispatcher import metrics
 from hookline.shared import topology
 from hookline.shared.amqp import BrokerBlockedError, Publisher
 from hookline.shared.supervision import Loop
-from hookline.shared.telemetry import AttemptRecord, Deferral, Heartbeat, TelemetryRecord, batch
+from hookline.shared.telemetry import Deferral, Heartbeat
 
 log = structlog.get_logger(__name__)
 
@@ -36,19 +38,21 @@ class Telemetry:
         self._publisher = publisher
         self.dispatcher_id = dispatcher_id
         self._load = load  # () -> (in flight, consumers, unacked per endpoint), for heartbeats
-        self._buffer: list[TelemetryRecord] = []
+        # Records as they go on the wire (dicts): attempts are built so on the delivery path.
+        self._buffer: list[dict[str, Any]] = []
         # Deferrals go in batches of their own: a monitor or ingest of an earlier version, which does
         # not know the record, then drops only those batches, never attempts.
-        self._deferrals: list[TelemetryRecord] = []
+        self._deferrals: list[dict[str, Any]] = []
         self._full = asyncio.Event()
 
-    def attempt(self, record: AttemptRecord) -> None:
+    def attempt(self, record: dict[str, Any]) -> None:
+        """An AttemptRecord's fields, ``kind`` included (shared/telemetry.py)."""
         self._buffer.append(record)
         if len(self._buffer) >= MAX_BATCH:
             self._full.set()
 
     def deferral(self, record: Deferral) -> None:
-        self._deferrals.append(record)
+        self._deferrals.append(record.model_dump(mode="json"))
         if len(self._deferrals) >= MAX_BATCH:
             self._full.set()
 
@@ -68,7 +72,7 @@ class Telemetry:
                             in_flight=in_flight,
                             consumers=consumers,
                             unacked=unacked,
-                        )
+                        ).model_dump(mode="json")
                     )
                     next_heartbeat_s = time.monotonic() + HEARTBEAT_INTERVAL_S
                 await self.flush()
@@ -82,19 +86,19 @@ class Telemetry:
         await self._send(self._take(deferrals=False))
         await self._send(self._take(deferrals=True))
 
-    def _take(self, *, deferrals: bool) -> list[TelemetryRecord]:
+    def _take(self, *, deferrals: bool) -> list[dict[str, Any]]:
         if deferrals:
             records, self._deferrals = self._deferrals, []
         else:
             records, self._buffer = self._buffer, []
         return records
 
-    async def _send(self, records: list[TelemetryRecord]) -> None:
+    async def _send(self, records: list[dict[str, Any]]) -> None:
         if not records:
             return
         try:
             await self._publisher.publish(
-                aio_pika.Message(batch.dump_json(records), content_type="application/json"),
+                aio_pika.Message(orjson.dumps(records), content_type="application/json"),
                 exchange=topology.TELEMETRY_EXCHANGE,
                 routing_key="",
             )
