@@ -7,6 +7,11 @@ and its RSS once attached, and its CPU while idle for 30 s.
 
     .venv/bin/python -m bench.endpoint_scale --endpoints 10000 --cluster   # scripts/start-rabbitmq-cluster.sh
 
+One node started by the same script (own directory and port, the file-handle limit raised):
+
+    export HOOKLINE_CLUSTER_NODES=1 HOOKLINE_CLUSTER_DIR=/var/lib/rabbitmq/hookline-single HOOKLINE_CLUSTER_PORT=5691
+    scripts/start-rabbitmq-cluster.sh && .venv/bin/python -m bench.endpoint_scale --endpoints 10000 --cluster
+
 Needs a vhost of its own (made and deleted here) and a broker whose file-handle limit exceeds N (each
 quorum queue takes one on RabbitMQ 3.x; the cluster script starts its nodes with the hard limit).
 """
@@ -131,11 +136,13 @@ def cpu_s(pid: int) -> float:
 
 
 async def main(count: int, cluster: bool) -> dict[str, Any]:
-    nodes: list[str | None] = ["a", "b", "c"] if cluster else [None]
+    size = int(os.environ.get("HOOKLINE_CLUSTER_NODES", "3"))
+    nodes: list[str | None] = ["a", "b", "c"][:size] if cluster else [None]
     vhost = f"bench-scale-{uuid.uuid4().hex[:8]}"
     ctl(nodes[0], "add_vhost", vhost)
     ctl(nodes[0], "set_permissions", "-p", vhost, "guest", ".*", ".*", ".*")
-    ports = [5681, 5682, 5683] if cluster else [5672]
+    first_port = int(os.environ.get("HOOKLINE_CLUSTER_PORT", "5681"))
+    ports = [first_port + n for n in range(size)] if cluster else [5672]
     url = ",".join(f"amqp://guest:guest@127.0.0.1:{port}/{vhost}" for port in ports)
     try:
         before = memory_bytes(nodes)
@@ -179,7 +186,9 @@ async def main(count: int, cluster: bool) -> dict[str, Any]:
 def cli() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--endpoints", type=int, default=1000)
-    parser.add_argument("--cluster", action="store_true", help="the three nodes of the cluster script")
+    parser.add_argument(
+        "--cluster", action="store_true", help="the nodes of scripts/start-rabbitmq-cluster.sh"
+    )
     args = parser.parse_args()
     print("ENDPOINT_SCALE", json.dumps(asyncio.run(main(args.endpoints, args.cluster))))
 

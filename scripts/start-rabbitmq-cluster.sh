@@ -10,12 +10,14 @@
 #   scripts/start-rabbitmq-cluster.sh ctl NODE ARGS...   rabbitmqctl against node a, b or c
 #
 # Environment: HOOKLINE_CLUSTER_DIR (default /var/lib/rabbitmq/hookline-cluster), HOOKLINE_CLUSTER_PORT
-# (default 5681: the first node's AMQP port; the others follow).
+# (default 5681: the first node's AMQP port; the others follow), HOOKLINE_CLUSTER_NODES (default 3; 1
+# gives a single node started the same way, with a directory and port of its own, for measurements).
 set -euo pipefail
 
 BASE="${HOOKLINE_CLUSTER_DIR:-/var/lib/rabbitmq/hookline-cluster}"
 FIRST_PORT="${HOOKLINE_CLUSTER_PORT:-5681}"
-NODES=(a b c)
+ALL_NODES=(a b c)
+NODES=("${ALL_NODES[@]:0:${HOOKLINE_CLUSTER_NODES:-3}}")
 SBIN=/usr/lib/rabbitmq/bin
 
 node_name() { echo "hookline-$1@localhost"; }

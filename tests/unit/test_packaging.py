@@ -20,15 +20,36 @@ def _compose() -> dict:  # type: ignore[type-arg]
 
 
 def test_compose_runs_ingest_two_dispatchers_and_the_monitor_against_rabbitmq() -> None:
-    services = _compose()["services"]
+    services = {name: s for name, s in _compose()["services"].items() if "profiles" not in s}
     assert set(services) == {"rabbitmq", "ingest", "dispatcher", "health-monitor"}
     assert services["dispatcher"]["deploy"]["replicas"] == 2
     assert services["rabbitmq"]["image"].startswith("rabbitmq:")
     for name in ("ingest", "dispatcher", "health-monitor"):
         service = services[name]
         assert service["command"] == ["hookline", name]
-        assert service["environment"]["HOOKLINE_AMQP_URL"].startswith("amqp://guest:guest@rabbitmq:5672")
+        assert service["environment"]["HOOKLINE_AMQP_URL"].startswith(
+            "${HOOKLINE_AMQP_URL:-amqp://guest:guest@rabbitmq:5672"
+        )
         assert service["depends_on"]["rabbitmq"]["condition"] == "service_healthy"
+
+
+def test_the_cluster_profile_adds_two_nodes_that_join_the_first_with_one_cookie() -> None:
+    compose = _compose()
+    services = compose["services"]
+    nodes = ["rabbitmq", "rabbitmq-2", "rabbitmq-3"]
+    assert [services[n].get("profiles") for n in nodes] == [None, ["cluster"], ["cluster"]]
+    assert len({services[n]["image"] for n in nodes}) == 1
+    assert [services[n]["hostname"] for n in nodes] == nodes  # node names rabbit@<hostname>
+    assert len({services[n]["environment"]["RABBITMQ_COOKIE"] for n in nodes}) == 1
+    join = compose["configs"]["rabbitmq-join"]["content"]
+    assert "classic_config.nodes.1 = rabbit@rabbitmq\n" in join
+    for node in nodes[1:]:
+        assert services[node]["depends_on"]["rabbitmq"]["condition"] == "service_healthy"
+        assert {c["source"] for c in services[node]["configs"]} == {"rabbitmq-conf", "rabbitmq-join"}
+        assert f"{node}-data" in compose["volumes"]
+    assert "queue_leader_locator = balanced" in compose["configs"]["rabbitmq-conf"]["content"]
+    # The services reach every node when told to (README): the URL is overridable as a whole.
+    assert services["ingest"]["environment"]["HOOKLINE_AMQP_URL"].startswith("${HOOKLINE_AMQP_URL:-")
 
 
 def test_every_compose_command_is_a_real_cli_command() -> None:
