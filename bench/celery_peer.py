@@ -85,10 +85,14 @@ def main(amqp_url: str, count: int, pool: str, concurrency: int, url: str, mode:
     try:
         if mode == "backlog":
             sent = send("celery-b", count)
-            worker = subprocess.Popen(command, env=worker_env, stdout=subprocess.DEVNULL)
+            worker = subprocess.Popen(
+                command, env=worker_env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+            )
             _wait_for(url, count)
         else:
-            worker = subprocess.Popen(command, env=worker_env, stdout=subprocess.DEVNULL)
+            worker = subprocess.Popen(
+                command, env=worker_env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+            )
             send("celery-warm", 1)
             _wait_for(url, 1)
             sent = send("celery-l", count)

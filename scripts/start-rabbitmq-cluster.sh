@@ -70,7 +70,10 @@ launch_node() {
   answers "$node" && return 0
   echo "starting $(node_name "$node") on 127.0.0.1:$(node_port "$node" "$2")" >&2
   (
-    ulimit -n "$(ulimit -Hn)"  # each quorum queue takes a file handle (RabbitMQ 3.x)
+    # Each quorum queue takes file handles (RabbitMQ 3.x: its log segments); past the limit a node stops
+    # accepting connections without an error. Root may raise the hard limit first.
+    if [ "$(id -u)" = 0 ]; then ulimit -Hn "${HOOKLINE_CLUSTER_NOFILE:-262144}" 2>/dev/null || true; fi
+    ulimit -n "$(ulimit -Hn)"
     as_broker "$BASE/$node/rabbitmq-env.conf" setsid "$SBIN/rabbitmq-server" -detached
   )
 }

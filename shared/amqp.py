@@ -394,6 +394,7 @@ class QueueProbe:
     def __init__(self, broker: Broker) -> None:
         self._broker = broker
         self._channel: AbstractChannel | None = None
+        self._opening = asyncio.Lock()  # callers that ask at once share one new channel
 
     async def __aenter__(self) -> Self:
         return self
@@ -403,9 +404,10 @@ class QueueProbe:
 
     async def channel(self) -> AbstractChannel:
         """The probe's channel, also good for declaring what was found missing."""
-        if self._channel is None or self._channel.is_closed:
-            self._channel = await self._broker.open_channel()
-        return self._channel
+        async with self._opening:
+            if self._channel is None or self._channel.is_closed:
+                self._channel = await self._broker.open_channel()
+            return self._channel
 
     async def find(self, name: str) -> AbstractQueue | None:
         channel = await self.channel()

@@ -52,6 +52,9 @@ from hookline.shared.supervision import Loop
 log = structlog.get_logger(__name__)
 
 PROBE_POLL_S = 1.0
+#: Endpoints attached at once when the loop (re)starts: each takes two round trips to the broker
+#: (check the queue, consume it), so a replica joining 10,000 endpoints must not take them in turn.
+ATTACH_CONCURRENCY = 16
 RECONCILE_RETRY_S = 2.0
 #: Deleted endpoints whose queues are still drained: the monitor removes drained queues well before.
 DELETED_DRAIN_WINDOW = timedelta(days=1)
@@ -99,6 +102,7 @@ class Consumers:
         # basic.qos applies to the consumers created after it: one channel per prefetch value keeps
         # every consumer's cap right.
         self._channels: dict[int, AbstractChannel] = {}
+        self._opening = asyncio.Lock()  # one channel per prefetch value, also while attaching in parallel
         self._queues = QueueProbe(broker)  # declares: an error there closes its channel, not a consumer's
         self._probes: dict[str, int] = {}  # endpoint id -> the half-open version being probed
         self._changed: asyncio.Queue[str | None] = asyncio.Queue()
@@ -125,8 +129,7 @@ class Consumers:
         try:
             await self._broker.connection()
             self._connection_lost.clear()
-            for endpoint_id in self._endpoint_ids():
-                await self._reconcile_or_retry(endpoint_id)
+            await self._attach_all(self._endpoint_ids())
             loop.mark_up()
             while (changed := await self._next_change()) is not None:
                 await self._reconcile_or_retry(changed)
@@ -138,6 +141,16 @@ class Consumers:
                 # pause), a breaker that opens would have their messages handed back and redelivered
                 # to them in a tight loop, up to the queue's delivery limit (then dead letters).
                 await self._forget_all()
+
+    async def _attach_all(self, endpoint_ids: list[str]) -> None:
+        # Changes that arrive meanwhile wait in the queue and are applied after, one at a time.
+        slots = asyncio.Semaphore(ATTACH_CONCURRENCY)
+
+        async def attach(endpoint_id: str) -> None:
+            async with slots:
+                await self._reconcile_or_retry(endpoint_id)
+
+        await asyncio.gather(*(attach(endpoint_id) for endpoint_id in endpoint_ids))
 
     def _endpoint_ids(self) -> list[str]:
         since = datetime.now(UTC) - DELETED_DRAIN_WINDOW
@@ -239,14 +252,15 @@ class Consumers:
         return await self._queues.find(queue_name)
 
     async def _channel_for(self, prefetch: int) -> AbstractChannel:
-        channel = self._channels.get(prefetch)
-        if channel is None or channel.is_closed:
-            channel = await self._broker.open_channel(prefetch=prefetch)
-            channel.close_callbacks.add(partial(self._on_channel_closed, prefetch))
-            self._channels[prefetch] = channel
-            # A consumer cancelled by the broker (its queue was deleted): attach again, or let go.
-            await on_cancel(channel, self._on_consumer_cancelled)
-        return channel
+        async with self._opening:
+            channel = self._channels.get(prefetch)
+            if channel is None or channel.is_closed:
+                channel = await self._broker.open_channel(prefetch=prefetch)
+                channel.close_callbacks.add(partial(self._on_channel_closed, prefetch))
+                self._channels[prefetch] = channel
+                # A consumer cancelled by the broker (its queue was deleted): attach again, or let go.
+                await on_cancel(channel, self._on_consumer_cancelled)
+            return channel
 
     def _on_channel_closed(self, prefetch: int, *_: object) -> None:
         if self._stopping:
