@@ -19,9 +19,9 @@ import contextlib
 import time
 
 import aiormq
-from aio_pika.abc import AbstractIncomingMessage
 from aio_pika.exceptions import ChannelInvalidStateError
 
+from hookline.dispatcher.incoming import Delivery, Incoming
 from hookline.shared.amqp import BROKER_ERRORS
 
 #: How long settled acks wait for more to join them: one round of the event loop is often enough.
@@ -48,10 +48,10 @@ class Acks:
         self._windows: dict[int, _Window] = {}  # id(aiormq channel) ->
         self._flushes: set[asyncio.Task[None]] = set()
 
-    def delivered(self, message: AbstractIncomingMessage) -> None:
+    def delivered(self, message: Incoming) -> None:
         """A message consumed from a queue: its ack may be batched from now on."""
         tag = message.delivery_tag
-        if tag is None:
+        if tag is None or not isinstance(message, Delivery):
             return
         try:
             channel = message.channel
@@ -62,31 +62,32 @@ class Acks:
             window = self._windows[id(channel)] = _Window(channel)
         window.outstanding[tag] = None
 
-    def released(self, message: AbstractIncomingMessage) -> None:
+    def released(self, message: Incoming) -> None:
         """Its handling ended: if it was never settled (cancelled at shutdown, say), it blocks nothing
         here any more; the broker redelivers it when the channel closes."""
         self._forget(message)
 
-    async def ack(self, message: AbstractIncomingMessage) -> None:
+    async def ack(self, message: Incoming) -> None:
         window = self._window(message)
         if window is None or message.delivery_tag not in window.outstanding:
             await message.ack()  # not consumed (a basic.get probe), or its channel is gone
             return
         window.outstanding[message.delivery_tag] = time.monotonic()
-        # Settled as far as aio-pika is concerned too: a later ack, nack or reject of it is refused
-        # (MessageProcessError) as after its own ack, never sent for a tag the batch acks.
-        setattr(message, "_IncomingMessage__processed", True)  # noqa: B010 - aio-pika's own flag
+        # Settled for the message too: a later ack, nack or reject of it is refused (MessageProcessError)
+        # as after its own ack, never sent for a tag the batch acks.
+        assert isinstance(message, Delivery)  # only those are registered
+        message.processed = True
         if not window.flushing:
             window.flushing = True
             flush = asyncio.create_task(self._flush_soon(window))
             self._flushes.add(flush)
             flush.add_done_callback(self._flushes.discard)
 
-    async def nack(self, message: AbstractIncomingMessage, *, requeue: bool) -> None:
+    async def nack(self, message: Incoming, *, requeue: bool) -> None:
         self._forget(message)
         await message.nack(requeue=requeue)
 
-    async def reject(self, message: AbstractIncomingMessage, *, requeue: bool) -> None:
+    async def reject(self, message: Incoming, *, requeue: bool) -> None:
         self._forget(message)
         await message.reject(requeue=requeue)
 
@@ -101,7 +102,7 @@ class Acks:
             if window.channel.is_closed:
                 del self._windows[key]
 
-    def _window(self, message: AbstractIncomingMessage) -> _Window | None:
+    def _window(self, message: Incoming) -> _Window | None:
         try:
             channel = message.channel
         except ChannelInvalidStateError:
@@ -109,7 +110,7 @@ class Acks:
         window = self._windows.get(id(channel))
         return window if window is not None and window.channel is channel else None
 
-    def _forget(self, message: AbstractIncomingMessage) -> None:
+    def _forget(self, message: Incoming) -> None:
         window = self._window(message)
         tag = message.delivery_tag
         if window is not None and tag is not None and window.outstanding.get(tag, 0) is None:

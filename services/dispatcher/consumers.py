@@ -30,10 +30,11 @@ from functools import partial
 
 import aiormq
 import structlog
-from aio_pika.abc import AbstractChannel, AbstractIncomingMessage, AbstractQueue
+from aio_pika.abc import AbstractChannel, AbstractQueue
 
-from hookline.dispatcher import metrics
+from hookline.dispatcher import incoming, metrics
 from hookline.dispatcher.handler import Handler, handle_safely
+from hookline.dispatcher.incoming import Incoming
 from hookline.shared import topology
 from hookline.shared.amqp import (
     BROKER_ERRORS,
@@ -76,7 +77,6 @@ class _Wanted:
 @dataclass(frozen=True, slots=True)
 class _Consumer:
     wanted: _Wanted
-    queue: AbstractQueue
     tag: str
     channel: AbstractChannel
 
@@ -188,7 +188,7 @@ class Consumers:
                 # Breaker open, endpoint paused or gone, its cap changed, or the queue was left behind.
                 del self._active[queue_name]
                 with contextlib.suppress(*BROKER_ERRORS):
-                    await consumer.queue.cancel(consumer.tag, timeout=CALL_TIMEOUT_S)
+                    await incoming.cancel(consumer.channel, consumer.tag, timeout_s=CALL_TIMEOUT_S)
         for queue_name, want in wanted.items():
             if queue_name not in self._active:
                 await self._attach(queue_name, want)
@@ -227,14 +227,13 @@ class Consumers:
         if queue is None:
             return
         channel = await self._channel_for(want.prefetch)
-        consumer_queue = await channel.get_queue(queue_name, ensure=False)
         callback = {
             Mode.DELIVER: partial(self._deliver, want.endpoint_id),
             Mode.FORWARD: partial(self._forward, want.endpoint_id),
             Mode.GONE: partial(self._gone, want.endpoint_id),
         }[want.mode]
-        tag = await consumer_queue.consume(callback, timeout=CALL_TIMEOUT_S)
-        self._active[queue_name] = _Consumer(want, consumer_queue, tag, channel)
+        tag = await incoming.consume(channel, queue_name, callback, timeout_s=CALL_TIMEOUT_S)
+        self._active[queue_name] = _Consumer(want, tag, channel)
         if want.mode is not Mode.DELIVER:
             log.info("queue_draining", queue=queue_name, endpoint_id=want.endpoint_id, mode=want.mode.value)
 
@@ -337,20 +336,20 @@ class Consumers:
 
     # --- consuming ----------------------------------------------------------------------------------
 
-    async def _deliver(self, endpoint_id: str, message: AbstractIncomingMessage) -> None:
+    async def _deliver(self, endpoint_id: str, message: Incoming) -> None:
         await self.track(endpoint_id, partial(handle_safely, self._handler, endpoint_id), message)
 
-    async def _forward(self, endpoint_id: str, message: AbstractIncomingMessage) -> None:
+    async def _forward(self, endpoint_id: str, message: Incoming) -> None:
         await self.track(endpoint_id, partial(self._handler.forward, endpoint_id), message)
 
-    async def _gone(self, endpoint_id: str, message: AbstractIncomingMessage) -> None:
+    async def _gone(self, endpoint_id: str, message: Incoming) -> None:
         await self.track(endpoint_id, partial(self._handler.gone, endpoint_id), message)
 
     async def track(
         self,
         endpoint_id: str,
-        handle: Callable[[AbstractIncomingMessage], Awaitable[object]],
-        message: AbstractIncomingMessage,
+        handle: Callable[[Incoming], Awaitable[object]],
+        message: Incoming,
     ) -> None:
         """Run a message's handling as a task the shutdown drain waits for, counted per endpoint."""
         task = asyncio.current_task()
@@ -388,7 +387,7 @@ class Consumers:
         for consumer in list(self._active.values()):
             # A channel already gone has stopped delivering anyway.
             with contextlib.suppress(*BROKER_ERRORS):
-                await consumer.queue.cancel(consumer.tag, timeout=CALL_TIMEOUT_S)
+                await incoming.cancel(consumer.channel, consumer.tag, timeout_s=CALL_TIMEOUT_S)
 
     async def drain(self, grace_s: float) -> int:
         """Wait up to ``grace_s`` for in-flight deliveries; cancel the rest. Returns how many were cancelled.

@@ -19,12 +19,12 @@ from datetime import UTC, datetime
 
 import aio_pika
 import structlog
-from aio_pika.abc import AbstractIncomingMessage
 
 from hookline.dispatcher import inbound, metrics
 from hookline.dispatcher.acks import Acks
 from hookline.dispatcher.backoff import Jitter, RetryPolicy, parse_retry_after
 from hookline.dispatcher.delays import Delays
+from hookline.dispatcher.incoming import Incoming
 from hookline.dispatcher.ordering import SubjectOrder
 from hookline.dispatcher.outcome import Ack, DeadLetter, Retry, Settlement, classify, settle
 from hookline.dispatcher.pacing import Pacer
@@ -93,9 +93,7 @@ class Handler:
         self._order = SubjectOrder(stale_s=settings.order_hold_s)
         self._sealer = sealer
 
-    async def handle(
-        self, endpoint_id: str, message: AbstractIncomingMessage, *, probe: bool = False
-    ) -> bool:
+    async def handle(self, endpoint_id: str, message: Incoming, *, probe: bool = False) -> bool:
         """Handle one message to its settlement; True when an attempt was made (what a probe needs)."""
         if not probe and self._breakers.state(endpoint_id) is not None:
             # Delivered before the breaker opened reached us: back to the queue, not attempted. After a
@@ -148,7 +146,7 @@ class Handler:
 
     async def _attempt_and_settle(
         self,
-        message: AbstractIncomingMessage,
+        message: Incoming,
         endpoint: StoredEndpoint,
         parsed: inbound.Inbound,
         sequence: int | None,
@@ -261,7 +259,7 @@ class Handler:
 
     async def _defer(
         self,
-        message: AbstractIncomingMessage,
+        message: Incoming,
         endpoint: StoredEndpoint,
         parsed: inbound.Inbound,
         sequence: int | None,
@@ -344,7 +342,7 @@ class Handler:
     async def _apply(
         self,
         settlement: Settlement,
-        message: AbstractIncomingMessage,
+        message: Incoming,
         endpoint: StoredEndpoint,
         parsed: inbound.Inbound,
         first_attempt_at_s: float,
@@ -407,7 +405,7 @@ class Handler:
                 "endpoint_disabled", endpoint_id=endpoint_id, tenant=written.tenant, status=status, alert=True
             )
 
-    async def gone(self, endpoint_id: str, message: AbstractIncomingMessage) -> None:
+    async def gone(self, endpoint_id: str, message: Incoming) -> None:
         """A message of an endpoint that was deleted: kept as an ``endpoint_gone`` dead letter."""
         gone = self._registry.last_known(endpoint_id)
         await self._dead_letter(
@@ -416,7 +414,7 @@ class Handler:
         )  # fmt: skip
         await self.acks.ack(message)
 
-    async def forward(self, endpoint_id: str, message: AbstractIncomingMessage) -> None:
+    async def forward(self, endpoint_id: str, message: Incoming) -> None:
         """A message in a queue the endpoint has left: into its current queue (confirmed), then acked.
         Addressed by name, not through the route exchange, which may still feed the old queue for a
         moment while the move completes."""
@@ -441,7 +439,7 @@ class Handler:
         await self._publisher.publish(copy, exchange="", routing_key=queue)
         await self.acks.ack(message)
 
-    async def handle_unroutable(self, message: AbstractIncomingMessage) -> None:
+    async def handle_unroutable(self, message: Incoming) -> None:
         """A retry whose destination disappeared while it waited in the delay queues."""
         destination = topology.delay_destination(message.routing_key or "")
         endpoint_id = topology.endpoint_of(destination) or destination
@@ -458,7 +456,7 @@ class Handler:
 
     async def _dead_letter(
         self,
-        message: AbstractIncomingMessage,
+        message: Incoming,
         endpoint_id: str,
         tenant: str | None,
         reason: DeadLetterReason,
@@ -489,7 +487,7 @@ class Handler:
 
 
 async def handle_safely(
-    handler: Handler, endpoint_id: str, message: AbstractIncomingMessage, *, probe: bool = False
+    handler: Handler, endpoint_id: str, message: Incoming, *, probe: bool = False
 ) -> bool:
     """The consumer callback: a crash requeues the message (counted toward the poison limit), and a
     broker error hands it back if the channel still can; neither stops the dispatcher. Returns whether

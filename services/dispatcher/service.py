@@ -23,14 +23,14 @@ import structlog
 from aio_pika.abc import AbstractIncomingMessage
 from pydantic import ValidationError
 
-from hookline.dispatcher import metrics
+from hookline.dispatcher import incoming, metrics
 from hookline.dispatcher.consumers import Consumers, expire_breakers
 from hookline.dispatcher.delays import Delays
 from hookline.dispatcher.handler import USER_AGENT, Handler
 from hookline.dispatcher.telemetry import Telemetry
 from hookline.shared import lifecycle, registry, topology
 from hookline.shared import logging as hookline_logging
-from hookline.shared.amqp import Broker, Publisher, passive_queue, until_closed
+from hookline.shared.amqp import CALL_TIMEOUT_S, Broker, Publisher, passive_queue, until_closed
 from hookline.shared.control import BREAKER_LOOKBACK, BreakerView, control_record
 from hookline.shared.delivery import DeliveryClient
 from hookline.shared.models import error_summary
@@ -65,8 +65,13 @@ def _apply_control(breakers: BreakerView, consumers: Consumers, message: Abstrac
 async def _consume_unroutable(broker: Broker, consumers: Consumers, handler: Handler, loop: Loop) -> None:
     """Retries whose endpoint is gone: any replica turns them into dead letters."""
     async with broker.channel(prefetch=32) as channel:
-        queue = await passive_queue(channel, topology.DELAY_UNROUTABLE)
-        await queue.consume(partial(consumers.track, "", handler.handle_unroutable))
+        await passive_queue(channel, topology.DELAY_UNROUTABLE)
+        await incoming.consume(
+            channel,
+            topology.DELAY_UNROUTABLE,
+            partial(consumers.track, "", handler.handle_unroutable),
+            timeout_s=CALL_TIMEOUT_S,
+        )
         loop.mark_up()
         await until_closed(channel)
 

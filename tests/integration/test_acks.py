@@ -1,4 +1,4 @@
-"""Acks in batches on a real RabbitMQ quorum queue: every settled message acked, none acked early, a held
+"""Acks in batches on a real RabbitMQ quorum queue, consumed as the dispatcher consumes: every settled message acked, none acked early, a held
 delivery never holding the others' prefetch window, and fewer ack frames than messages."""
 
 from __future__ import annotations
@@ -11,10 +11,12 @@ from typing import Any
 
 import aio_pika
 import pytest
-from aio_pika.abc import AbstractChannel, AbstractIncomingMessage, AbstractQueue
+from aio_pika.abc import AbstractChannel, AbstractQueue
 from support.waiting import eventually
 
+from hookline.dispatcher import incoming
 from hookline.dispatcher.acks import Acks
+from hookline.dispatcher.incoming import Delivery
 
 pytestmark = pytest.mark.integration
 
@@ -42,7 +44,7 @@ async def _consume(
     connection: aio_pika.abc.AbstractConnection,
     queue_name: str,
     prefetch: int,
-    on_message: Callable[[AbstractIncomingMessage], Awaitable[None]],
+    on_message: Callable[[Delivery], Awaitable[None]],
 ) -> tuple[AbstractChannel, list[tuple[int, bool]]]:
     """Consume with ``on_message``; returns the channel and the ack frames sent on it (tag, multiple)."""
     channel = await connection.channel()
@@ -56,8 +58,7 @@ async def _consume(
         await send(delivery_tag, multiple=multiple, **kwargs)
 
     raw.basic_ack = counted  # type: ignore[method-assign]  # a spy on the real channel's frames
-    consumer_queue = await channel.get_queue(queue_name, ensure=False)
-    await consumer_queue.consume(on_message)
+    await incoming.consume(channel, queue_name, on_message, timeout_s=10)
     return channel, frames
 
 
@@ -82,7 +83,7 @@ async def test_settled_out_of_order_every_message_is_acked_in_fewer_frames(
     acks = Acks()
     settled: set[str] = set()
 
-    async def on_message(message: AbstractIncomingMessage) -> None:
+    async def on_message(message: Delivery) -> None:
         acks.delivered(message)
         await asyncio.sleep(random.uniform(0, 0.01))
         await acks.ack(message)
@@ -106,7 +107,7 @@ async def test_a_held_delivery_does_not_hold_the_window_and_is_never_acked_with_
     held = asyncio.Event()
     settled: list[str] = []
 
-    async def on_message(message: AbstractIncomingMessage) -> None:
+    async def on_message(message: Delivery) -> None:
         acks.delivered(message)
         if message.message_id == "0":
             await held.wait()
@@ -130,7 +131,7 @@ async def test_a_nack_in_the_middle_neither_blocks_nor_is_covered(
     acks = Acks()
     seen: dict[str, int] = {}
 
-    async def on_message(message: AbstractIncomingMessage) -> None:
+    async def on_message(message: Delivery) -> None:
         acks.delivered(message)
         key = message.message_id or ""
         seen[key] = seen.get(key, 0) + 1
