@@ -52,11 +52,8 @@ class Acks:
         """A message consumed from a queue: its ack may be batched from now on."""
         tag = message.delivery_tag
         if tag is None or not isinstance(message, Delivery):
-            return
-        try:
-            channel = message.channel
-        except ChannelInvalidStateError:
-            return  # closed already: it will be redelivered, there is nothing to ack
+            return  # a probe's basic.get: acked at once
+        channel = message.channel
         window = self._windows.get(id(channel))
         if window is None or window.channel is not channel:
             window = self._windows[id(channel)] = _Window(channel)
@@ -69,14 +66,15 @@ class Acks:
 
     async def ack(self, message: Incoming) -> None:
         window = self._window(message)
-        if window is None or message.delivery_tag not in window.outstanding:
+        if (
+            window is None
+            or not isinstance(message, Delivery)
+            or message.delivery_tag not in window.outstanding
+        ):
             await message.ack()  # not consumed (a basic.get probe), or its channel is gone
             return
-        window.outstanding[message.delivery_tag] = time.monotonic()
-        # Settled for the message too: a later ack, nack or reject of it is refused (MessageProcessError)
-        # as after its own ack, never sent for a tag the batch acks.
-        assert isinstance(message, Delivery)  # only those are registered
-        message.processed = True
+        # Settled for the message too (a second ack, nack or reject raises), never sent alone.
+        window.outstanding[message.settle()] = time.monotonic()
         if not window.flushing:
             window.flushing = True
             flush = asyncio.create_task(self._flush_soon(window))

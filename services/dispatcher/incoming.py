@@ -74,9 +74,10 @@ class Delivery:
         self.exchange = message.exchange
         self.routing_key = message.routing_key
         self.delivery_tag = message.delivery_tag
-        self.processed = False  # settled here, or by a batched ack (acks.py)
+        self.processed = False  # settled here, or for a batched ack (acks.py)
 
-    def _settle(self) -> int:
+    def settle(self) -> int:
+        """Mark it settled and return its tag; raises if it was settled already."""
         if self.processed:
             raise MessageProcessError("Message already processed", self)
         self.processed = True
@@ -84,13 +85,13 @@ class Delivery:
         return self.delivery_tag
 
     async def ack(self) -> None:
-        await self.channel.basic_ack(self._settle())
+        await self.channel.basic_ack(self.settle())
 
     async def nack(self, *, requeue: bool = True) -> None:
-        await self.channel.basic_nack(self._settle(), requeue=requeue)
+        await self.channel.basic_nack(self.settle(), requeue=requeue)
 
     async def reject(self, *, requeue: bool = False) -> None:
-        await self.channel.basic_reject(self._settle(), requeue=requeue)
+        await self.channel.basic_reject(self.settle(), requeue=requeue)
 
 
 async def consume(

@@ -141,6 +141,8 @@ async def test_a_nack_in_the_middle_neither_blocks_nor_is_covered(
         await acks.ack(message)
         with pytest.raises(aio_pika.exceptions.MessageProcessError):
             await acks.nack(message, requeue=True)  # settled already: refused, as aio-pika refuses it
+        with pytest.raises(aio_pika.exceptions.MessageProcessError):
+            await acks.ack(message)
 
     channel, _ = await _consume(connection, queue.name, 16, on_message)
     await eventually(lambda: asyncio.sleep(0, len(seen) == 50 and seen["10"] == 2))
