@@ -282,6 +282,18 @@ async def publish_paced(
     return sent
 
 
+def rates(sent: dict[str, float], arrived: dict[str, float], *, backlog: bool) -> dict[str, Any]:
+    """Deliveries/s at the receiver: from the first arrival (a backlog) or the first publish (live) to
+    the last arrival, and the steady rate."""
+    arrivals = [arrived[event_id] for event_id in sent if event_id in arrived]
+    first = min(arrivals) if backlog else min(sent.values())
+    return {
+        "delivered": len(arrivals),
+        "deliveries_per_s": len(arrivals) / (max(arrivals) - first),
+        "steady_per_s": steady_rate(arrivals),
+    }
+
+
 def steady_rate(arrivals: list[float]) -> float:
     """Deliveries/s between the 10th and the 90th percentile arrival: the rate once every consumer is
     attached, without a process's start-up or the last stragglers."""
@@ -342,8 +354,6 @@ async def throughput(
         if monitor_process is not None:
             services.stop(monitor_process)
         await delete_endpoints(services)
-    arrivals = [result["arrivals"][event_id] for event_id in sent if event_id in result["arrivals"]]
-    first = min(arrivals) if backlog else min(sent.values())
     mode = "backlog" if backlog else "live"
     mode += ", health monitor running" if monitor else ""
     mode += (
@@ -355,9 +365,7 @@ async def throughput(
         "mode": mode,
         "dispatchers": dispatchers,
         "events": count,
-        "delivered": len(arrivals),
-        "deliveries_per_s": len(arrivals) / (max(arrivals) - first),
-        "steady_per_s": steady_rate(arrivals),
+        **rates(sent, result["arrivals"], backlog=backlog),
         "failing_endpoint_attempts": failed_attempts,
     }
 
@@ -530,17 +538,12 @@ def celery(
         )  # fmt: skip
     finally:
         result = sink.finish()
-    sent: dict[str, float] = json.loads(output)["sent"]
-    arrivals = [result["arrivals"][event_id] for event_id in sent if event_id in result["arrivals"]]
-    first = min(arrivals) if backlog else min(sent.values())
     return {
         "pool": pool,
         "concurrency": concurrency,
         "mode": "backlog" if backlog else "live",
         "events": count,
-        "delivered": len(arrivals),
-        "deliveries_per_s": len(arrivals) / (max(arrivals) - first),
-        "steady_per_s": steady_rate(arrivals),
+        **rates(json.loads(output)["sent"], result["arrivals"], backlog=backlog),
     }
 
 

@@ -8,7 +8,7 @@ statistics, never a lost event.
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Literal, TypedDict
 
 from pydantic import Field, TypeAdapter
 
@@ -60,7 +60,38 @@ class Heartbeat(Model):
     unacked: dict[str, int] = Field(default_factory=dict)
 
 
-def exchange(result: AttemptResult, sealer: Sealer) -> dict[str, Any]:
+class ExchangeFields(TypedDict):
+    status: int | None
+    error: str | None
+    duration_ms: float
+    dns_ms: float | None
+    connect_ms: float | None
+    first_byte_ms: float | None
+    response_headers: dict[str, str]
+    response_body: str | None
+
+
+class AttemptFields(ExchangeFields):
+    """An :class:`AttemptRecord` as it goes on the wire, built by the dispatcher on its delivery path
+    without the model's validation (the receivers validate it); kept equal to the model by a unit test."""
+
+    kind: Literal["attempt"]
+    at_s: float
+    dispatcher_id: str
+    event_id: str
+    endpoint_id: str
+    tenant: str
+    type: str
+    attempt: int
+    outcome: str
+    first_attempt_at_s: float
+    next_attempt_at_s: float | None
+    dead_letter_reason: str | None
+    probe: bool
+    attempt_kind: AttemptKind
+
+
+def exchange(result: AttemptResult, sealer: Sealer) -> ExchangeFields:
     """An attempt record's fields about the HTTP exchange: the status or error, the timings, and the
     start of the receiver's answer, sealed at rest (it may hold a customer's data)."""
     body = result.response_body

@@ -74,10 +74,9 @@ class Handler:
         breakers: BreakerView,
         sealer: Sealer,
         *,
-        acks: Acks | None = None,
         random_unit: Callable[[], float] = random.random,
     ) -> None:
-        self.acks = acks or Acks()
+        self.acks = Acks()
         self._settings = settings
         self._registry = registry
         self._change_log = change_log
@@ -174,8 +173,8 @@ class Handler:
         dead_letter_reason = settlement.reason.value if isinstance(settlement, DeadLetter) else None
         metrics.attempts(outcome.value).inc()
         metrics.ATTEMPT_SECONDS.observe(result.timings.total_ms / 1000)
-        # The record as it goes on the wire (shared/telemetry.py, AttemptRecord; the monitor and the
-        # ingest validate it): a model built here would cost the delivery path as much as the rest.
+        # The record as it goes on the wire (AttemptFields; the monitor and the ingest validate it as an
+        # AttemptRecord): a model built here would cost the delivery path as much as the rest.
         self._telemetry.attempt(
             {
                 "kind": "attempt",

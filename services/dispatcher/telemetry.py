@@ -22,9 +22,12 @@ from hookline.dispatcher import metrics
 from hookline.shared import topology
 from hookline.shared.amqp import BrokerBlockedError, Publisher
 from hookline.shared.supervision import Loop
-from hookline.shared.telemetry import Deferral, Heartbeat
+from hookline.shared.telemetry import AttemptFields, Deferral, Heartbeat
 
 log = structlog.get_logger(__name__)
+
+#: A record as it goes on the wire: an attempt built on the delivery path, or a model dumped.
+_Wire = AttemptFields | dict[str, Any]
 
 FLUSH_INTERVAL_S = 0.25
 MAX_BATCH = 500
@@ -39,14 +42,13 @@ class Telemetry:
         self.dispatcher_id = dispatcher_id
         self._load = load  # () -> (in flight, consumers, unacked per endpoint), for heartbeats
         # Records as they go on the wire (dicts): attempts are built so on the delivery path.
-        self._buffer: list[dict[str, Any]] = []
+        self._buffer: list[_Wire] = []
         # Deferrals go in batches of their own: a monitor or ingest of an earlier version, which does
         # not know the record, then drops only those batches, never attempts.
-        self._deferrals: list[dict[str, Any]] = []
+        self._deferrals: list[_Wire] = []
         self._full = asyncio.Event()
 
-    def attempt(self, record: dict[str, Any]) -> None:
-        """An AttemptRecord's fields, ``kind`` included (shared/telemetry.py)."""
+    def attempt(self, record: AttemptFields) -> None:
         self._buffer.append(record)
         if len(self._buffer) >= MAX_BATCH:
             self._full.set()
@@ -86,14 +88,14 @@ class Telemetry:
         await self._send(self._take(deferrals=False))
         await self._send(self._take(deferrals=True))
 
-    def _take(self, *, deferrals: bool) -> list[dict[str, Any]]:
+    def _take(self, *, deferrals: bool) -> list[_Wire]:
         if deferrals:
             records, self._deferrals = self._deferrals, []
         else:
             records, self._buffer = self._buffer, []
         return records
 
-    async def _send(self, records: list[dict[str, Any]]) -> None:
+    async def _send(self, records: list[_Wire]) -> None:
         if not records:
             return
         try:
