@@ -9,7 +9,9 @@ redelivers the message, which at-least-once allows.
 Delivery tags are per channel and ``multiple`` covers every tag up to the one given, so only a run that
 starts at the oldest outstanding delivery of a channel is acked that way; a delivery still in flight is
 never covered. Settled deliveries behind one still in flight are acked one by one after
-``ACK_HOLD_S``, so a slow endpoint never holds another endpoint's prefetch window for long.
+``ACK_HOLD_S``, so a slow endpoint never holds another endpoint's prefetch window for long. A delivery
+whose handling ended without settling it (cancelled at shutdown) stays outstanding until its channel
+closes: it is still unacked at the broker, and ``multiple`` must never cover it.
 """
 
 from __future__ import annotations
@@ -58,11 +60,6 @@ class Acks:
         if window is None or window.channel is not channel:
             window = self._windows[id(channel)] = _Window(channel)
         window.outstanding[tag] = None
-
-    def released(self, message: Incoming) -> None:
-        """Its handling ended: if it was never settled (cancelled at shutdown, say), it blocks nothing
-        here any more; the broker redelivers it when the channel closes."""
-        self._forget(message)
 
     async def ack(self, message: Incoming) -> None:
         window = self._window(message)

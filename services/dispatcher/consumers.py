@@ -360,7 +360,6 @@ class Consumers:
         try:
             await handle(message)
         finally:
-            self._handler.acks.released(message)
             self._tasks.discard(task)
             self._unacked[endpoint_id] -= 1
             if not self._unacked[endpoint_id]:

@@ -111,8 +111,7 @@ async def test_a_held_delivery_does_not_hold_the_window_and_is_never_acked_with_
         acks.delivered(message)
         if message.message_id == "0":
             await held.wait()
-            acks.released(message)  # handled without settling (a shutdown, say)
-            return
+            return  # handled without settling (cancelled at a shutdown, say)
         await acks.ack(message)
         settled.append(message.message_id or "")
 
@@ -148,3 +147,26 @@ async def test_a_nack_in_the_middle_neither_blocks_nor_is_covered(
     await eventually(lambda: asyncio.sleep(0, len(seen) == 50 and seen["10"] == 2))
     await acks.flush()
     assert await _ready_after_close(connection, channel, queue.name) == 0
+
+
+async def test_a_delivery_left_unsettled_is_never_acked_by_a_later_flush(
+    connection: aio_pika.abc.AbstractConnection,
+) -> None:
+    """A handling that ends without settling (cancelled at shutdown) leaves its message unacked; the
+    final flush acks the settled ones after it, never it (it was lost when a flush covered it)."""
+    queue = await _queue_with(connection, 10)
+    acks = Acks(hold_s=60)  # nothing is acked alone before the flush
+    settled: list[str] = []
+
+    async def on_message(message: Delivery) -> None:
+        acks.delivered(message)
+        if message.message_id == "0":
+            return
+        await acks.ack(message)
+        settled.append(message.message_id or "")
+
+    channel, frames = await _consume(connection, queue.name, 10, on_message)
+    await eventually(lambda: asyncio.sleep(0, len(settled) == 9))
+    await acks.flush()
+    assert not any(multiple for _, multiple in frames)
+    assert await _ready_after_close(connection, channel, queue.name) == 1
