@@ -3,7 +3,11 @@ log record) as the ingest registers them, then a dispatcher replica started agai
 
 Reported: registration rate, broker memory per endpoint (each node: ``rabbitmqctl status``, before and
 after), the dispatcher's time to attach to every queue (``hookline_dispatcher_consumers`` reaching N)
-and its RSS once attached, and its CPU while idle for 30 s.
+and its RSS once attached, and its CPU while idle for 30 s. With ``--active A`` (default 100), A of the
+N endpoints point at a local receiver, and a burst of events to them is delivered once with only those
+A registered and once with all N (the other N−A idle), each twice, alternating runs' medians reported:
+the throughput to active endpoints should not depend on how many idle ones share the broker and the
+dispatcher.
 
     .venv/bin/python -m bench.endpoint_scale --endpoints 10000 --cluster   # scripts/start-rabbitmq-cluster.sh
 
@@ -20,13 +24,16 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
 import uuid
+from collections.abc import Iterator
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -34,6 +41,7 @@ from typing import Any
 import aio_pika
 import httpx
 
+from bench.run import TENANT, Sink, drain, publish_burst, rates, start_sink
 from hookline.shared import registry, topology
 from hookline.shared.amqp import Broker, Publisher
 from hookline.shared.ids import new_id
@@ -64,13 +72,15 @@ def memory_bytes(nodes: list[str | None]) -> dict[str, int]:
     }
 
 
-def endpoint(n: int) -> StoredEndpoint:
+def endpoint(n: int, receiver: str | None = None) -> StoredEndpoint:
+    """Endpoint n: idle (a receiver never called) or, given a receiver, active with its own event type
+    ``load.e<n>`` in the benchmark tenant (as ``bench.run.publish_burst`` addresses them)."""
     now = datetime.now(UTC)
     return StoredEndpoint(
         id=new_id("ep"),
-        tenant=f"t{n % 100}",
-        url="https://receiver.example/hooks",
-        event_types=["order.*"],
+        tenant=TENANT if receiver else f"t{n % 100}",
+        url=receiver or "https://receiver.example/hooks",
+        event_types=[f"load.e{n}"] if receiver else ["order.*"],
         created_at=now,
         updated_at=now,
         secrets=[SigningSecret(value=generate_secret(), created_at=now)],
@@ -78,7 +88,7 @@ def endpoint(n: int) -> StoredEndpoint:
     )
 
 
-async def register(url: str, count: int) -> float:
+async def register(url: str, count: int, receiver: str | None = None) -> float:
     """Declare and bind each endpoint, then write its record, as the ingest does; the seconds taken."""
     supervisor = Supervisor()
     async with Broker(url, name="hookline-bench", connect_timeout_s=30) as broker:
@@ -93,7 +103,7 @@ async def register(url: str, count: int) -> float:
         async def worker() -> None:
             async with broker.channel() as channel:
                 while pending:
-                    stored = endpoint(pending.pop())
+                    stored = endpoint(pending.pop(), receiver)
                     await topology.provision(channel, stored)
                     await change_log.upsert(stored, base_version=0, timeout_s=120)
 
@@ -127,6 +137,8 @@ def dispatcher(url: str, state_dir: str, port: int) -> subprocess.Popen[bytes]:
         "HOOKLINE_STATE_DIR": state_dir,
         "HOOKLINE_LOG_LEVEL": "warning",
         "HOOKLINE_CONNECT_TIMEOUT_S": "300",  # a broker busy after 10,000 declarations
+        "HOOKLINE_ALLOW_HTTP": "true",  # the active endpoints' receiver is on 127.0.0.1
+        "HOOKLINE_ALLOW_PRIVATE_TARGETS": "true",
     }
     hookline = str(Path(sys.executable).with_name("hookline"))
     log = Path(state_dir) / "dispatcher.log"
@@ -158,54 +170,100 @@ def cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-async def main(count: int, cluster: bool) -> dict[str, Any]:
+async def attach(process: subprocess.Popen[bytes], port: int, log: Path, count: int) -> float:
+    """Seconds until the dispatcher consumes ``count`` queues."""
+    started = time.perf_counter()
+    while consumers(port) < count:
+        if process.poll() is not None:
+            tail = log.read_text()[-3000:]  # noqa: ASYNC240 - the run is over
+            raise RuntimeError(f"the dispatcher exited ({process.returncode}): {tail}")
+        if time.perf_counter() - started > 900:
+            raise RuntimeError(f"attached to {consumers(port)} of {count} in 900 s")
+        await asyncio.sleep(0.5)
+    return time.perf_counter() - started
+
+
+@contextlib.contextmanager
+def running(process: subprocess.Popen[bytes]) -> Iterator[subprocess.Popen[bytes]]:
+    try:
+        yield process
+    finally:
+        process.terminate()
+        process.wait(timeout=60)
+
+
+async def bursts(url: str, sink: Sink, active: int, events: int, label: str) -> list[dict[str, float]]:
+    """Two bursts of ``events`` to the active endpoints, each drained; what was sent when."""
+    sent = []
+    for n in range(2):
+        delivered_before = await sink.count()
+        sent.append(await publish_burst(url, events, active, f"{label}{n}_"))
+        await drain(sink, delivered_before + events)
+    return sent
+
+
+def steady(sent: list[dict[str, float]], arrivals: dict[str, float]) -> list[float]:
+    return [rates(burst, arrivals, backlog=False)["steady_per_s"] for burst in sent]
+
+
+async def main(count: int, cluster: bool, active: int, events: int) -> dict[str, Any]:
     size = int(os.environ.get("HOOKLINE_CLUSTER_NODES", "3"))
-    nodes: list[str | None] = ["a", "b", "c"][:size] if cluster else [None]
+    nodes: list[str | None] = list[str | None](["a", "b", "c"][:size]) if cluster else [None]
     vhost = f"bench-scale-{uuid.uuid4().hex[:8]}"
     ctl(nodes[0], "add_vhost", vhost)
     ctl(nodes[0], "set_permissions", "-p", vhost, "guest", ".*", ".*", ".*")
     first_port = int(os.environ.get("HOOKLINE_CLUSTER_PORT", "5681"))
     ports = [first_port + n for n in range(size)] if cluster else [5672]
     url = ",".join(f"amqp://guest:guest@127.0.0.1:{port}/{vhost}" for port in ports)
+    port = 18990
     try:
-        before = memory_bytes(nodes)
-        register_s = await register(url, count)
-        # After a burst of declarations the broker may not take a connection for a while (RabbitMQ 3.10
-        # moving 10,000 queues' entries from its write-ahead log into their segment files): measured.
-        settled_s = await broker_answers(url)
-        after = memory_bytes(nodes)
         with tempfile.TemporaryDirectory() as state_dir:
-            port = 18990
-            started = time.perf_counter()
-            process = dispatcher(url, state_dir, port)
+            log = Path(state_dir) / "dispatcher.log"
+            sink = start_sink(Path(state_dir))
             try:
-                while consumers(port) < count:
-                    if process.poll() is not None:
-                        log = (Path(state_dir) / "dispatcher.log").read_text()
-                        raise RuntimeError(f"the dispatcher exited ({process.returncode}): {log[-3000:]}")
-                    if time.perf_counter() - started > 900:
-                        raise RuntimeError(f"attached to {consumers(port)} of {count} in 900 s")
-                    await asyncio.sleep(0.5)
-                attach_s = time.perf_counter() - started
-                attached_rss = rss_mib(process.pid)
-                cpu_before = cpu_s(process.pid)
-                await asyncio.sleep(30)
-                idle_cpu = (cpu_s(process.pid) - cpu_before) / 30
+                await register(url, active, f"http://127.0.0.1:{sink.port}/hook")
+                with running(dispatcher(url, state_dir, port)) as process:
+                    await attach(process, port, log, active)
+                    alone = await bursts(url, sink, active, events, "alone")
+
+                before = memory_bytes(nodes)
+                register_s = await register(url, count - active)
+                # After a burst of declarations the broker may not take a connection for a while
+                # (RabbitMQ 3.10 moving 10,000 queues' entries from its write-ahead log into their
+                # segment files): measured.
+                settled_s = await broker_answers(url)
+                after = memory_bytes(nodes)
+
+                with running(dispatcher(url, state_dir, port)) as process:
+                    attach_s = await attach(process, port, log, count)
+                    attached_rss = rss_mib(process.pid)
+                    cpu_before = cpu_s(process.pid)
+                    await asyncio.sleep(30)
+                    idle_cpu = (cpu_s(process.pid) - cpu_before) / 30
+                    among = await bursts(url, sink, active, events, "among")
+                    loaded_rss = rss_mib(process.pid)
             finally:
-                process.terminate()
-                process.wait(timeout=60)
+                arrivals = sink.finish()["arrivals"]
+        idle = count - active
+        alone_rates, among_rates = steady(alone, arrivals), steady(among, arrivals)
         return {
             "endpoints": count,
             "nodes": len(nodes),
             "register_s": round(register_s, 1),
-            "registered_per_s": round(count / register_s, 1),
+            "registered_per_s": round(idle / register_s, 1),
             "broker_took_connections_again_after_s": round(settled_s, 1),
             "broker_rss_per_endpoint_kib": {
-                node: round((after[node] - before[node]) / count / 1024, 1) for node in after
+                node: round((after[node] - before[node]) / idle / 1024, 1) for node in after
             },
             "dispatcher_attach_s": round(attach_s, 1),
             "dispatcher_rss_mib": round(attached_rss, 1),
+            "dispatcher_rss_after_bursts_mib": round(loaded_rss, 1),
             "dispatcher_idle_cpu": round(idle_cpu, 3),  # share of one core
+            "active_endpoints": active,
+            "burst_events": events,
+            "active_alone_per_s": [round(rate) for rate in alone_rates],
+            "active_among_idle_per_s": [round(rate) for rate in among_rates],
+            "among_idle_vs_alone": round(statistics.median(among_rates) / statistics.median(alone_rates), 2),
         }
     finally:
         ctl(nodes[0], "delete_vhost", vhost)
@@ -214,11 +272,16 @@ async def main(count: int, cluster: bool) -> dict[str, Any]:
 def cli() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--endpoints", type=int, default=1000)
+    parser.add_argument("--active", type=int, default=100, help="endpoints receiving events")
+    parser.add_argument("--events", type=int, default=20000, help="events in each burst to them")
     parser.add_argument(
         "--cluster", action="store_true", help="the nodes of scripts/start-rabbitmq-cluster.sh"
     )
     args = parser.parse_args()
-    print("ENDPOINT_SCALE", json.dumps(asyncio.run(main(args.endpoints, args.cluster))))
+    print(
+        "ENDPOINT_SCALE",
+        json.dumps(asyncio.run(main(args.endpoints, args.cluster, args.active, args.events))),
+    )
 
 
 if __name__ == "__main__":

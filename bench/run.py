@@ -75,6 +75,11 @@ class Sink:
     out: Path
     process: subprocess.Popen[bytes]
 
+    async def count(self) -> int:
+        """Requests received so far."""
+        async with httpx.AsyncClient() as http:
+            return int((await http.get(f"http://127.0.0.1:{self.port}/__count")).text)
+
     def finish(self) -> dict[str, Any]:
         self.process.send_signal(signal.SIGTERM)
         self.process.wait(30)
@@ -438,11 +443,10 @@ async def delete_endpoints(services: Services) -> None:
 async def drain(sink: Sink, expected: int, timeout_s: float = 600) -> None:
     """Wait until the receiver has had ``expected`` requests since it started."""
     deadline = time.monotonic() + timeout_s
-    async with httpx.AsyncClient() as http:
-        while time.monotonic() < deadline:
-            if int((await http.get(f"http://127.0.0.1:{sink.port}/__count")).text) >= expected:
-                return
-            await asyncio.sleep(0.1)
+    while time.monotonic() < deadline:
+        if await sink.count() >= expected:
+            return
+        await asyncio.sleep(0.1)
     raise RuntimeError(f"the receiver did not get {expected} requests in {timeout_s}s")
 
 
