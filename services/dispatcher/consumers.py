@@ -21,8 +21,8 @@ import asyncio
 import contextlib
 import math
 import time
-from collections import Counter
-from collections.abc import Awaitable, Callable
+from collections import Counter, defaultdict
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from enum import Enum
@@ -81,6 +81,47 @@ class _Consumer:
     channel: AbstractChannel
 
 
+class _Active:
+    """The consumers this replica holds, by queue name and by endpoint: a change to one endpoint looks
+    only at that endpoint's (looking through all of them made attaching to 10,000 queues quadratic:
+    97 s, three quarters of it in that scan)."""
+
+    def __init__(self) -> None:
+        self._by_queue: dict[str, _Consumer] = {}
+        self._by_endpoint: defaultdict[str, set[str]] = defaultdict(set)
+
+    def __len__(self) -> int:
+        return len(self._by_queue)
+
+    def __contains__(self, queue_name: str) -> bool:
+        return queue_name in self._by_queue
+
+    def items(self) -> list[tuple[str, _Consumer]]:
+        return list(self._by_queue.items())
+
+    def values(self) -> Iterator[_Consumer]:
+        return iter(list(self._by_queue.values()))
+
+    def of_endpoint(self, endpoint_id: str) -> list[tuple[str, _Consumer]]:
+        return [(name, self._by_queue[name]) for name in self._by_endpoint.get(endpoint_id, ())]
+
+    def add(self, queue_name: str, consumer: _Consumer) -> None:
+        self._by_queue[queue_name] = consumer
+        self._by_endpoint[consumer.wanted.endpoint_id].add(queue_name)
+
+    def pop(self, queue_name: str) -> _Consumer:
+        consumer = self._by_queue.pop(queue_name)
+        names = self._by_endpoint[consumer.wanted.endpoint_id]
+        names.discard(queue_name)
+        if not names:
+            del self._by_endpoint[consumer.wanted.endpoint_id]
+        return consumer
+
+    def clear(self) -> None:
+        self._by_queue.clear()
+        self._by_endpoint.clear()
+
+
 class Consumers:
     def __init__(
         self,
@@ -98,7 +139,7 @@ class Consumers:
         self._handler = handler
         self._dispatcher_id = dispatcher_id
         self._default_prefetch = default_prefetch
-        self._active: dict[str, _Consumer] = {}  # queue name ->
+        self._active = _Active()
         # basic.qos applies to the consumers created after it: one channel per prefetch value keeps
         # every consumer's cap right.
         self._channels: dict[int, AbstractChannel] = {}
@@ -183,10 +224,10 @@ class Consumers:
 
     async def _reconcile(self, endpoint_id: str) -> None:
         wanted = self._wanted(endpoint_id)
-        for queue_name, consumer in list(self._active.items()):
-            if consumer.wanted.endpoint_id == endpoint_id and wanted.get(queue_name) != consumer.wanted:
+        for queue_name, consumer in self._active.of_endpoint(endpoint_id):
+            if wanted.get(queue_name) != consumer.wanted:
                 # Breaker open, endpoint paused or gone, its cap changed, or the queue was left behind.
-                del self._active[queue_name]
+                self._active.pop(queue_name)
                 with contextlib.suppress(*BROKER_ERRORS):
                     await incoming.cancel(consumer.channel, consumer.tag, timeout_s=CALL_TIMEOUT_S)
         for queue_name, want in wanted.items():
@@ -233,7 +274,7 @@ class Consumers:
             Mode.GONE: partial(self._gone, want.endpoint_id),
         }[want.mode]
         tag = await incoming.consume(channel, queue_name, callback, timeout_s=CALL_TIMEOUT_S)
-        self._active[queue_name] = _Consumer(want, tag, channel)
+        self._active.add(queue_name, _Consumer(want, tag, channel))
         if want.mode is not Mode.DELIVER:
             log.info("queue_draining", queue=queue_name, endpoint_id=want.endpoint_id, mode=want.mode.value)
 
@@ -275,13 +316,14 @@ class Consumers:
             log.warning("consumer_channel_closed", consumers=len(lost))
 
     def _on_consumer_cancelled(self, frame: aiormq.spec.Basic.Cancel) -> None:
-        for name, consumer in list(self._active.items()):
+        for name, consumer in self._active.items():
             if consumer.tag == frame.consumer_tag:
                 log.warning(
                     "consumer_cancelled_by_broker", queue=name, endpoint_id=consumer.wanted.endpoint_id
                 )
-                del self._active[name]
+                self._active.pop(name)
                 self._changed.put_nowait(consumer.wanted.endpoint_id)
+                return
 
     async def _forget_all(self) -> None:
         self._active.clear()
