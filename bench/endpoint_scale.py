@@ -40,6 +40,7 @@ from typing import Any
 
 import aio_pika
 import httpx
+import uvloop
 
 from bench.run import TENANT, Sink, drain, publish_burst, rates, start_sink
 from hookline.shared import registry, topology
@@ -280,7 +281,7 @@ def cli() -> None:
     args = parser.parse_args()
     print(
         "ENDPOINT_SCALE",
-        json.dumps(asyncio.run(main(args.endpoints, args.cluster, args.active, args.events))),
+        json.dumps(uvloop.run(main(args.endpoints, args.cluster, args.active, args.events))),
     )
 
 
