@@ -36,6 +36,9 @@ Source = Literal["management", "diagnostics"]
 Pair = tuple[int | None, int | None]
 _LOCAL_HOSTS = frozenset({"localhost", "127.0.0.1", "::1"})
 _WARN_EVERY_S = 60.0  # a broker that stays unreadable must not fill the log once per tick
+#: File handles RabbitMQ 3.x accounts for each quorum queue (measured: 1,502 for 500 queues), though an idle
+#: one keeps no file open; once the account is full it hangs new connections. 4.x keeps no such account.
+QUORUM_QUEUE_FILE_HANDLES = 3
 _ALARM_WORDS = {"memory": "memory alarm", "disk": "disk alarm", "file_descriptors": "file descriptor alarm"}
 
 

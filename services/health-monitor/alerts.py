@@ -9,7 +9,7 @@ from datetime import UTC, datetime
 
 from hookline.health_monitor.breaker import open_for_s
 from hookline.health_monitor.health import EndpointHealth, Health
-from hookline.shared.capacity import BrokerCapacity
+from hookline.shared.capacity import QUORUM_QUEUE_FILE_HANDLES, BrokerCapacity
 from hookline.shared.control import BreakerState
 from hookline.shared.models import EndpointStatus, StoredEndpoint
 
@@ -167,13 +167,14 @@ def broker_alerts(capacity: BrokerCapacity | None, *, blocked: bool, policy: Ale
     if (
         capacity.fd_limit
         and capacity.queues is not None
-        and capacity.queues >= policy.broker_fd_ratio * capacity.fd_limit
+        and capacity.queues * QUORUM_QUEUE_FILE_HANDLES >= policy.broker_fd_ratio * capacity.fd_limit
     ):
         alerts.append(
             alert(
                 "broker_queue_capacity",
-                f"{capacity.queues} queues for {capacity.fd_limit} file handles: each quorum queue holds one "
-                "(RabbitMQ 3.x); raise the broker's file limit before adding endpoints",
+                f"{capacity.queues} queues for {capacity.fd_limit} file handles: RabbitMQ 3.x accounts "
+                f"{QUORUM_QUEUE_FILE_HANDLES} for each quorum queue; raise the broker's file limit before "
+                "adding endpoints",
             )
         )
     return alerts

@@ -26,6 +26,7 @@ from hookline.ingest.verification import verify
 from hookline.shared import notifications, topology
 from hookline.shared.amqp import QueueProbe
 from hookline.shared.api import ApiError, broker_unavailable
+from hookline.shared.capacity import QUORUM_QUEUE_FILE_HANDLES
 from hookline.shared.ids import new_id
 from hookline.shared.models import (
     Endpoint,
@@ -343,21 +344,23 @@ async def _undo(state: IngestState, before: StoredEndpoint, after: StoredEndpoin
 
 
 async def _check_capacity(state: IngestState) -> None:
-    """Before a new queue: the broker must take the write that follows it, and have a file handle for
-    it (RabbitMQ 3.x gives every quorum queue one; near its limit it stops accepting connections without
-    a word). Refused before anything is declared, so nothing is left behind."""
+    """Before a new queue: the broker must take the write that follows it, and have file handles for it
+    (RabbitMQ 3.x accounts three for every quorum queue; with its account full it stops accepting
+    connections without a word). Refused before anything is declared, so nothing is left behind."""
     capacity = await state.capacity.recent(max_age_s=CAPACITY_MAX_AGE_S)
     if state.broker.blocked or (capacity is not None and (capacity.memory_alarm or capacity.disk_alarm)):
         raise broker_unavailable("the broker refuses writes for now (a memory or disk alarm)")
     headroom = capacity.fd_headroom if capacity is not None else None
-    if capacity is not None and headroom is not None and headroom < state.settings.broker_fd_reserve:
+    needed = state.settings.broker_fd_reserve + QUORUM_QUEUE_FILE_HANDLES
+    if capacity is not None and headroom is not None and headroom < needed:
         log.error("broker_capacity_refused", fd_used=capacity.fd_used, fd_limit=capacity.fd_limit, alert=True)
         raise ApiError(
             503,
             "broker_capacity",
             f"the broker has {headroom} of {capacity.fd_limit} file handles left and keeps "
             f"{state.settings.broker_fd_reserve} (HOOKLINE_BROKER_FD_RESERVE) for connections; a new endpoint "
-            "queue needs one: raise the broker's file limit (ulimit -n) or delete unused endpoints",
+            f"queue needs {QUORUM_QUEUE_FILE_HANDLES}: raise the broker's file limit (ulimit -n) or delete "
+            "unused endpoints",
             headers={"Retry-After": str(CAPACITY_RETRY_AFTER_S)},
         )
 

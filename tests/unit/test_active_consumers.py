@@ -25,7 +25,8 @@ def test_consumers_are_found_by_endpoint_and_by_queue() -> None:
     assert sorted(name for name, _ in active.of_endpoint("ep_a")) == ["q.a.0", "q.a.1"]
     assert [c.tag for _, c in active.of_endpoint("ep_b")] == ["t3"]
     assert active.of_endpoint("ep_c") == []
-    assert "q.b.0" in active and "q.c.0" not in active
+    assert "q.b.0" in active
+    assert "q.c.0" not in active
     assert len(active) == 3
     assert sorted(c.tag for c in active.values()) == ["t1", "t2", "t3"]
 
@@ -38,7 +39,8 @@ def test_a_popped_consumer_leaves_both_indexes() -> None:
     assert active.pop("q.a.0").tag == "t1"
     assert [name for name, _ in active.of_endpoint("ep_a")] == ["q.a.1"]
     active.pop("q.a.1")
-    assert active.of_endpoint("ep_a") == [] and len(active) == 0
+    assert active.of_endpoint("ep_a") == []
+    assert len(active) == 0
     with pytest.raises(KeyError):
         active.pop("q.a.1")
 
@@ -53,4 +55,5 @@ def test_iterating_while_popping_is_safe_and_clear_empties_everything() -> None:
 
     active.add("q.x", consumer("ep_x", "tx"))
     active.clear()
-    assert len(active) == 0 and active.of_endpoint("ep_x") == []
+    assert len(active) == 0
+    assert active.of_endpoint("ep_x") == []

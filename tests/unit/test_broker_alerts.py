@@ -47,6 +47,13 @@ def reading(**overrides: object) -> BrokerCapacity:
         pytest.param(reading(fd_used=800), False, {"broker_file_handles"}, id="handles at the ratio"),
         pytest.param(reading(fd_used=799), False, set(), id="handles under the ratio"),
         pytest.param(
+            reading(queues=267),
+            False,
+            {"broker_queue_capacity"},
+            id="3.x: three handles per queue at the ratio",
+        ),
+        pytest.param(reading(queues=266), False, set(), id="3.x: queues just under the ratio"),
+        pytest.param(
             reading(queues=800, fd_used=900),
             False,
             {"broker_file_handles", "broker_queue_capacity"},
