@@ -81,7 +81,7 @@ QUEUE_DEPTH = prometheus_client.Gauge(
     "hookline_endpoint_queue_depth", "Ready messages per endpoint queue.", ["endpoint_id"]
 )
 AWAITING_RETRY = prometheus_client.Gauge("hookline_awaiting_retry", "Messages waiting in the delay queues.")
-DEAD_LETTERS = prometheus_client.Gauge("hookline_dead_letters", "Dead letters not yet redriven.")
+DEAD_LETTERS = prometheus_client.Gauge("hookline_dead_letters_pending", "Dead letters not yet redriven.")
 ALERTS_FIRING = prometheus_client.Gauge("hookline_alerts_firing", "Alerts firing, by name.", ["alert"])
 LEADER = prometheus_client.Gauge("hookline_monitor_leader", "1 while this health monitor leads.")
 QUEUES_MISSING = prometheus_client.Gauge(
