@@ -4,9 +4,9 @@ log record) as the ingest registers them, then a dispatcher replica started agai
 Reported: registration rate, broker memory per endpoint (each node: ``rabbitmqctl status``, before and
 after), the dispatcher's time to attach to every queue (``hookline_dispatcher_consumers`` reaching N)
 and its RSS once attached, and its CPU while idle for 30 s. With ``--active A`` (default 100), A of the
-N endpoints point at a local receiver, and a burst of events to them is delivered once with only those
-A registered and once with all N (the other N−A idle), each twice, alternating runs' medians reported:
-the throughput to active endpoints should not depend on how many idle ones share the broker and the
+N endpoints point at a local receiver, and two bursts of events to them are delivered with only those
+A registered, then two more with all N (the other N−A idle); the ratio of the medians is reported: the
+throughput to active endpoints should not depend on how many idle ones share the broker and the
 dispatcher.
 
     .venv/bin/python -m bench.endpoint_scale --endpoints 10000 --cluster   # scripts/start-rabbitmq-cluster.sh
@@ -42,7 +42,7 @@ import aio_pika
 import httpx
 import uvloop
 
-from bench.run import TENANT, Sink, drain, publish_burst, rates, start_sink
+from bench.run import TENANT, Sink, drain, publish_burst, rates, start_sink, stop
 from hookline.shared import registry, topology
 from hookline.shared.amqp import Broker, Publisher
 from hookline.shared.ids import new_id
@@ -189,8 +189,7 @@ def running(process: subprocess.Popen[bytes]) -> Iterator[subprocess.Popen[bytes
     try:
         yield process
     finally:
-        process.terminate()
-        process.wait(timeout=60)
+        stop(process)
 
 
 async def bursts(url: str, sink: Sink, active: int, events: int, label: str) -> list[dict[str, float]]:

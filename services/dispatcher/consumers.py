@@ -22,7 +22,7 @@ import contextlib
 import math
 import time
 from collections import Counter, defaultdict
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from enum import Enum
@@ -99,8 +99,8 @@ class _Active:
     def items(self) -> list[tuple[str, _Consumer]]:
         return list(self._by_queue.items())
 
-    def values(self) -> Iterator[_Consumer]:
-        return iter(list(self._by_queue.values()))
+    def values(self) -> list[_Consumer]:
+        return list(self._by_queue.values())
 
     def of_endpoint(self, endpoint_id: str) -> list[tuple[str, _Consumer]]:
         return [(name, self._by_queue[name]) for name in self._by_endpoint.get(endpoint_id, ())]
@@ -425,7 +425,7 @@ class Consumers:
         """Cancel every consumer: the broker sends nothing more; what was delivered is still ours."""
         self._stopping = True
         self._changed.put_nowait(None)
-        for consumer in list(self._active.values()):
+        for consumer in self._active.values():
             # A channel already gone has stopped delivering anyway.
             with contextlib.suppress(*BROKER_ERRORS):
                 await incoming.cancel(consumer.channel, consumer.tag, timeout_s=CALL_TIMEOUT_S)
