@@ -131,8 +131,10 @@ class _Link:
     async def _connect(self, timeout_s: float) -> None:
         lost = self._connection
         if lost is not None:
+            # Bounded: this runs under the link's lock, and every caller waits on it.
             with contextlib.suppress(*BROKER_ERRORS, RuntimeError):
-                await lost.close()
+                async with asyncio.timeout(CALL_TIMEOUT_S):
+                    await lost.close()
         connection = await self._first_answering(timeout_s)
         connection.close_callbacks.add(self._on_lost)
         if lost is not None:
@@ -342,6 +344,11 @@ class Broker:
                             )
                     except BROKER_ERRORS:
                         channel = None  # the link is reopened by the next pulse
+                    except Exception as exc:
+                        # Whatever a lost connection raises, the pulse must outlive it: a process that
+                        # seldom publishes (a standby monitor, an ingest fed over AMQP) has no other way back.
+                        log.warning("broker_pulse_failed", error=type(exc).__name__, detail=str(exc)[:200])
+                        channel = None
                 await asyncio.sleep(PULSE_INTERVAL_S)
         finally:
             if channel is not None:

@@ -410,10 +410,10 @@ async def service_connections(rabbitmq: Broker, vhost: str, running: Cluster) ->
     return {name: listed[name] for name in names}
 
 
-async def reconnected(rabbitmq: Broker, vhost: str, lost: dict[str, str]) -> bool:
-    """Every service whose connection was lost has a new one (same name, another broker pid)."""
+async def not_reconnected(rabbitmq: Broker, vhost: str, lost: dict[str, str]) -> list[str]:
+    """The connections lost that have no new one yet (same name, another broker pid)."""
     now = await broker_connections(rabbitmq, vhost)
-    return all(name in now and now[name] != pid for name, pid in lost.items())
+    return [name for name, pid in lost.items() if now.get(name, pid) == pid]
 
 
 # --- the test ----------------------------------------------------------------------------------------
@@ -446,13 +446,32 @@ class Run:
         await act(fault)
         fault.ended_s = time.time()
         if before:
-            await eventually(
-                lambda: reconnected(self.rabbitmq, self.vhost, before), timeout_s=READY_TIMEOUT_S, every_s=0.5
-            )
+            await self.reconnected(before)
             fault.extra["reconnected_s"] = round(time.time() - fault.ended_s, 2)
         fault.ready_s = await self.system.all_ready()
         await self.progress(since_s=fault.ended_s)
         return fault
+
+    async def reconnected(self, lost: dict[str, str]) -> None:
+        """Every connection in ``lost`` is back; if not in time, fail naming those still missing and what
+        their services logged last."""
+        missing: list[str] = []
+
+        async def all_back() -> bool:
+            missing[:] = await not_reconnected(self.rabbitmq, self.vhost, lost)
+            return not missing
+
+        try:
+            await eventually(all_back, timeout_s=READY_TIMEOUT_S, every_s=0.5)
+        except AssertionError:
+            pids = {name.split(":")[1] for name in missing}
+            said = "\n".join(
+                f"--- {s.name} (pid {s.process.pid}, exit {s.process.poll()})\n"
+                + "\n".join(s.log().splitlines()[-40:])
+                for s in self.system.services.values()
+                if str(s.process.pid) in pids
+            )
+            raise AssertionError(f"not reconnected within {READY_TIMEOUT_S}s: {missing}\n{said}") from None
 
     async def progress(self, *, since_s: float, count: int = 25) -> None:
         """Load between faults: ``count`` events published after ``since_s`` delivered."""
