@@ -32,10 +32,9 @@ import aiormq
 import structlog
 from aio_pika.abc import AbstractChannel, AbstractQueue
 
-from hookline.dispatcher import incoming, metrics
+from hookline.dispatcher import metrics
 from hookline.dispatcher.handler import Handler, handle_safely
-from hookline.dispatcher.incoming import Incoming
-from hookline.shared import topology
+from hookline.shared import incoming, topology
 from hookline.shared.amqp import (
     BROKER_ERRORS,
     CALL_TIMEOUT_S,
@@ -46,6 +45,7 @@ from hookline.shared.amqp import (
     on_cancel,
 )
 from hookline.shared.control import BreakerState, BreakerView
+from hookline.shared.incoming import Incoming
 from hookline.shared.models import EndpointStatus, StoredEndpoint
 from hookline.shared.registry import EndpointRegistry
 from hookline.shared.supervision import Loop
