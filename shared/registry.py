@@ -20,12 +20,12 @@ from datetime import UTC, datetime
 
 import aio_pika
 import structlog
+from aio_pika.abc import AbstractIncomingMessage
 from pydantic import TypeAdapter, ValidationError
 
 from hookline.shared import topology
 from hookline.shared.amqp import Broker, Publisher
 from hookline.shared.ids import new_id
-from hookline.shared.incoming import Incoming
 from hookline.shared.models import (
     ChangeRecord,
     EndpointUpserted,
@@ -174,7 +174,7 @@ class ChangeLog:
         """Return once every record written before this call has been applied."""
         await self._follower.sync(timeout_s=timeout_s)
 
-    def _on_record(self, message: Incoming) -> object:
+    def _on_record(self, message: AbstractIncomingMessage) -> object:
         if message.body.startswith(_LEGACY_SYNC):
             return None  # read-back markers of versions that wrote them as records
         try:

@@ -18,19 +18,9 @@ from functools import partial
 
 import aio_pika
 import structlog
-from aio_pika.abc import AbstractChannel
+from aio_pika.abc import AbstractChannel, AbstractIncomingMessage
 
-from hookline.shared import incoming
-from hookline.shared.amqp import (
-    CALL_TIMEOUT_S,
-    Broker,
-    Publisher,
-    close_quietly,
-    on_cancel,
-    passive_queue,
-    until_closed,
-)
-from hookline.shared.incoming import Incoming
+from hookline.shared.amqp import Broker, Publisher, close_quietly, on_cancel, passive_queue, until_closed
 from hookline.shared.supervision import Loop
 
 log = structlog.get_logger(__name__)
@@ -40,10 +30,10 @@ MARKER_HEADER = "x-hookline-marker"
 
 Offset = int | str | datetime  # an offset, "first", "last", "next", or a point in time
 #: Applies one record; what it returns is handed to whoever waits for that record (see ``append``).
-Handler = Callable[[Incoming], object]
+Handler = Callable[[AbstractIncomingMessage], object]
 
 
-def offset_of(message: Incoming) -> int | None:
+def offset_of(message: AbstractIncomingMessage) -> int | None:
     offset = (message.headers or {}).get("x-stream-offset")
     return offset if isinstance(offset, int) else None
 
@@ -75,15 +65,9 @@ class StreamFollower:
         """Consume from the next unread offset until the channel goes (then the supervisor calls again)."""
         async with self._broker.channel(prefetch=self._prefetch) as channel:
             self._unacked = 0  # delivery tags start over on a new channel
-            await passive_queue(channel, self.stream)
+            queue = await passive_queue(channel, self.stream)
             # A stream consumer must set a prefetch; its acks only return credit.
-            await incoming.consume(
-                channel,
-                self.stream,
-                self._on_message,
-                timeout_s=CALL_TIMEOUT_S,
-                arguments={"x-stream-offset": self.next_offset},
-            )
+            await queue.consume(self._on_message, arguments={"x-stream-offset": self.next_offset})
             await on_cancel(channel, partial(self._on_stream_deleted, channel))
             if isinstance(self.next_offset, int):
                 log.info("stream_following", stream=self.stream, offset=self.next_offset)
@@ -121,7 +105,7 @@ class StreamFollower:
         self._waiting[message_id] = future
         return future
 
-    async def _on_message(self, message: Incoming) -> None:
+    async def _on_message(self, message: AbstractIncomingMessage) -> None:
         # Runs before the first await, in delivery order: records are applied in stream order.
         offset = offset_of(message)
         if offset is not None:
@@ -135,12 +119,11 @@ class StreamFollower:
             waiter.set_result(result)
         await self._credit(message)
 
-    async def _credit(self, message: Incoming) -> None:
+    async def _credit(self, message: AbstractIncomingMessage) -> None:
         self._unacked += 1
         if self._unacked >= self._ack_every:
             self._unacked = 0
-            assert message.delivery_tag is not None  # consumed with acks
-            await message.channel.basic_ack(message.delivery_tag, multiple=True)
+            await message.ack(multiple=True)
 
 
 async def read_until_now(
@@ -157,21 +140,19 @@ async def read_until_now(
     token = f"marker_{uuid.uuid4().hex}"
     read_back = follower._expect(token)
     async with asyncio.timeout(timeout_s), broker.channel(prefetch=500) as channel:
-        await passive_queue(channel, stream)
-        tag = await incoming.consume(
-            channel, stream, follower._on_message, timeout_s=timeout_s, arguments={"x-stream-offset": start}
-        )
+        queue = await passive_queue(channel, stream)
+        tag = await queue.consume(follower._on_message, arguments={"x-stream-offset": start})
         marker = aio_pika.Message(b"", message_id=token, headers={MARKER_HEADER: token})
         await publisher.publish(marker, exchange="", routing_key=stream)
         await read_back
-        await incoming.cancel(channel, tag, timeout_s=timeout_s)
+        await queue.cancel(tag)
 
 
 async def read_at(broker: Broker, stream: str, offset: int, *, timeout_s: float) -> bytes | None:
     """The body of the record at ``offset``; None when retention has removed it."""
     found: asyncio.Future[tuple[object, bytes]] = asyncio.get_running_loop().create_future()
 
-    async def on_message(message: Incoming) -> None:
+    async def on_message(message: AbstractIncomingMessage) -> None:
         if not found.done():
             found.set_result(((message.headers or {}).get("x-stream-offset"), message.body))
 

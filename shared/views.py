@@ -54,13 +54,13 @@ CREATE TABLE meta (
 
 
 class StreamMessage(Protocol):
-    """What a view reads of a stream's message (a consumed :class:`~hookline.shared.incoming.Incoming`
-    is one); the offset is in the header ``x-stream-offset``."""
+    """What a view reads of a stream's message (an aio-pika incoming message is one); the offset is in
+    the header ``x-stream-offset``."""
 
     @property
     def body(self) -> bytes: ...
     @property
-    def headers(self) -> Mapping[str, Any] | None: ...
+    def headers(self) -> Mapping[str, Any]: ...
     @property
     def message_id(self) -> str | None: ...
     @property

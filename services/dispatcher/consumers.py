@@ -32,9 +32,10 @@ import aiormq
 import structlog
 from aio_pika.abc import AbstractChannel, AbstractQueue
 
-from hookline.dispatcher import metrics
+from hookline.dispatcher import incoming, metrics
 from hookline.dispatcher.handler import Handler, handle_safely
-from hookline.shared import incoming, topology
+from hookline.dispatcher.incoming import Incoming
+from hookline.shared import topology
 from hookline.shared.amqp import (
     BROKER_ERRORS,
     CALL_TIMEOUT_S,
@@ -45,7 +46,6 @@ from hookline.shared.amqp import (
     on_cancel,
 )
 from hookline.shared.control import BreakerState, BreakerView
-from hookline.shared.incoming import Incoming
 from hookline.shared.models import EndpointStatus, StoredEndpoint
 from hookline.shared.registry import EndpointRegistry
 from hookline.shared.supervision import Loop

@@ -24,6 +24,7 @@ from hookline.dispatcher import inbound, metrics
 from hookline.dispatcher.acks import Acks
 from hookline.dispatcher.backoff import Jitter, RetryPolicy, parse_retry_after
 from hookline.dispatcher.delays import Delays
+from hookline.dispatcher.incoming import Incoming
 from hookline.dispatcher.ordering import SubjectOrder
 from hookline.dispatcher.outcome import Ack, DeadLetter, Retry, Settlement, classify, settle
 from hookline.dispatcher.pacing import Pacer
@@ -33,7 +34,6 @@ from hookline.shared.amqp import BROKER_ERRORS, Publisher
 from hookline.shared.control import BreakerView
 from hookline.shared.deadletters import dead_letter_message
 from hookline.shared.delivery import AttemptResult, DeliveryClient
-from hookline.shared.incoming import Incoming
 from hookline.shared.models import DeadLetterReason, EndpointStatus, StoredEndpoint
 from hookline.shared.registry import ChangeLog, EndpointRegistry
 from hookline.shared.sealing import Sealer

@@ -20,19 +20,19 @@ from datetime import UTC, datetime
 from functools import partial
 
 import structlog
+from aio_pika.abc import AbstractIncomingMessage
 from pydantic import ValidationError
 
-from hookline.dispatcher import metrics
+from hookline.dispatcher import incoming, metrics
 from hookline.dispatcher.consumers import Consumers, expire_breakers
 from hookline.dispatcher.delays import Delays
 from hookline.dispatcher.handler import USER_AGENT, Handler
 from hookline.dispatcher.telemetry import Telemetry
-from hookline.shared import incoming, lifecycle, registry, topology
+from hookline.shared import lifecycle, registry, topology
 from hookline.shared import logging as hookline_logging
 from hookline.shared.amqp import CALL_TIMEOUT_S, Broker, Publisher, passive_queue, until_closed
 from hookline.shared.control import BREAKER_LOOKBACK, BreakerView, control_record
 from hookline.shared.delivery import DeliveryClient
-from hookline.shared.incoming import Incoming
 from hookline.shared.models import error_summary
 from hookline.shared.registry import ChangeLog, EndpointRegistry
 from hookline.shared.sealing import SealedSecretError, Sealer
@@ -53,7 +53,7 @@ def _check_secrets_open(endpoint_registry: EndpointRegistry, sealer: Sealer) -> 
             raise SystemExit(1) from None
 
 
-def _apply_control(breakers: BreakerView, consumers: Consumers, message: Incoming) -> None:
+def _apply_control(breakers: BreakerView, consumers: Consumers, message: AbstractIncomingMessage) -> None:
     try:
         record = control_record.validate_json(message.body)
     except ValidationError as exc:

@@ -32,6 +32,7 @@ import aiormq
 import orjson
 import prometheus_client
 import structlog
+from aio_pika.abc import AbstractIncomingMessage
 from pydantic import ValidationError
 
 from hookline.health_monitor import checkpoint
@@ -47,7 +48,6 @@ from hookline.shared.control import BreakerCommand, BreakerState, BreakerView, C
 from hookline.shared.deadletters import DeadLetterIndex
 from hookline.shared.headers import Header
 from hookline.shared.ids import new_id
-from hookline.shared.incoming import Incoming
 from hookline.shared.models import EndpointStatus, Event, StoredEndpoint, error_summary
 from hookline.shared.registry import ChangeLog
 from hookline.shared.settings import MonitorSettings
@@ -180,7 +180,7 @@ class Monitor:
 
     # --- what the streams say --------------------------------------------------------------------
 
-    def on_telemetry(self, message: Incoming) -> None:
+    def on_telemetry(self, message: AbstractIncomingMessage) -> None:
         try:
             records = batch.validate_json(message.body)
         except ValidationError as exc:
@@ -194,7 +194,7 @@ class Monitor:
             if isinstance(record, AttemptRecord):
                 self.canaries.on_attempt(record)
 
-    def on_breaker_log(self, message: Incoming) -> None:
+    def on_breaker_log(self, message: AbstractIncomingMessage) -> None:
         try:
             record = control_record.validate_json(message.body)
         except ValidationError as exc:

@@ -11,6 +11,7 @@ from datetime import UTC, datetime
 from functools import partial
 
 import structlog
+from aio_pika.abc import AbstractIncomingMessage
 from fastapi import Depends, FastAPI
 from pydantic import ValidationError
 
@@ -26,7 +27,6 @@ from hookline.shared.capacity import CapacityReader
 from hookline.shared.control import BREAKER_LOOKBACK, BreakerView, control_record
 from hookline.shared.deadletters import DeadLetterIndex
 from hookline.shared.delivery import DeliveryClient
-from hookline.shared.incoming import Incoming
 from hookline.shared.models import error_summary
 from hookline.shared.sealing import Sealer
 from hookline.shared.settings import IngestSettings, load
@@ -164,7 +164,7 @@ def _follow_delivery_log(
     supervisor.spawn("delivery-log-expiry", partial(_expire, delivery_log), required=False)
 
 
-def _apply_breakers(breakers: BreakerView, message: Incoming) -> None:
+def _apply_breakers(breakers: BreakerView, message: AbstractIncomingMessage) -> None:
     try:
         breakers.apply(control_record.validate_json(message.body))
     except ValidationError as exc:

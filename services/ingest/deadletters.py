@@ -12,6 +12,7 @@ from typing import Annotated, Self
 import aio_pika
 import orjson
 import structlog
+from aio_pika.abc import AbstractIncomingMessage
 from fastapi import APIRouter, Depends, Query
 from pydantic import Field, model_validator
 
@@ -21,7 +22,6 @@ from hookline.ingest.state import IngestState, ingest_state
 from hookline.shared import topology
 from hookline.shared.deadletters import REDRIVEN_HEADER, DeadLetterItem, item_id, offset_of
 from hookline.shared.ids import new_id
-from hookline.shared.incoming import Incoming
 from hookline.shared.models import DeadLetterReason, Model
 from hookline.shared.streams import read_until_now
 
@@ -107,7 +107,7 @@ async def redrive(request: RedriveRequest, state: State, caller: Caller) -> Redr
         return RedriveResult(redriven=0, skipped=len(chosen))
     bodies: dict[str, bytes] = {}
 
-    def collect(message: Incoming) -> None:
+    def collect(message: AbstractIncomingMessage) -> None:
         offset = (message.headers or {}).get("x-stream-offset")
         if isinstance(offset, int) and item_id(offset) in wanted:
             bodies[item_id(offset)] = message.body

@@ -14,6 +14,7 @@ import time
 from datetime import UTC, datetime, timedelta
 from typing import Annotated
 
+import aio_pika
 import orjson
 import structlog
 from fastapi import APIRouter, Depends, Header, Query, Response
@@ -27,7 +28,6 @@ from hookline.shared.amqp import QueueProbe
 from hookline.shared.api import ApiError, broker_unavailable
 from hookline.shared.capacity import QUORUM_QUEUE_FILE_HANDLES
 from hookline.shared.ids import new_id
-from hookline.shared.incoming import Incoming
 from hookline.shared.models import (
     Endpoint,
     EndpointCreate,
@@ -506,7 +506,7 @@ async def _held_by_dispatchers(state: IngestState, endpoint_id: str) -> int:
     not counted."""
     latest: dict[str, Heartbeat] = {}
 
-    def collect(message: Incoming) -> None:
+    def collect(message: aio_pika.abc.AbstractIncomingMessage) -> None:
         with contextlib.suppress(ValidationError, orjson.JSONDecodeError):
             for record in batch.validate_json(message.body):
                 if isinstance(record, Heartbeat):

@@ -14,6 +14,7 @@ from typing import Annotated
 
 import orjson
 import structlog
+from aio_pika.abc import AbstractIncomingMessage
 from fastapi import APIRouter, Depends
 from pydantic import AwareDatetime
 
@@ -23,7 +24,6 @@ from hookline.ingest.state import IngestState, ingest_state
 from hookline.shared import topology
 from hookline.shared.api import ApiError
 from hookline.shared.headers import Header
-from hookline.shared.incoming import Incoming
 from hookline.shared.models import Model, StoredEndpoint
 from hookline.shared.streams import read_until_now
 
@@ -62,7 +62,7 @@ def selects(
     return any(topology.topic_matches(pattern, event_type) for pattern in endpoint.event_types)
 
 
-def accepted_time(message: Incoming, event: object) -> datetime | None:
+def accepted_time(message: AbstractIncomingMessage, event: object) -> datetime | None:
     accepted_ms = (message.headers or {}).get(Header.ACCEPTED_AT_MS)
     if isinstance(accepted_ms, int):
         return datetime.fromtimestamp(accepted_ms / 1000, UTC)
@@ -86,7 +86,7 @@ async def replay(endpoint_id: str, request: ReplayRequest, state: State, caller:
         raise ApiError(422, "invalid_fields", "invalid value for: until", [])
     found: dict[str, bytes] = {}
 
-    def collect(message: Incoming) -> None:
+    def collect(message: AbstractIncomingMessage) -> None:
         try:
             event = orjson.loads(message.body)
         except orjson.JSONDecodeError:

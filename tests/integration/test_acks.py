@@ -14,9 +14,9 @@ import pytest
 from aio_pika.abc import AbstractChannel, AbstractQueue
 from support.waiting import eventually
 
+from hookline.dispatcher import incoming
 from hookline.dispatcher.acks import Acks
-from hookline.shared import incoming
-from hookline.shared.incoming import Delivery
+from hookline.dispatcher.incoming import Delivery
 
 pytestmark = pytest.mark.integration
 

@@ -3,8 +3,8 @@
 aio-pika wraps every delivery in an ``IncomingMessage`` (a lockable object whose every attribute goes
 through a checked ``__setattr__``) and runs the callback in a second task beside aiormq's; together
 about a tenth of a delivery's CPU (profile in docs/decisions.md, "CPU per delivery"). The dispatcher's
-consumers and every stream follower use :func:`consume` instead; what a handler needs of a message is
-:class:`Incoming`, which aio-pika's own messages (a probe's ``basic.get``) satisfy too.
+consumers use :func:`consume` instead; what the handler needs of a message is :class:`Incoming`, which
+aio-pika's own messages (a probe's ``basic.get``) satisfy too.
 """
 
 from __future__ import annotations
@@ -100,7 +100,6 @@ async def consume(
     callback: Callable[[Delivery], Awaitable[None]],
     *,
     timeout_s: float,
-    arguments: Mapping[str, Any] | None = None,
 ) -> str:
     """Consume ``queue`` on ``channel`` (its prefetch applies); returns the consumer tag."""
     underlay = await channel.get_underlay_channel()
@@ -108,7 +107,7 @@ async def consume(
     async def on_delivery(message: DeliveredMessage) -> None:
         await callback(Delivery(message))  # already in a task of its own (aiormq starts one)
 
-    ok = await underlay.basic_consume(queue, on_delivery, arguments=dict(arguments or {}), timeout=timeout_s)
+    ok = await underlay.basic_consume(queue, on_delivery, timeout=timeout_s)
     assert ok.consumer_tag is not None
     return ok.consumer_tag
 
