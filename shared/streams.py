@@ -55,16 +55,11 @@ class StreamFollower:
         self._publisher = publisher
         self.next_offset: Offset = start
         self._prefetch = prefetch
-        # On a stream an ack only returns credit (where to resume is ours to know, in next_offset), so
-        # one ack with ``multiple`` covers a quarter of the prefetch: one frame, not 125, on a busy stream.
-        self._ack_every = max(1, prefetch // 4)
-        self._unacked = 0
         self._waiting: dict[str, asyncio.Future[object]] = {}
 
     async def run(self, loop: Loop) -> None:
         """Consume from the next unread offset until the channel goes (then the supervisor calls again)."""
         async with self._broker.channel(prefetch=self._prefetch) as channel:
-            self._unacked = 0  # delivery tags start over on a new channel
             queue = await passive_queue(channel, self.stream)
             # A stream consumer must set a prefetch; its acks only return credit.
             await queue.consume(self._on_message, arguments={"x-stream-offset": self.next_offset})
@@ -110,20 +105,14 @@ class StreamFollower:
         offset = offset_of(message)
         if offset is not None:
             if isinstance(self.next_offset, int) and offset < self.next_offset:
-                await self._credit(message)
+                await message.ack()
                 return  # read twice across a resubscription: applied already
             self.next_offset = offset + 1
         result = None if MARKER_HEADER in (message.headers or {}) else self._handler(message)
         waiter = self._waiting.pop(message.message_id or "", None)
         if waiter is not None and not waiter.done():
             waiter.set_result(result)
-        await self._credit(message)
-
-    async def _credit(self, message: AbstractIncomingMessage) -> None:
-        self._unacked += 1
-        if self._unacked >= self._ack_every:
-            self._unacked = 0
-            await message.ack(multiple=True)
+        await message.ack()
 
 
 async def read_until_now(

@@ -17,7 +17,6 @@ from hookline.shared import registry, topology
 from hookline.shared.amqp import Broker, Publisher
 from hookline.shared.models import EndpointDeleted, EndpointUpserted, SigningSecret, StoredEndpoint
 from hookline.shared.signing import generate_secret
-from hookline.shared.streams import StreamFollower
 from hookline.shared.supervision import Supervisor
 
 pytestmark = pytest.mark.integration
@@ -147,36 +146,3 @@ async def test_a_follower_resumes_after_a_lost_connection_without_replaying(
         await eventually(written, timeout_s=30)
         await follower_log.sync(timeout_s=20)
     assert seen == ["https://before.example/", "https://after.example/"]
-
-
-@pytest.mark.parametrize("prefetch", [1, 8, 500])
-async def test_a_follower_reads_far_past_its_prefetch(amqp_url: str, prefetch: int) -> None:
-    # Acks on a stream only return credit, and a follower sends one per quarter prefetch: were that
-    # credit not returned, the follower would stop after ``prefetch`` records.
-    stream = f"test.follow.{uuid.uuid4().hex[:8]}"
-    count = 1_200
-    read: list[int] = []
-    supervisor = Supervisor()
-    async with Broker(amqp_url, name="follower", connect_timeout_s=10) as broker:
-        async with broker.channel() as channel:
-            await channel.declare_queue(stream, durable=True, arguments={"x-queue-type": "stream"})
-        publisher = Publisher(broker)
-        try:
-            for n in range(count):
-                await publisher.publish(aio_pika.Message(str(n).encode()), exchange="", routing_key=stream)
-            follower = StreamFollower(
-                broker, stream, lambda message: read.append(int(message.body)), prefetch=prefetch
-            )
-            supervisor.spawn("follower", follower.run)
-
-            async def all_read() -> bool:
-                return len(read) == count
-
-            await eventually(all_read, timeout_s=30)
-            assert read == list(range(count))
-            assert follower.next_offset == count
-        finally:
-            await supervisor.stop()
-            await publisher.close()
-            async with broker.channel() as channel:
-                await channel.queue_delete(stream)
