@@ -6,12 +6,17 @@ limits throughput. An ack is still sent only after its message's outcome is reco
 :meth:`Acks.ack` where it used to ack), only later by at most a few milliseconds: a crash in between
 redelivers the message, which at-least-once allows.
 
-Delivery tags are per channel and ``multiple`` covers every tag up to the one given, so only a run that
-starts at the oldest outstanding delivery of a channel is acked that way; a delivery still in flight is
-never covered. Settled deliveries behind one still in flight are acked one by one after
-``ACK_HOLD_S``, so a slow endpoint never holds another endpoint's prefetch window for long. A delivery
-whose handling ended without settling it (cancelled at shutdown) stays outstanding until its channel
-closes: it is still unacked at the broker, and ``multiple`` must never cover it.
+Delivery tags are per channel, one more for each delivery, and ``multiple`` covers every tag up to the
+one given that is still unacked at the broker. So a ``multiple`` ack only ever ends a run of consecutive
+tags starting right after the last one it covered, each one seen here and settled: acked, or handed back
+with its nack or reject already written. Anything else is never covered: a delivery in flight, a nack
+still waiting for room in the connection's write queue (aiormq's holds ten frames, and a writer waiting
+for room can be overtaken by a later one: an ack covering that tag would get there first, the message
+would be acked instead of handed back, and the nack would close the channel on an unknown tag), and a tag
+this process never saw. Settled deliveries behind one of those are acked one by one after ``ACK_HOLD_S``,
+so a slow endpoint never holds another endpoint's prefetch window for long. A delivery whose handling
+ended without settling it (cancelled at shutdown) stays outstanding until its channel closes: it is
+still unacked at the broker.
 """
 
 from __future__ import annotations
@@ -33,14 +38,38 @@ ACK_HOLD_S = 0.02
 
 
 class _Window:
-    """The deliveries of one channel not yet acked: tag → when it was settled (None: in flight)."""
+    """The deliveries of one channel not yet covered by a ``multiple`` ack."""
 
-    __slots__ = ("channel", "flushing", "outstanding")
+    __slots__ = ("acked_through", "alone", "channel", "flushing", "outstanding")
 
     def __init__(self, channel: aiormq.abc.AbstractChannel) -> None:
         self.channel = channel
-        self.outstanding: dict[int, float | None] = {}  # in delivery (tag) order
+        # Seen, not settled alone: tag -> when it was acked here (None: in flight, or its nack or
+        # reject is not written yet). In delivery (tag) order.
+        self.outstanding: dict[int, float | None] = {}
+        self.alone: set[int] = set()  # seen and settled one by one, the frame written
+        self.acked_through = 0  # every tag up to this one is settled and its frame written
         self.flushing = False
+
+    def run_end(self) -> int | None:
+        """The last acked tag of the settled run right after ``acked_through``; the run is forgotten."""
+        outstanding, alone = self.outstanding, self.alone
+        through, run_end = self.acked_through, None
+        for tag, settled in outstanding.items():
+            while through + 1 < tag and through + 1 in alone:
+                through += 1
+                alone.discard(through)
+            if settled is None or tag != through + 1:
+                break  # in flight, or a tag never seen here
+            through = run_end = tag
+        while through + 1 in alone:
+            through += 1
+            alone.discard(through)
+        if run_end is not None:
+            for tag in [tag for tag in outstanding if tag <= run_end]:
+                del outstanding[tag]
+        self.acked_through = through
+        return run_end
 
 
 class Acks:
@@ -79,12 +108,16 @@ class Acks:
             flush.add_done_callback(self._flushes.discard)
 
     async def nack(self, message: Incoming, *, requeue: bool) -> None:
-        self._forget(message)
+        window = self._in_flight(message)
         await message.nack(requeue=requeue)
+        if window is not None:
+            self._settled_alone(window, message.delivery_tag)
 
     async def reject(self, message: Incoming, *, requeue: bool) -> None:
-        self._forget(message)
+        window = self._in_flight(message)
         await message.reject(requeue=requeue)
+        if window is not None:
+            self._settled_alone(window, message.delivery_tag)
 
     async def flush(self) -> None:
         """Send every settled ack now (shutdown, before the channels close)."""
@@ -105,11 +138,17 @@ class Acks:
         window = self._windows.get(id(channel))
         return window if window is not None and window.channel is channel else None
 
-    def _forget(self, message: Incoming) -> None:
+    def _in_flight(self, message: Incoming) -> _Window | None:
+        """The window holding ``message`` in flight: it stays there, uncovered, until its frame is written."""
         window = self._window(message)
         tag = message.delivery_tag
-        if window is not None and tag is not None and window.outstanding.get(tag, 0) is None:
-            del window.outstanding[tag]
+        in_flight = window is not None and tag is not None and window.outstanding.get(tag, 0) is None
+        return window if in_flight else None
+
+    @staticmethod
+    def _settled_alone(window: _Window, tag: int | None) -> None:
+        if tag is not None and window.outstanding.pop(tag, 0) is None:
+            window.alone.add(tag)
 
     async def _flush_soon(self, window: _Window) -> None:
         try:
@@ -122,23 +161,15 @@ class Acks:
             window.flushing = False
 
     async def _send(self, window: _Window, *, hold_s: float) -> None:
-        outstanding = window.outstanding
-        run_end: int | None = None
-        for tag, settled in outstanding.items():
-            if settled is None:
-                break
-            run_end = tag
+        run_end = window.run_end()
         now_s = time.monotonic()
         alone = [
             tag
-            for tag, settled in outstanding.items()
-            if settled is not None and (run_end is None or tag > run_end) and now_s - settled >= hold_s
+            for tag, settled in window.outstanding.items()
+            if settled is not None and now_s - settled >= hold_s
         ]
-        if run_end is not None:
-            for tag in [tag for tag in outstanding if tag <= run_end]:
-                del outstanding[tag]
         for tag in alone:
-            del outstanding[tag]
+            del window.outstanding[tag]
         if window.channel.is_closed:
             return  # nothing to ack on a closed channel: its deliveries are redelivered
         with contextlib.suppress(*BROKER_ERRORS):
@@ -146,3 +177,4 @@ class Acks:
                 await window.channel.basic_ack(run_end, multiple=True)
             for tag in alone:
                 await window.channel.basic_ack(tag)
+                window.alone.add(tag)

@@ -45,8 +45,12 @@ async def _consume(
     queue_name: str,
     prefetch: int,
     on_message: Callable[[Delivery], Awaitable[None]],
+    *,
+    nacks_wait_for: asyncio.Event | None = None,
 ) -> tuple[AbstractChannel, list[tuple[int, bool]]]:
-    """Consume with ``on_message``; returns the channel and the ack frames sent on it (tag, multiple)."""
+    """Consume with ``on_message``; returns the channel and the ack frames sent on it (tag, multiple).
+    With ``nacks_wait_for``, a nack waits for that event before it is written (no room for it in the
+    connection's write queue)."""
     channel = await connection.channel()
     await channel.set_qos(prefetch_count=prefetch)
     frames: list[tuple[int, bool]] = []
@@ -58,6 +62,14 @@ async def _consume(
         await send(delivery_tag, multiple=multiple, **kwargs)
 
     raw.basic_ack = counted  # type: ignore[method-assign]  # a spy on the real channel's frames
+    send_nack = raw.basic_nack
+
+    async def delayed(delivery_tag: int, multiple: bool = False, **kwargs: Any) -> None:
+        if nacks_wait_for is not None:
+            await nacks_wait_for.wait()
+        await send_nack(delivery_tag, multiple=multiple, **kwargs)
+
+    raw.basic_nack = delayed  # type: ignore[method-assign]
     await incoming.consume(channel, queue_name, on_message, timeout_s=10)
     return channel, frames
 
@@ -68,9 +80,15 @@ async def _ready_after_close(
     """Messages in the queue once the consumer's channel is closed: whatever it left unacked is back."""
     await channel.close()
     probe = await connection.channel()
-    queue = await probe.declare_queue(queue_name, passive=True)
-    count = queue.declaration_result.message_count or 0
-    await queue.delete(if_unused=False, if_empty=False)
+
+    async def consumer_gone() -> int | None:
+        # A quorum queue drops a closed channel's consumer and returns what it held in one command of
+        # its log: once the consumer is gone, the count includes what came back.
+        ok = (await probe.declare_queue(queue_name, passive=True)).declaration_result
+        return None if ok.consumer_count else ok.message_count or 0
+
+    count = await eventually(consumer_gone)
+    await probe.queue_delete(queue_name)
     await probe.close()
     return count
 
@@ -169,4 +187,64 @@ async def test_a_delivery_left_unsettled_is_never_acked_by_a_later_flush(
     await eventually(lambda: asyncio.sleep(0, len(settled) == 9))
     await acks.flush()
     assert not any(multiple for _, multiple in frames)
+    assert await _ready_after_close(connection, channel, queue.name) == 1
+
+
+async def test_a_nack_waiting_to_be_written_is_never_overtaken_by_an_ack_covering_it(
+    connection: aio_pika.abc.AbstractConnection,
+) -> None:
+    """Under load aiormq's write queue is full and a writer waiting for room can be overtaken by a later
+    one. Here the nack of message "3" waits (as it would behind a full queue) while the messages around it
+    are acked: an ack ``multiple`` sent meanwhile would ack 3 at the broker (lost instead of handed back),
+    and the nack then closed the channel on an unknown delivery tag (a fault-suite run lost 12 events)."""
+    queue = await _queue_with(connection, 20)
+    acks = Acks(hold_s=60)  # everything acked after the nack goes in one multiple ack
+    nack_waits = asyncio.Event()
+    seen: dict[str, int] = {}
+    acked: list[str] = []
+
+    async def on_message(message: Delivery) -> None:
+        acks.delivered(message)
+        key = message.message_id or ""
+        seen[key] = seen.get(key, 0) + 1
+        if key == "3" and seen[key] == 1:
+            await acks.nack(message, requeue=True)
+            return
+        await acks.ack(message)
+        acked.append(key)
+
+    channel, frames = await _consume(connection, queue.name, 20, on_message, nacks_wait_for=nack_waits)
+    await eventually(lambda: asyncio.sleep(0, len(acked) == 19))
+    await acks.flush()  # everything settled so far goes out now, with the nack still waiting
+    # Message "3" is the fourth delivery: tag 4.
+    assert (3, True) in frames
+    assert all(tag < 4 for tag, multiple in frames if multiple), "an ack covered tag 4 before its nack"
+    nack_waits.set()
+    await eventually(lambda: asyncio.sleep(0, seen.get("3") == 2 and len(acked) == 20))
+    await acks.flush()
+    assert not channel.is_closed  # no precondition_failed on an unknown delivery tag
+    assert (21, True) in frames  # the run went on over the nacked tag once its frame was written
+    assert await _ready_after_close(connection, channel, queue.name) == 0
+
+
+async def test_a_multiple_ack_never_covers_a_tag_this_process_did_not_see(
+    connection: aio_pika.abc.AbstractConnection,
+) -> None:
+    """A delivery that never reached the handler (a client library dropping it, say) stays unacked at
+    the broker: the acks after it go one by one, and it is back in the queue once the channel closes."""
+    queue = await _queue_with(connection, 10)
+    acks = Acks(hold_s=0.0)
+    acked: list[str] = []
+
+    async def on_message(message: Delivery) -> None:
+        if message.message_id == "4":
+            return  # never registered, never settled
+        acks.delivered(message)
+        await acks.ack(message)
+        acked.append(message.message_id or "")
+
+    channel, frames = await _consume(connection, queue.name, 10, on_message)
+    await eventually(lambda: asyncio.sleep(0, len(acked) == 9))
+    await acks.flush()
+    assert all(tag < 5 for tag, multiple in frames if multiple)
     assert await _ready_after_close(connection, channel, queue.name) == 1
