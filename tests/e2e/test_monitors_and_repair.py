@@ -334,7 +334,16 @@ async def test_a_queue_deleted_by_hand_is_declared_again(
         ]
         return bool(told and (by_dispatcher or by_monitor))
 
-    await eventually(reprovisioned)
+    def what_was_logged() -> str:
+        about = [
+            f"{service.name}: {r.get('event')} {r.get('queue') or r.get('declared') or r.get('error') or r.get('message') or ''}"
+            for service in (*system.dispatchers, system.monitor)
+            for r in records(service)
+            if r.get("endpoint_id") == active["id"] or r.get("level") in ("warning", "error")
+        ]
+        return f"what was logged about the active endpoint, and warnings: {about[-30:]}"
+
+    await eventually(reprovisioned, explain=what_was_logged)
     await paths.wait_accepted(
         "/active", await publish(system, acme, "active.x", ["evt_active_1", "evt_active_2"])
     )
