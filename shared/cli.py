@@ -280,7 +280,8 @@ def _events(args: argparse.Namespace) -> Any:
         body["id"] = args.id
     if args.subject:
         body["subject"] = args.subject
-    return api.call("POST", "/v1/events", json=body)
+    headers = {"idempotency-key": args.idempotency_key} if args.idempotency_key else {}
+    return api.call("POST", "/v1/events", json=body, headers=headers)
 
 
 def _add_endpoint_options(parser: argparse.ArgumentParser, *, creating: bool) -> None:
@@ -420,6 +421,9 @@ def build_parser() -> argparse.ArgumentParser:
     publish.add_argument("--type", required=True)
     publish.add_argument("--data", default="{}", help="the event's data, a JSON object")
     publish.add_argument("--id", help="event id (assigned when absent)")
+    publish.add_argument(
+        "--idempotency-key", help="sent again with the same key, the event is accepted once (no --id needed)"
+    )
     publish.add_argument("--subject")
     publish.set_defaults(run=_admin(_events))
     show = events.add_parser(

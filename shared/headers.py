@@ -18,6 +18,9 @@ class Header(enum.StrEnum):
     DEAD_AT = "x-hookline-dead-at"
     SEQUENCE = "x-hookline-seq"  # ordered endpoints: when the dispatcher first saw the event (ns)
     ACCEPTED_AT_MS = "x-hookline-accepted-at-ms"  # set by the ingest API: when the event was accepted
+    # Set by the ingest API on an event sent with an Idempotency-Key: a digest of the request, so that
+    # the key sent again with another request is refused.
+    REQUEST_DIGEST = "x-hookline-request-digest"
     ORIGIN = (
         "x-hookline-origin"  # an event put back by hand: "replay" or "redrive" (the delivery log says so)
     )

@@ -91,6 +91,10 @@ class EventAccepted(Model):
     id: EventId
     tenant: Tenant
     type: EventType
+    accepted_at: AwareDatetime
+    # True: accepted before (same tenant and id, or Idempotency-Key) within HOOKLINE_DEDUPE_WINDOW_S;
+    # nothing was published this time.
+    duplicate: bool = False
 
 
 # --- endpoints ----------------------------------------------------------------------------------

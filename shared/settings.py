@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Annotated, Literal, TypeVar
 from urllib.parse import urlsplit
 
-from pydantic import Field, SecretStr, ValidationError, field_validator
+from pydantic import Field, SecretStr, ValidationError, ValidationInfo, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from hookline.shared import signing
@@ -126,6 +126,12 @@ class IngestSettings(DeliveryPolicySettings):
         ge=10_000_000,
         description="The delivery log's files stay under this; past it the oldest rows go first.",
     )
+    dedupe_window_s: float = Field(
+        86_400.0,
+        ge=0,
+        description="A POST /v1/events repeating an id (or Idempotency-Key) accepted this recently publishes "
+        "nothing and answers 200 duplicate (0: off).",
+    )
     broker_fd_reserve: int = Field(
         100,
         ge=0,
@@ -137,6 +143,17 @@ class IngestSettings(DeliveryPolicySettings):
     def _token_length(cls, value: SecretStr) -> SecretStr:
         if len(value.get_secret_value()) < 16:
             raise ValueError("must be at least 16 characters")
+        return value
+
+    @field_validator("dedupe_window_s")
+    @classmethod
+    def _dedupe_within_the_log(cls, value: float, info: ValidationInfo) -> float:
+        # Duplicates are found in the delivery log's events: it must keep them for the whole window.
+        retention_s = info.data.get("delivery_log_retention_s")
+        if retention_s is not None and value > retention_s:
+            raise ValueError(
+                "must not exceed HOOKLINE_DELIVERY_LOG_RETENTION_S (duplicates are looked up in the delivery log)"
+            )
         return value
 
 

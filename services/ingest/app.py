@@ -18,6 +18,7 @@ from pydantic import ValidationError
 from hookline.ingest import auth, deadletters, endpoints, events, replay, tracking
 from hookline.ingest.auth import parse_tenant_tokens, principal
 from hookline.ingest.deliverylog import DeliveryLog
+from hookline.ingest.duplicates import Duplicates
 from hookline.ingest.state import IngestState
 from hookline.shared import __version__, lifecycle, registry, topology
 from hookline.shared import logging as hookline_logging
@@ -107,6 +108,7 @@ def create_app(settings: IngestSettings) -> FastAPI:
                     client=client,
                     capacity=capacity,
                     delivery_log=delivery_log,
+                    duplicates=Duplicates(delivery_log, window_s=settings.dedupe_window_s),
                     breakers=breakers,
                     sealer=Sealer(settings.secret_key.get_secret_value() if settings.secret_key else None),
                     tenant_tokens=parse_tenant_tokens(

@@ -31,7 +31,7 @@ from hookline.shared.views import RowView, StreamMessage, ViewSchema
 log = structlog.get_logger(__name__)
 
 EVENTS_SCHEMA = ViewSchema(
-    version=1,
+    version=2,  # 2: the request digest of an event sent with an Idempotency-Key
     statements=[
         """CREATE TABLE events (
             offset INTEGER PRIMARY KEY,
@@ -39,7 +39,8 @@ EVENTS_SCHEMA = ViewSchema(
             tenant TEXT NOT NULL,
             type TEXT NOT NULL,
             subject TEXT,
-            accepted_at_s REAL NOT NULL
+            accepted_at_s REAL NOT NULL,
+            request_digest TEXT
         )""",
         "CREATE INDEX events_by_id ON events (event_id)",
         "CREATE INDEX events_by_tenant ON events (tenant, offset)",
@@ -82,6 +83,14 @@ class LoggedEvent(Model):
     accepted_at_s: float
 
 
+class Acceptance(Model):
+    """When an event was first accepted, its type, and the digest of the request that sent it with a key."""
+
+    type: str
+    accepted_at_s: float
+    request_digest: str | None
+
+
 def _event_rows(offset: int, message: StreamMessage) -> list[tuple[Any, ...]]:
     try:
         body = orjson.loads(message.body)
@@ -91,7 +100,8 @@ def _event_rows(offset: int, message: StreamMessage) -> list[tuple[Any, ...]]:
         isinstance(body.get(key), str) for key in ("id", "tenant", "type")
     ):
         return []
-    accepted_ms = (message.headers or {}).get(Header.ACCEPTED_AT_MS)
+    headers = message.headers or {}
+    accepted_ms = headers.get(Header.ACCEPTED_AT_MS)
     if isinstance(accepted_ms, int):
         accepted_at_s = accepted_ms / 1000
     elif message.timestamp is not None:
@@ -99,6 +109,7 @@ def _event_rows(offset: int, message: StreamMessage) -> list[tuple[Any, ...]]:
     else:
         accepted_at_s = time.time()
     subject = body.get("subject")
+    digest = headers.get(Header.REQUEST_DIGEST)
     return [
         (
             offset,
@@ -107,6 +118,7 @@ def _event_rows(offset: int, message: StreamMessage) -> list[tuple[Any, ...]]:
             body["type"],
             subject if isinstance(subject, str) else None,
             accepted_at_s,
+            digest if isinstance(digest, str) else None,
         )
     ]
 
@@ -144,7 +156,7 @@ class DeliveryLog:
             path.with_suffix(".events.sqlite") if path else None,
             schema=EVENTS_SCHEMA,
             identity=f"{vhost}/{topology.EVENT_LOG}",
-            insert="INSERT OR REPLACE INTO events VALUES (?, ?, ?, ?, ?, ?)",
+            insert="INSERT OR REPLACE INTO events VALUES (?, ?, ?, ?, ?, ?, ?)",
             derive=_event_rows,
         )
         self.attempts = RowView(
@@ -183,6 +195,15 @@ class DeliveryLog:
 
         row = await self.events.read(query)
         return None if row is None else _logged_event(row)
+
+    async def accepted(self, tenant: str, event_id: str, *, since_s: float) -> Acceptance | None:
+        """The first acceptance of this event since ``since_s``, if the log has seen one."""
+        sql = (
+            "SELECT type, accepted_at_s, request_digest FROM events"
+            " WHERE event_id = ? AND tenant = ? AND accepted_at_s >= ? ORDER BY offset LIMIT 1"
+        )
+        row = await self.events.read(lambda db: db.execute(sql, (event_id, tenant, since_s)).fetchone())
+        return None if row is None else Acceptance(type=row[0], accepted_at_s=row[1], request_digest=row[2])
 
     async def recent_events(
         self,
@@ -288,7 +309,7 @@ def _where(*conditions: tuple[str, Any]) -> tuple[str, list[Any]]:
 
 
 def _logged_event(row: Sequence[Any]) -> LoggedEvent:
-    offset, event_id, tenant, type_, subject, accepted_at_s = row
+    offset, event_id, tenant, type_, subject, accepted_at_s, _ = row
     return LoggedEvent(
         offset=offset,
         event_id=event_id,

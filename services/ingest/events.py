@@ -1,4 +1,5 @@
-"""``POST /v1/events``: validate an event, give it an id, and answer 202 once the broker has confirmed it."""
+"""``POST /v1/events``: validate an event, give it an id, and answer 202 once the broker has confirmed it
+(200 ``duplicate`` when it was accepted before: see duplicates.py)."""
 
 from __future__ import annotations
 
@@ -7,15 +8,18 @@ from typing import Annotated
 
 import aio_pika
 import structlog
-from fastapi import APIRouter, Depends, Request
+from aio_pika.abc import FieldValue
+from fastapi import APIRouter, Depends, Header, Request, Response
 from pydantic import ValidationError
 
 from hookline.ingest.auth import Caller
+from hookline.ingest.deliverylog import Acceptance
+from hookline.ingest.duplicates import IDEMPOTENCY_KEY_MAX, event_id_for_key, request_digest
 from hookline.ingest.state import IngestState, ingest_state
 from hookline.shared import topology
 from hookline.shared.amqp import BROKER_ERRORS, BrokerBlockedError
 from hookline.shared.api import ApiError, broker_unavailable, invalid_input
-from hookline.shared.headers import Header
+from hookline.shared.headers import Header as AmqpHeader
 from hookline.shared.ids import new_id
 from hookline.shared.models import Event, EventAccepted, EventIn
 from hookline.shared.notifications import OPERATOR_TENANT
@@ -26,8 +30,13 @@ router = APIRouter(prefix="/v1/events", tags=["events"])
 PUBLISH_TIMEOUT_S = 10.0
 
 
-def event_message(event: Event, body: bytes, *, accepted_at: datetime) -> aio_pika.Message:
+def event_message(
+    event: Event, body: bytes, *, accepted_at: datetime, request_digest: str | None = None
+) -> aio_pika.Message:
     """The AMQP message an upstream should publish for ``event``: the same one the API publishes."""
+    headers: dict[str, FieldValue] = {AmqpHeader.ACCEPTED_AT_MS: int(accepted_at.timestamp() * 1000)}
+    if request_digest is not None:
+        headers[AmqpHeader.REQUEST_DIGEST] = request_digest
     return aio_pika.Message(
         body,
         content_type="application/json",
@@ -35,7 +44,7 @@ def event_message(event: Event, body: bytes, *, accepted_at: datetime) -> aio_pi
         message_id=event.id,
         timestamp=accepted_at,
         # The AMQP timestamp has whole seconds; replay windows need better.
-        headers={Header.ACCEPTED_AT_MS: int(accepted_at.timestamp() * 1000)},
+        headers=headers,
     )
 
 
@@ -51,7 +60,17 @@ def event_message(event: Event, body: bytes, *, accepted_at: datetime) -> aio_pi
     },
 )
 async def publish_event(
-    request: Request, state: Annotated[IngestState, Depends(ingest_state)], caller: Caller
+    request: Request,
+    response: Response,
+    state: Annotated[IngestState, Depends(ingest_state)],
+    caller: Caller,
+    idempotency_key: Annotated[
+        str | None,
+        Header(
+            description="For a caller without its own event ids: the same key within "
+            "HOOKLINE_DEDUPE_WINDOW_S is the same event (sent with another request: 422)."
+        ),
+    ] = None,
 ) -> EventAccepted:
     # Read the body ourselves: the size limit applies while streaming, and malformed JSON is a 400.
     raw = await request.body()
@@ -64,8 +83,50 @@ async def publish_event(
         raise ApiError(
             422, "invalid_fields", f"tenant {OPERATOR_TENANT!r} is reserved for hookline's own notifications"
         )
-    now = datetime.now(UTC)
-    event = event_in.complete(event_id=new_id("evt"), now=now)
+    digest = None
+    if idempotency_key is not None:
+        if not 0 < len(idempotency_key) <= IDEMPOTENCY_KEY_MAX or not idempotency_key.isprintable():
+            raise ApiError(
+                422,
+                "invalid_idempotency_key",
+                f"Idempotency-Key must be 1 to {IDEMPOTENCY_KEY_MAX} printable characters",
+            )
+        digest = request_digest(event_in)
+    event_id = event_in.id or (
+        event_id_for_key(event_in.tenant, idempotency_key) if idempotency_key else new_id("evt")
+    )
+    async with state.duplicates.claim(event_in.tenant, event_id) as claim:
+        if claim.previous is not None:
+            previous = claim.previous
+            if digest is not None and previous.request_digest not in (None, digest):
+                raise ApiError(
+                    422,
+                    "idempotency_key_reused",
+                    "this Idempotency-Key was sent with another request; use a new key for a new event",
+                )
+            response.status_code = 200
+            log.info("event_duplicate", event_id=event_id, tenant=event_in.tenant)
+            return EventAccepted(
+                id=event_id,
+                tenant=event_in.tenant,
+                type=previous.type,
+                accepted_at=datetime.fromtimestamp(previous.accepted_at_s, UTC),
+                duplicate=True,
+            )
+        now = _to_ms(datetime.now(UTC))  # what the event log's header keeps, and a duplicate is told
+        event = event_in.complete(event_id=event_id, now=now)
+        await _publish(state, event, accepted_at=now, request_digest=digest)
+        claim.accepted = Acceptance(type=event.type, accepted_at_s=now.timestamp(), request_digest=digest)
+    return EventAccepted(id=event.id, tenant=event.tenant, type=event.type, accepted_at=now)
+
+
+def _to_ms(moment: datetime) -> datetime:
+    return moment.replace(microsecond=moment.microsecond // 1000 * 1000)
+
+
+async def _publish(
+    state: IngestState, event: Event, *, accepted_at: datetime, request_digest: str | None
+) -> None:
     body = event.model_dump_json(exclude_none=True).encode()
     if len(body) > state.settings.max_payload_bytes:
         raise ApiError(
@@ -73,7 +134,7 @@ async def publish_event(
         )
     try:
         await state.publisher.publish(
-            event_message(event, body, accepted_at=now),
+            event_message(event, body, accepted_at=accepted_at, request_digest=request_digest),
             exchange=topology.EVENTS_EXCHANGE,
             routing_key=topology.event_routing_key(event.tenant, event.type),
             timeout_s=PUBLISH_TIMEOUT_S,
@@ -86,4 +147,3 @@ async def publish_event(
             else "the broker did not confirm it"
         )
         raise broker_unavailable(f"the event was not accepted: {why}; send it again") from None
-    return EventAccepted(id=event.id, tenant=event.tenant, type=event.type)

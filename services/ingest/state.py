@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from fastapi import Request
 
 from hookline.ingest.deliverylog import DeliveryLog
+from hookline.ingest.duplicates import Duplicates
 from hookline.shared.amqp import Broker, Publisher
 from hookline.shared.capacity import CapacityReader
 from hookline.shared.control import BreakerView
@@ -33,6 +34,7 @@ class IngestState:
     client: DeliveryClient  # verification handshakes
     capacity: CapacityReader  # the broker's file handles and alarms, before a new queue is declared
     delivery_log: DeliveryLog  # events and attempts, for "where is my event?"
+    duplicates: Duplicates  # events accepted before, found in the delivery log
     breakers: BreakerView  # the breaker states in force, to explain why an event waits
     sealer: Sealer
     tenant_tokens: dict[str, str]  # token -> tenant

@@ -109,7 +109,8 @@ class Upstream:
                     )
                 except httpx.HTTPError:
                     response = None
-                if response is not None and response.status_code == 202:
+                # 200: a retry of one the ingest had accepted (its answer was lost): accepted too.
+                if response is not None and response.status_code in (200, 202):
                     self.accepted[event_id] = time.time()
                     break
                 self.refusals.append(time.time())

@@ -5,7 +5,7 @@ import time
 
 import pytest
 
-from hookline.shared.ids import encode_ulid, id_time_s, new_id
+from hookline.shared.ids import derived_id, encode_ulid, id_time_s, new_id
 
 
 def test_ulid_encoding_of_known_values() -> None:
@@ -35,3 +35,11 @@ def test_an_ids_time_is_read_back_and_a_foreign_id_has_none() -> None:
     assert id_time_s("evt_" + encode_ulid(1_700_000_000_123, bytes(10))) == 1_700_000_000.123
     assert id_time_s("order-42") is None
     assert id_time_s("evt_" + "u" * 26) is None  # not Crockford base32
+
+
+def test_a_derived_id_is_the_same_for_the_same_seed_and_never_looks_time_ordered() -> None:
+    first = derived_id("evt", "acme\0pay-o_1")
+    assert first == derived_id("evt", "acme\0pay-o_1")
+    assert first != derived_id("evt", "acme\0pay-o_2")
+    assert re.fullmatch(r"evt_[0-9A-HJKMNP-TV-Z]{32}", first)
+    assert id_time_s(first) is None

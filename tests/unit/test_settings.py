@@ -39,6 +39,7 @@ def test_retry_schedule_is_comma_separated_seconds(monkeypatch: pytest.MonkeyPat
         ("HOOKLINE_AMQP_URL", " , ", DispatcherSettings),
         ("HOOKLINE_API_TOKEN", "short", IngestSettings),
         ("HOOKLINE_INGEST_PORT", "eighty", IngestSettings),
+        ("HOOKLINE_DEDUPE_WINDOW_S", "1000000", IngestSettings),  # longer than the delivery log keeps
     ],
 )
 def test_a_bad_setting_exits_with_one_line_naming_it(

@@ -1,0 +1,163 @@
+"""Idempotent ingest, as an upstream retrying its POSTs sees it: an event id (or an Idempotency-Key)
+accepted once is answered 200 ``duplicate`` afterwards, on another ingest replica and after a restart,
+and is delivered once; the same key with another request is refused."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+from collections import Counter
+from typing import Any
+
+import httpx
+import pytest
+from conftest import System, tenant
+from support import services
+from support.receiver import Receiver
+from support.waiting import eventually
+
+from hookline.shared.ids import id_time_s
+
+pytestmark = pytest.mark.e2e
+
+
+def client(base_url: str) -> httpx.AsyncClient:
+    return httpx.AsyncClient(
+        base_url=base_url, headers={"authorization": f"Bearer {services.TOKEN}"}, timeout=30
+    )
+
+
+async def post(base_url: str, body: dict[str, Any], **headers: str) -> httpx.Response:
+    async with client(base_url) as api:
+        return await api.post("/v1/events", json=body, headers=headers)
+
+
+def deliveries(receiver: Receiver, path: str) -> Counter[str]:
+    """How many times each event id arrived at ``path``."""
+    return Counter(json.loads(r.body)["id"] for r in receiver.requests if r.path == path)
+
+
+async def sentinel_arrives(system: System, receiver: Receiver, acme: str, path: str) -> None:
+    """Published last: once it is in, whatever was published before it would have arrived too."""
+    sent = await post(
+        system.ingest.base_url,
+        {"id": f"evt_sentinel_{acme}", "tenant": acme, "type": "order.sentinel", "data": {}},
+    )
+    assert sent.status_code == 202, sent.text
+    await eventually(lambda: asyncio.sleep(0, deliveries(receiver, path)[f"evt_sentinel_{acme}"] == 1))
+
+
+async def logged_by(base_url: str, event_id: str) -> bool:
+    """The replica's delivery log has the event (it follows the event log stream)."""
+    async with client(base_url) as api:
+        return (await api.get(f"/v1/events/{event_id}")).status_code == 200
+
+
+async def test_an_event_id_is_accepted_once_across_replicas_and_a_restart(
+    system: System, receiver: Receiver
+) -> None:
+    acme = tenant()
+    system.add_endpoint(acme, receiver.url("/once"), ["order.*"])
+    event_id = f"evt_retried_{acme}"
+    body = {"id": event_id, "tenant": acme, "type": "order.created", "data": {"n": 1}}
+
+    first = await post(system.ingest.base_url, body)
+    assert first.status_code == 202, first.text
+    accepted = first.json()
+    assert accepted["duplicate"] is False
+
+    # A retry, even one whose body changed: the event is the tenant and its id.
+    again = await post(system.ingest.base_url, {**body, "type": "order.changed", "data": {"n": 2}})
+    assert again.status_code == 200, again.text
+    assert again.json() == {
+        "id": event_id, "tenant": acme, "type": "order.created",
+        "accepted_at": accepted["accepted_at"], "duplicate": True,
+    }  # fmt: skip
+    # Another tenant's event with the same id is another event.
+    other = await post(system.ingest.base_url, {**body, "tenant": tenant()})
+    assert other.status_code == 202, other.text
+
+    # A second ingest replica knows it once its delivery log has followed the event log to it.
+    second = services.start("ingest", system.env, system.log_dir, name="ingest-second")
+    system.extra.append(second)
+    second.wait_ready()
+    await eventually(lambda: logged_by(second.base_url, event_id))
+    on_second = await post(second.base_url, body)
+    assert on_second.status_code == 200, on_second.text
+    assert on_second.json()["accepted_at"] == accepted["accepted_at"]
+
+    # Restarted on its port (its delivery log on disk), the first replica knows it at once.
+    assert system.ingest.stop() == 0
+    system.ingest = services.Service(
+        "ingest", {**system.env, "HOOKLINE_INGEST_PORT": str(system.ingest.port)}, system.log_dir,
+        port=system.ingest.port, name="ingest-restarted",
+    )  # fmt: skip
+    system.ingest.wait_ready()
+    after_restart = await post(system.ingest.base_url, body)
+    assert after_restart.status_code == 200, after_restart.text
+    assert after_restart.json()["duplicate"] is True
+
+    await sentinel_arrives(system, receiver, acme, "/once")
+    assert deliveries(receiver, "/once")[event_id] == 1
+
+
+async def test_an_idempotency_key_names_one_event(system: System, receiver: Receiver) -> None:
+    acme = tenant()
+    system.add_endpoint(acme, receiver.url("/keyed"), ["order.*"])
+    body = {"tenant": acme, "type": "order.paid", "data": {"order_id": "o_1", "amount": 1200}}
+
+    # Five attempts at once (a client that timed out and retried, several times): one is published.
+    answers = await asyncio.gather(
+        *(post(system.ingest.base_url, body, **{"Idempotency-Key": "pay-o_1"}) for _ in range(5))
+    )
+    assert sorted(a.status_code for a in answers) == [200, 200, 200, 200, 202], [a.text for a in answers]
+    ids = {a.json()["id"] for a in answers}
+    assert len(ids) == 1
+    [event_id] = ids
+    assert event_id.startswith("evt_")
+    assert id_time_s(event_id) is None
+
+    # The same key with another request is a mistake worth saying so.
+    changed = await post(
+        system.ingest.base_url,
+        {**body, "data": {"order_id": "o_1", "amount": 99}},
+        **{"Idempotency-Key": "pay-o_1"},
+    )
+    assert changed.status_code == 422, changed.text
+    assert changed.json()["error"] == "idempotency_key_reused"
+    # Keys are per tenant, and a key that is no key is refused.
+    elsewhere = await post(
+        system.ingest.base_url, {**body, "tenant": tenant()}, **{"Idempotency-Key": "pay-o_1"}
+    )
+    assert elsewhere.status_code == 202
+    assert elsewhere.json()["id"] != event_id
+    too_long = await post(system.ingest.base_url, body, **{"Idempotency-Key": "k" * 256})
+    assert too_long.status_code == 422, too_long.text
+    assert too_long.json()["error"] == "invalid_idempotency_key"
+
+    # A retry once the event is in the delivery log (and delivered) is still the same event.
+    await eventually(lambda: logged_by(system.ingest.base_url, event_id))
+    later = await post(system.ingest.base_url, body, **{"Idempotency-Key": "pay-o_1"})
+    assert later.status_code == 200
+    assert later.json()["id"] == event_id
+
+    await sentinel_arrives(system, receiver, acme, "/keyed")
+    assert deliveries(receiver, "/keyed")[event_id] == 1
+
+
+async def test_the_cli_publishes_with_an_idempotency_key(system: System) -> None:
+    env = {**system.env, "HOOKLINE_INGEST_URL": system.ingest.base_url}
+    command = [
+        services.HOOKLINE, "events", "publish", "--tenant", tenant(), "--type", "order.created",
+        "--data", '{"n": 1}', "--idempotency-key", "cli-1",
+    ]  # fmt: skip
+    answers = []
+    for _ in range(2):
+        done = await asyncio.to_thread(
+            subprocess.run, command, env=env, capture_output=True, text=True, timeout=60
+        )
+        assert done.returncode == 0, done.stderr
+        answers.append(json.loads(done.stdout))
+    assert [a["duplicate"] for a in answers] == [False, True]
+    assert answers[0]["id"] == answers[1]["id"]
