@@ -97,6 +97,30 @@ class EventAccepted(Model):
     duplicate: bool = False
 
 
+#: The most events one ``POST /v1/events/batch`` takes.
+BATCH_MAX = 500
+
+
+class BatchIn(Model):
+    # Items are validated one by one (an invalid one is refused alone, with its index).
+    events: list[dict[str, Any]] = Field(min_length=1, max_length=BATCH_MAX)
+
+
+class BatchItem(Model):
+    """One item's result: ``status`` as the single-event route would have answered it."""
+
+    index: int
+    status: int
+    event: EventAccepted | None = None
+    error: str | None = None
+    message: str | None = None
+    details: list[ErrorDetail] = Field(default_factory=list)
+
+
+class BatchAccepted(Model):
+    results: list[BatchItem]
+
+
 # --- endpoints ----------------------------------------------------------------------------------
 
 

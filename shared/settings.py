@@ -115,6 +115,9 @@ class IngestSettings(DeliveryPolicySettings):
     ingest_host: str = "127.0.0.1"
     ingest_port: int = Field(8000, ge=0, le=65535)
     max_payload_bytes: int = Field(262_144, ge=1024, le=16 * 1024 * 1024)
+    max_batch_bytes: int = Field(
+        4_194_304, ge=1024, le=256 * 1024 * 1024, description="Largest POST /v1/events/batch body."
+    )
     registry_wait_s: float = Field(
         10.0, gt=0, description="How long a write waits to be read back from the log."
     )

@@ -130,7 +130,11 @@ def create_app(settings: IngestSettings) -> FastAPI:
 
     app = FastAPI(title="hookline ingest", version=__version__, lifespan=lifespan)
     install_error_handlers(app)
-    app.add_middleware(BodyLimit, max_bytes=settings.max_payload_bytes + _ENVELOPE_SLACK_BYTES)
+    app.add_middleware(
+        BodyLimit,
+        max_bytes=settings.max_payload_bytes + _ENVELOPE_SLACK_BYTES,
+        larger={"/v1/events/batch": (settings.max_batch_bytes, "HOOKLINE_MAX_BATCH_BYTES")},
+    )
     # Every /v1 route needs a token; the routes then limit a tenant token to its own tenant.
     guard = Depends(principal)
     app.include_router(events.router, dependencies=[guard])

@@ -3,8 +3,9 @@
 
 from __future__ import annotations
 
+import asyncio
 from datetime import UTC, datetime
-from typing import Annotated
+from typing import Annotated, Any
 
 import aio_pika
 import structlog
@@ -21,7 +22,7 @@ from hookline.shared.amqp import BROKER_ERRORS, BrokerBlockedError
 from hookline.shared.api import ApiError, broker_unavailable, invalid_input
 from hookline.shared.headers import Header as AmqpHeader
 from hookline.shared.ids import new_id
-from hookline.shared.models import Event, EventAccepted, EventIn
+from hookline.shared.models import BatchAccepted, BatchIn, BatchItem, Event, EventAccepted, EventIn
 from hookline.shared.notifications import OPERATOR_TENANT
 
 log = structlog.get_logger(__name__)
@@ -78,6 +79,72 @@ async def publish_event(
         event_in = EventIn.model_validate_json(raw)
     except ValidationError as exc:
         raise invalid_input(exc.errors()) from None
+    accepted = await _accept(state, caller, event_in, idempotency_key=idempotency_key)
+    if accepted.duplicate:
+        response.status_code = 200
+    return accepted
+
+
+@router.post(
+    "/batch",
+    response_model=BatchAccepted,
+    openapi_extra={
+        "requestBody": {
+            "required": True,
+            "content": {"application/json": {"schema": BatchIn.model_json_schema()}},
+        }
+    },
+)
+async def publish_batch(
+    request: Request, state: Annotated[IngestState, Depends(ingest_state)], caller: Caller
+) -> BatchAccepted:
+    """Up to ``BATCH_MAX`` events, published at once (their confirms come back in one round): a result
+    per item, in order. An item refused (invalid, another tenant's, not confirmed) does not stop the others."""
+    raw = await request.body()
+    try:
+        items = BatchIn.model_validate_json(raw).events
+    except ValidationError as exc:
+        raise invalid_input(exc.errors()) from None
+
+    async def one(index: int, item: dict[str, Any]) -> BatchItem:
+        try:
+            event_in = EventIn.model_validate(item)
+        except ValidationError as exc:
+            error = invalid_input(exc.errors())
+            return BatchItem(
+                index=index,
+                status=error.status,
+                error=error.code,
+                message=error.message,
+                details=error.details,
+            )
+        try:
+            accepted = await _accept(state, caller, event_in, idempotency_key=None)
+        except ApiError as error:
+            return BatchItem(
+                index=index,
+                status=error.status,
+                error=error.code,
+                message=error.message,
+                details=error.details,
+            )
+        return BatchItem(index=index, status=200 if accepted.duplicate else 202, event=accepted)
+
+    results = await asyncio.gather(*(one(index, item) for index, item in enumerate(items)))
+    log.info(
+        "events_batch",
+        events=len(results),
+        accepted=sum(r.status == 202 for r in results),
+        duplicates=sum(r.status == 200 for r in results),
+        refused=sum(r.status >= 400 for r in results),
+    )
+    return BatchAccepted(results=results)
+
+
+async def _accept(
+    state: IngestState, caller: Caller, event_in: EventIn, *, idempotency_key: str | None
+) -> EventAccepted:
+    """Publish one event, unless it was accepted before (then say when); raises :class:`ApiError`."""
     caller.require(event_in.tenant)
     if event_in.tenant == OPERATOR_TENANT:
         raise ApiError(
@@ -104,7 +171,6 @@ async def publish_event(
                     "idempotency_key_reused",
                     "this Idempotency-Key was sent with another request; use a new key for a new event",
                 )
-            response.status_code = 200
             log.info("event_duplicate", event_id=event_id, tenant=event_in.tenant)
             return EventAccepted(
                 id=event_id,

@@ -1,6 +1,7 @@
-"""Idempotent ingest, as an upstream retrying its POSTs sees it: an event id (or an Idempotency-Key)
-accepted once is answered 200 ``duplicate`` afterwards, on another ingest replica and after a restart,
-and is delivered once; the same key with another request is refused."""
+"""Publishing through the API as an upstream team integrates it. Idempotent: an event id (or an
+Idempotency-Key) accepted once is answered 200 ``duplicate`` afterwards, on another ingest replica and
+after a restart, and is delivered once; the same key with another request is refused. In batches: up to
+500 events in one request, a result per item, a bad item refused alone."""
 
 from __future__ import annotations
 
@@ -161,3 +162,56 @@ async def test_the_cli_publishes_with_an_idempotency_key(system: System) -> None
         answers.append(json.loads(done.stdout))
     assert [a["duplicate"] for a in answers] == [False, True]
     assert answers[0]["id"] == answers[1]["id"]
+
+
+async def test_a_batch_gets_a_result_per_item_and_each_event_is_delivered_once(
+    system: System, receiver: Receiver
+) -> None:
+    acme = tenant()
+    system.add_endpoint(acme, receiver.url("/batch"), ["order.*"])
+    earlier = await post(
+        system.ingest.base_url,
+        {"id": f"evt_earlier_{acme}", "tenant": acme, "type": "order.created", "data": {}},
+    )
+    assert earlier.status_code == 202, earlier.text
+    big = "x" * 200_000  # three of these are over HOOKLINE_MAX_PAYLOAD_BYTES, not over the batch limit
+    items: list[dict[str, Any]] = [
+        {"id": f"evt_b1_{acme}", "tenant": acme, "type": "order.created", "data": {"blob": big}},
+        {"id": f"evt_earlier_{acme}", "tenant": acme, "type": "order.created", "data": {}},
+        {"tenant": acme, "type": "Not A Type", "data": {}},
+        {"id": f"evt_b2_{acme}", "tenant": acme, "type": "order.created", "data": {"blob": big}},
+        {"id": f"evt_b2_{acme}", "tenant": acme, "type": "order.created", "data": {"blob": big}},
+        {"tenant": "hookline", "type": "order.created", "data": {}},
+        {"tenant": acme, "type": "order.created", "data": {"blob": big}},
+    ]
+    async with client(system.ingest.base_url) as api:
+        answer = await api.post("/v1/events/batch", json={"events": items})
+    assert answer.status_code == 200, answer.text
+    results = answer.json()["results"]
+    assert [r["index"] for r in results] == list(range(len(items)))
+    statuses = [r["status"] for r in results]
+    assert statuses[:3] == [202, 200, 422]
+    assert sorted(statuses[3:5]) == [200, 202]  # the same event twice in one batch: accepted once
+    assert statuses[5:] == [422, 202]
+    assert results[1]["event"]["duplicate"] is True
+    assert results[1]["event"]["accepted_at"] == earlier.json()["accepted_at"]
+    assert results[2]["error"] == "invalid_fields"
+    assert [d["field"] for d in results[2]["details"]] == ["type"]
+    assert "reserved" in results[5]["message"]
+    published = {r["event"]["id"] for r in results if r["status"] == 202}
+    assert len(published) == 3
+
+    # 500 at once, in one confirm round; one more is refused whole.
+    many = [{"tenant": acme, "type": "order.bulk", "data": {"n": n}} for n in range(500)]
+    async with client(system.ingest.base_url) as api:
+        bulk = await api.post("/v1/events/batch", json={"events": many})
+        too_many = await api.post("/v1/events/batch", json={"events": [*many, many[0]]})
+    assert bulk.status_code == 200, bulk.text
+    assert [r["status"] for r in bulk.json()["results"]] == [202] * 500
+    assert too_many.status_code == 422, too_many.text
+    published |= {r["event"]["id"] for r in bulk.json()["results"]}
+
+    await sentinel_arrives(system, receiver, acme, "/batch")
+    got = deliveries(receiver, "/batch")
+    assert {event_id for event_id in got if "sentinel" not in event_id} == published | {f"evt_earlier_{acme}"}
+    assert set(got.values()) == {1}
