@@ -13,6 +13,7 @@ import contextvars
 import enum
 import functools
 import socket
+import ssl
 import time
 import weakref
 from dataclasses import dataclass, field
@@ -43,6 +44,7 @@ class ErrorKind(enum.StrEnum):
     PROTOCOL = "protocol"  # the peer answered something that is not HTTP
     REFUSED_TARGET = "refused_target"  # the address is not allowed (SSRF protection)
     INVALID_URL = "invalid_url"
+    AUTH = "auth"  # no credentials to send: the endpoint's OAuth2 token URL did not give a token
 
 
 #: What goes into a dead letter's reason of a response body: enough to say why, never the whole thing.
@@ -76,6 +78,23 @@ class AttemptResult:
     timings: Timings
     response_headers: dict[str, str] = field(default_factory=dict)  # CAPTURED_HEADERS only
     response_body: bytes = b""  # its first ``capture_bytes``
+
+    @classmethod
+    def failed(cls, kind: ErrorKind, detail: str) -> AttemptResult:
+        """No request was made (the credentials for it could not be had)."""
+        return cls(
+            status=None, error=kind, detail=detail[:300], retry_after=None, timings=Timings(total_ms=0.0)
+        )
+
+
+class TokenError(Exception):
+    """A token URL gave no token; the text says why, without the credentials."""
+
+
+@dataclass(frozen=True, slots=True)
+class TokenAnswer:
+    access_token: str
+    expires_in_s: float | None
 
 
 class _Clock:
@@ -189,7 +208,13 @@ class DeliveryClient:
             await self._session.close()
 
     async def post(
-        self, url: str, body: bytes, headers: dict[str, str], *, timeout_s: float
+        self,
+        url: str,
+        body: bytes,
+        headers: dict[str, str],
+        *,
+        timeout_s: float,
+        ssl_context: ssl.SSLContext | None = None,
     ) -> AttemptResult:
         assert self._session is not None, "use DeliveryClient as an async context manager"
         clock = _Clock()
@@ -199,7 +224,12 @@ class DeliveryClient:
         _CLOCK.set(clock)  # set anew by every attempt, and attempts in one task never overlap
         try:
             async with self._session.post(
-                url, data=body, headers=headers, allow_redirects=False, timeout=_timeout(timeout_s)
+                url,
+                data=body,
+                headers=headers,
+                allow_redirects=False,
+                timeout=_timeout(timeout_s),
+                ssl=ssl_context or True,  # a client certificate (mTLS), else the default verification
             ) as response:
                 clock.headers_received = time.perf_counter()
                 captured = await response.content.read(max(self._capture_bytes, RESPONSE_SNIPPET_BYTES))
@@ -223,6 +253,43 @@ class DeliveryClient:
             return _failed(ErrorKind.TIMEOUT, f"no response within {timeout_s:g}s", clock)
         except aiohttp.ClientError as exc:
             return _failed(_error_kind(exc), _describe(exc), clock)
+
+    async def fetch_token(
+        self, url: str, form: dict[str, str], *, client_id: str, client_secret: str, timeout_s: float
+    ) -> TokenAnswer:
+        """An OAuth2 client-credentials token from ``url``, checked like any target; raises :class:`TokenError`."""
+        assert self._session is not None, "use DeliveryClient as an async context manager"
+        refusal = self.refusal(url)
+        if refusal is not None:
+            raise TokenError(refusal)
+        try:
+            async with self._session.post(
+                url,
+                data=form,
+                auth=aiohttp.BasicAuth(client_id, client_secret),
+                headers={"accept": "application/json"},
+                allow_redirects=False,
+                timeout=_timeout(timeout_s),
+            ) as response:
+                if response.status != 200:
+                    raise TokenError(f"the token URL answered HTTP {response.status}")
+                answer = await response.json(content_type=None)
+        except TimeoutError:
+            raise TokenError(f"the token URL did not answer within {timeout_s:g}s") from None
+        except aiohttp.ClientError as exc:
+            raise TokenError(_describe(exc)) from None
+        except ValueError:
+            raise TokenError("the token URL answered something that is not JSON") from None
+        token = answer.get("access_token") if isinstance(answer, dict) else None
+        if not isinstance(token, str) or not token:
+            raise TokenError("the token URL's answer has no access_token")
+        expires_in = answer.get("expires_in")
+        return TokenAnswer(
+            access_token=token,
+            expires_in_s=float(expires_in)
+            if isinstance(expires_in, int | float) and expires_in > 0
+            else None,
+        )
 
     def refusal(self, url: str) -> str | None:
         """Why ``url`` may not be called, as far as can be told without DNS (the resolver does the rest)."""

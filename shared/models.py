@@ -151,6 +151,99 @@ RetentionS = Annotated[float, Field(ge=60, le=30 * 86400)]
 BodyFormat = Literal["event", "slack"]
 
 
+#: Headers an endpoint may not set: hookline's own, the signature's, and what HTTP itself decides.
+#: ``authorization`` is set through ``auth``.
+RESERVED_HEADERS = frozenset(
+    {
+        "authorization", "connection", "content-length", "content-type", "expect", "host", "keep-alive",
+        "proxy-authorization", "te", "traceparent", "tracestate", "transfer-encoding", "upgrade", "user-agent",
+    }
+)  # fmt: skip
+RESERVED_HEADER_PREFIXES = ("webhook-", "x-hookline-", "proxy-")
+
+HeaderName = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9!#$%&'*+.^_`|~-]{1,64}$")]
+HeaderValue = Annotated[str, StringConstraints(max_length=2048, pattern=r"^[^\r\n\x00]*$")]
+
+
+def _unreserved(headers: dict[str, str]) -> dict[str, str]:
+    names = [name.lower() for name in headers]
+    for name in names:
+        if name in RESERVED_HEADERS or name.startswith(RESERVED_HEADER_PREFIXES):
+            raise ValueError(
+                f"header {name!r} is reserved (hookline sets it, or HTTP does; auth: use 'auth')"
+            )
+    if len(set(names)) != len(names):
+        raise ValueError("the same header twice (names are case-insensitive)")
+    return headers
+
+
+CustomHeaders = Annotated[dict[HeaderName, HeaderValue], Field(max_length=20), AfterValidator(_unreserved)]
+Credential = Annotated[str, StringConstraints(min_length=1, max_length=4096, pattern=r"^[^\r\n\x00]*$")]
+Pem = Annotated[str, StringConstraints(min_length=1, max_length=65536)]
+
+
+class BasicAuth(Model):
+    type: Literal["basic"]
+    username: Annotated[str, StringConstraints(min_length=1, max_length=256, pattern=r"^[^:\r\n\x00]*$")]
+    password: Credential  # sealed once stored
+
+    def summary(self) -> AuthSummary:
+        return AuthSummary(type=self.type, username=self.username)
+
+
+class BearerAuth(Model):
+    type: Literal["bearer"]
+    token: Credential  # sealed once stored
+
+    def summary(self) -> AuthSummary:
+        return AuthSummary(type=self.type)
+
+
+class OAuth2ClientCredentials(Model):
+    """A token from ``token_url`` (RFC 6749 §4.4, the client authenticated with HTTP basic), cached and
+    refreshed before it expires; a 401 from the endpoint fetches a new one once, in the same attempt."""
+
+    type: Literal["oauth2_client_credentials"]
+    token_url: Url
+    client_id: Annotated[str, StringConstraints(min_length=1, max_length=256)]
+    client_secret: Credential  # sealed once stored
+    scope: Annotated[str, StringConstraints(max_length=1024)] | None = None
+    audience: Annotated[str, StringConstraints(max_length=1024)] | None = None
+
+    def summary(self) -> AuthSummary:
+        return AuthSummary(
+            type=self.type, client_id=self.client_id, token_url=self.token_url, scope=self.scope,
+            audience=self.audience,
+        )  # fmt: skip
+
+
+class MtlsAuth(Model):
+    """A TLS client certificate (PEM, with any intermediates after it) and its private key."""
+
+    type: Literal["mtls"]
+    certificate: Pem
+    private_key: Pem  # sealed once stored
+
+    def summary(self) -> AuthSummary:
+        return AuthSummary(type=self.type)
+
+
+EndpointAuth = Annotated[
+    BasicAuth | BearerAuth | OAuth2ClientCredentials | MtlsAuth, Field(discriminator="type")
+]
+
+
+class AuthSummary(Model):
+    """What the API shows of an endpoint's auth: never a password, token, client secret or key."""
+
+    type: str
+    username: str | None = None
+    client_id: str | None = None
+    token_url: str | None = None
+    scope: str | None = None
+    audience: str | None = None
+
+
 class EndpointStatus(enum.StrEnum):
     ACTIVE = "active"
     PAUSED = "paused"
@@ -174,6 +267,8 @@ class EndpointCreate(Model):
         None, description="where hookline tells the tenant of this endpoint's trouble"
     )
     notify_format: BodyFormat = "event"
+    headers: CustomHeaders | None = Field(None, description="sent with every delivery (values kept sealed)")
+    auth: EndpointAuth | None = None
     verify: bool = Field(True, description="run the verification handshake (false: for development only)")
 
 
@@ -194,6 +289,8 @@ class EndpointUpdate(Model):
     body_format: BodyFormat | None = None
     notify_url: Url | None = None
     notify_format: BodyFormat | None = None
+    headers: CustomHeaders | None = Field(None, description="replaces them all; null removes them")
+    auth: EndpointAuth | None = Field(None, description="replaces it; null removes it")
     verify: bool = Field(True, description="verify the new url, when it changes, before delivering to it")
 
 
@@ -224,6 +321,10 @@ class Endpoint(Model):
     body_format: BodyFormat = "event"
     notify_url: Url | None = None  # operational notifications (hookline.shared.notifications)
     notify_format: BodyFormat = "event"
+    headers: list[str] = Field(
+        default_factory=list, description="the names of its headers (values never shown)"
+    )
+    auth: AuthSummary | None = None
     status: EndpointStatus = EndpointStatus.ACTIVE
     verified: bool = Field(True, description="deliveries go only to verified endpoints")
     verification: Verification | None = None
@@ -260,10 +361,23 @@ class StoredEndpoint(Endpoint):
     # False for endpoints registered before route exchanges existed: their queue is bound to ``events``
     # directly until the ingest upgrades them at its start.
     routed: bool = False
+    # What the endpoint's requests carry, secrets sealed (header values, the auth's password, token,
+    # client secret or key); ``headers`` and ``auth`` are what the API shows of them.
+    sealed_headers: dict[str, str] = Field(default_factory=dict)
+    sealed_auth: EndpointAuth | None = None
 
     def public(self) -> Endpoint:
         return Endpoint.model_validate(
-            self.model_dump(exclude={"secrets", "queue_generation", "retired_queues", "routed"})
+            self.model_dump(
+                exclude={
+                    "secrets",
+                    "queue_generation",
+                    "retired_queues",
+                    "routed",
+                    "sealed_headers",
+                    "sealed_auth",
+                }
+            )
         )
 
 

@@ -32,6 +32,7 @@ from hookline.dispatcher.telemetry import Telemetry
 from hookline.shared import __version__, notifications, signing, topology
 from hookline.shared.amqp import BROKER_ERRORS, Publisher
 from hookline.shared.control import BreakerView
+from hookline.shared.credentials import Credentials
 from hookline.shared.deadletters import dead_letter_message
 from hookline.shared.delivery import AttemptResult, DeliveryClient
 from hookline.shared.models import DeadLetterReason, EndpointStatus, StoredEndpoint
@@ -81,6 +82,7 @@ class Handler:
         self._registry = registry
         self._change_log = change_log
         self._client = client
+        self._credentials = Credentials(sealer, client)
         self._publisher = publisher
         self._delays = delays
         self._random_unit = random_unit
@@ -315,7 +317,7 @@ class Handler:
     async def _attempt(self, endpoint: StoredEndpoint, event_id: str, body: bytes) -> AttemptResult:
         body = notifications.render(endpoint.body_format, body)
         headers = signing.webhook_headers(self._keys(endpoint), event_id, body, timestamp_s=int(time.time()))
-        return await self._client.post(endpoint.url, body, headers, timeout_s=endpoint.timeout_s)
+        return await self._credentials.post(endpoint, body, headers)
 
     def _keys(self, endpoint: StoredEndpoint) -> list[bytes]:
         """The keys of the secrets that sign now: the newest, and during a rotation the previous ones.

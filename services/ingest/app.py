@@ -26,6 +26,7 @@ from hookline.shared.amqp import Broker, Publisher
 from hookline.shared.api import BodyLimit, install_error_handlers, probes_router, serve
 from hookline.shared.capacity import CapacityReader
 from hookline.shared.control import BREAKER_LOOKBACK, BreakerView, control_record
+from hookline.shared.credentials import Credentials
 from hookline.shared.deadletters import DeadLetterIndex
 from hookline.shared.delivery import DeliveryClient
 from hookline.shared.models import error_summary
@@ -95,6 +96,7 @@ def create_app(settings: IngestSettings) -> FastAPI:
                 await supervisor.wait_up("dead-letters", timeout_s=settings.connect_timeout_s)
                 await dead_letter_log.sync(timeout_s=settings.connect_timeout_s)
                 breakers = BreakerView()
+                sealer = Sealer(settings.secret_key.get_secret_value() if settings.secret_key else None)
                 _follow_delivery_log(broker, publisher, supervisor, delivery_log, breakers)
                 state = IngestState(
                     settings=settings,
@@ -106,11 +108,12 @@ def create_app(settings: IngestSettings) -> FastAPI:
                     dead_letters_log=dead_letter_log,
                     dead_letters_index=dead_letters,
                     client=client,
+                    credentials=Credentials(sealer, client),
                     capacity=capacity,
                     delivery_log=delivery_log,
                     duplicates=Duplicates(delivery_log, window_s=settings.dedupe_window_s),
                     breakers=breakers,
-                    sealer=Sealer(settings.secret_key.get_secret_value() if settings.secret_key else None),
+                    sealer=sealer,
                     tenant_tokens=parse_tenant_tokens(
                         settings.tenant_tokens.get_secret_value() if settings.tenant_tokens else None
                     ),

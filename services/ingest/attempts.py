@@ -45,7 +45,7 @@ async def attempt(
     body = notifications.render(endpoint.body_format, body)
     headers = signing.webhook_headers(keys, event_id, body, timestamp_s=int(time.time()))
     started_s = time.time()
-    result = await state.client.post(endpoint.url, body, headers, timeout_s=endpoint.timeout_s)
+    result = await state.credentials.post(endpoint, body, headers)
     ok = result.status is not None and 200 <= result.status < 300
     record = AttemptRecord(
         at_s=time.time(),

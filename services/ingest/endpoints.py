@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import time
 from datetime import UTC, datetime, timedelta
-from typing import Annotated
+from typing import Annotated, Any
 
 import aio_pika
 import orjson
@@ -23,7 +23,7 @@ from pydantic import ValidationError
 from hookline.ingest.auth import Caller
 from hookline.ingest.state import IngestState, ingest_state
 from hookline.ingest.verification import verify
-from hookline.shared import notifications, topology
+from hookline.shared import credentials, notifications, topology
 from hookline.shared.amqp import QueueProbe
 from hookline.shared.api import ApiError, broker_unavailable
 from hookline.shared.capacity import QUORUM_QUEUE_FILE_HANDLES
@@ -38,6 +38,8 @@ from hookline.shared.models import (
     EndpointStatus,
     EndpointUpdate,
     ErrorDetail,
+    MtlsAuth,
+    OAuth2ClientCredentials,
     RotatedSecret,
     RotateSecret,
     SigningSecret,
@@ -78,6 +80,23 @@ async def _check_target(url: str, state: IngestState, field: str = "url") -> Non
     )
     if refusal is not None:
         raise _invalid(field, refusal)
+
+
+async def _credentials(
+    state: IngestState, fields: dict[str, Any], given: EndpointCreate | EndpointUpdate
+) -> dict[str, Any]:
+    """The stored form of the headers and auth in ``fields`` (those present), checked and sealed."""
+    stored: dict[str, Any] = {}
+    if "headers" in fields:
+        stored |= credentials.stored_headers(state.sealer, given.headers)
+    if "auth" in fields:
+        auth = given.auth
+        if isinstance(auth, OAuth2ClientCredentials):
+            await _check_target(auth.token_url, state, "auth.token_url")
+        if isinstance(auth, MtlsAuth) and (problem := credentials.certificate_problem(auth)) is not None:
+            raise _invalid("auth", problem)
+        stored |= credentials.stored_auth(state.sealer, auth)
+    return stored
 
 
 async def _notifier(state: IngestState, endpoint: StoredEndpoint) -> StoredEndpoint | None:
@@ -201,9 +220,11 @@ async def create_endpoint(
     await _check_target(spec.url, state)
     now = datetime.now(UTC)
     secret = generate_secret()
+    sealed = await _credentials(state, {"headers": None, "auth": None}, spec)
     endpoint = StoredEndpoint(
         id=new_id("ep"),
-        **spec.model_dump(exclude={"verify"}),
+        **spec.model_dump(exclude={"verify", "headers", "auth"}),
+        **sealed,
         status=EndpointStatus.ACTIVE,
         verified=not spec.verify,
         created_at=now,
@@ -284,6 +305,7 @@ async def update_endpoint(
             raise _invalid(field, "must not be null")
     if "url" in changes:
         await _check_target(changes["url"], state)
+    changes |= await _credentials(state, changes, change)
     # A combination the model refuses is a 422 naming the fields (the app's ValidationError handler).
     after = StoredEndpoint.model_validate(
         {**before.model_dump(), **changes, "updated_at": datetime.now(UTC), "routed": True}

@@ -11,6 +11,7 @@ from hookline.ingest.duplicates import Duplicates
 from hookline.shared.amqp import Broker, Publisher
 from hookline.shared.capacity import CapacityReader
 from hookline.shared.control import BreakerView
+from hookline.shared.credentials import Credentials
 from hookline.shared.deadletters import DeadLetterIndex
 from hookline.shared.delivery import DeliveryClient
 from hookline.shared.registry import ChangeLog, EndpointRegistry
@@ -32,6 +33,7 @@ class IngestState:
     dead_letters_log: StreamFollower
     dead_letters_index: DeadLetterIndex
     client: DeliveryClient  # verification handshakes
+    credentials: Credentials  # what those requests carry besides the signature (the endpoint's auth)
     capacity: CapacityReader  # the broker's file handles and alarms, before a new queue is declared
     delivery_log: DeliveryLog  # events and attempts, for "where is my event?"
     duplicates: Duplicates  # events accepted before, found in the delivery log
