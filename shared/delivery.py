@@ -19,6 +19,7 @@ import weakref
 from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any, Self
+from urllib.parse import urlsplit
 
 import aiohttp
 from aiohttp.abc import AbstractResolver, ResolveResult
@@ -47,6 +48,8 @@ class ErrorKind(enum.StrEnum):
     AUTH = "auth"  # no credentials to send: the endpoint's OAuth2 token URL did not give a token
 
 
+#: How long a target checked before it is sent through the egress proxy stays checked.
+PROXY_CHECK_TTL_S = 60.0
 #: What goes into a dead letter's reason of a response body: enough to say why, never the whole thing.
 RESPONSE_SNIPPET_BYTES = 512
 #: What the delivery log keeps of a response by default: the start of its body, and these headers.
@@ -179,6 +182,7 @@ class DeliveryClient:
         allow_http: bool,
         allow_private: bool,
         capture_bytes: int = RESPONSE_CAPTURE_BYTES,
+        proxy: str | None = None,
     ) -> None:
         self._max_connections = max_connections
         self._capture_bytes = capture_bytes
@@ -186,12 +190,21 @@ class DeliveryClient:
         self._allow_http = allow_http
         self._allow_private = allow_private
         self._session: aiohttp.ClientSession | None = None
+        # Through a proxy the connection goes to the proxy, which resolves the target itself: the target
+        # is resolved and checked here first (the proxy's own address may be private: it is trusted).
+        self._proxy = proxy
+        proxy_host = urlsplit(proxy).hostname if proxy else None
+        self._trusted = frozenset({proxy_host}) if proxy_host else frozenset()
+        self._checker = CheckedResolver()
+        self._checked: dict[str, tuple[float, str | None]] = {}  # host -> (until, refusal)
 
     async def __aenter__(self) -> Self:
         connector = _TimedConnector(
             limit=self._max_connections,
             ttl_dns_cache=60,
-            resolver=_TimedResolver(aiohttp.DefaultResolver() if self._allow_private else CheckedResolver()),
+            resolver=_TimedResolver(
+                aiohttp.DefaultResolver() if self._allow_private else CheckedResolver(trusted=self._trusted)
+            ),
         )
         self._session = aiohttp.ClientSession(
             connector=connector,
@@ -219,6 +232,11 @@ class DeliveryClient:
         assert self._session is not None, "use DeliveryClient as an async context manager"
         clock = _Clock()
         refusal = self.refusal(url)
+        if refusal is None:
+            try:
+                refusal = await self._proxied_refusal(url)
+            except OSError as exc:
+                return _failed(ErrorKind.DNS, f"could not resolve the target to check it: {exc}", clock)
         if refusal is not None:
             return _failed(ErrorKind.REFUSED_TARGET, refusal, clock)
         _CLOCK.set(clock)  # set anew by every attempt, and attempts in one task never overlap
@@ -230,6 +248,7 @@ class DeliveryClient:
                 allow_redirects=False,
                 timeout=_timeout(timeout_s),
                 ssl=ssl_context or True,  # a client certificate (mTLS), else the default verification
+                proxy=self._proxy,
             ) as response:
                 clock.headers_received = time.perf_counter()
                 captured = await response.content.read(max(self._capture_bytes, RESPONSE_SNIPPET_BYTES))
@@ -259,7 +278,10 @@ class DeliveryClient:
     ) -> TokenAnswer:
         """An OAuth2 client-credentials token from ``url``, checked like any target; raises :class:`TokenError`."""
         assert self._session is not None, "use DeliveryClient as an async context manager"
-        refusal = self.refusal(url)
+        try:
+            refusal = self.refusal(url) or await self._proxied_refusal(url)
+        except OSError as exc:
+            raise TokenError(f"could not resolve the token URL to check it: {exc}") from None
         if refusal is not None:
             raise TokenError(refusal)
         try:
@@ -270,6 +292,7 @@ class DeliveryClient:
                 headers={"accept": "application/json"},
                 allow_redirects=False,
                 timeout=_timeout(timeout_s),
+                proxy=self._proxy,
             ) as response:
                 if response.status != 200:
                     raise TokenError(f"the token URL answered HTTP {response.status}")
@@ -290,6 +313,24 @@ class DeliveryClient:
             if isinstance(expires_in, int | float) and expires_in > 0
             else None,
         )
+
+    async def _proxied_refusal(self, url: str) -> str | None:
+        """Through a proxy: why the target's name may not be called (resolved here, cached a minute).
+        A name that does not resolve here raises ``OSError``: it is not sent on for the proxy to resolve."""
+        if self._proxy is None or self._allow_private:
+            return None
+        host = connect_host(url)
+        now_s = time.monotonic()
+        cached = self._checked.get(host)
+        if cached is not None and cached[0] > now_s:
+            return cached[1]
+        refusal: str | None = None
+        try:
+            await self._checker.resolve(host, 443)
+        except TargetRefusedError as exc:
+            refusal = str(exc)
+        self._checked[host] = (now_s + PROXY_CHECK_TTL_S, refusal)
+        return refusal
 
     def refusal(self, url: str) -> str | None:
         """Why ``url`` may not be called, as far as can be told without DNS (the resolver does the rest)."""

@@ -101,6 +101,21 @@ class DeliveryPolicySettings(CommonSettings):
         le=65536,
         description="What the delivery log keeps of each response body (sealed at rest).",
     )
+    egress_proxy: str | None = Field(
+        None,
+        description="Send every request to endpoints through this HTTP proxy (static source addresses); "
+        "targets are still checked before they are sent.",
+    )
+
+    @field_validator("egress_proxy")
+    @classmethod
+    def _proxy_url(cls, value: str | None) -> str | None:
+        if value is None or value == "":
+            return None
+        parts = urlsplit(value)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError("must be an http:// or https:// proxy URL")
+        return value
 
 
 class IngestSettings(DeliveryPolicySettings):

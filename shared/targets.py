@@ -84,15 +84,19 @@ def literal_refusal(host: str) -> str | None:
 
 
 class CheckedResolver(AbstractResolver):
-    """Resolves like aiohttp's default resolver, then keeps only the addresses that may be called."""
+    """Resolves like aiohttp's default resolver, then keeps only the addresses that may be called.
+    ``trusted`` hosts (the operator's egress proxy) are resolved unchecked."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, trusted: frozenset[str] = frozenset()) -> None:
         self._inner = aiohttp.DefaultResolver()
+        self._trusted = trusted
 
     async def resolve(
         self, host: str, port: int = 0, family: socket.AddressFamily = socket.AF_INET
     ) -> list[ResolveResult]:
         results = await self._inner.resolve(host, port, family)
+        if host in self._trusted:
+            return results
         allowed = [
             result for result in results if address_refusal(ipaddress.ip_address(result["host"])) is None
         ]

@@ -187,6 +187,7 @@ async def serve(settings: DispatcherSettings, stopping: asyncio.Event) -> None:
             allow_http=settings.allow_http,
             allow_private=settings.allow_private_targets,
             capture_bytes=settings.response_capture_bytes,
+            proxy=settings.egress_proxy,
         ) as client,
     ):
         await topology.declare(broker, settings.retention)

@@ -61,6 +61,7 @@ def create_app(settings: IngestSettings) -> FastAPI:
                 allow_http=settings.allow_http,
                 allow_private=settings.allow_private_targets,
                 capture_bytes=settings.response_capture_bytes,
+                proxy=settings.egress_proxy,
             ) as client,
             CapacityReader(
                 management_url=settings.rabbitmq_management_url,
