@@ -95,6 +95,9 @@ class EventAccepted(Model):
     # True: accepted before (same tenant and id, or Idempotency-Key) within HOOKLINE_DEDUPE_WINDOW_S;
     # nothing was published this time.
     duplicate: bool = False
+    warnings: list[str] = Field(
+        default_factory=list, description="what the event-type catalog says of it (validation: warn)"
+    )
 
 
 #: The most events one ``POST /v1/events/batch`` takes.
@@ -386,6 +389,9 @@ class EndpointCreated(Endpoint):
 
     secret: str
     notify_secret: str | None = None  # signs what notify_url receives
+    warnings: list[str] = Field(
+        default_factory=list, description="patterns the event-type catalog does not know"
+    )
 
 
 class EndpointSecret(Model):
@@ -417,6 +423,63 @@ class EndpointList(Model):
 # agree on which of two concurrent writes won. None: unconditional (records of earlier versions).
 
 
+# --- the event-type catalog --------------------------------------------------------------------
+
+
+#: What the catalog does with an event of a type it describes: nothing, say so (a warning in the answer
+#: and the log), or refuse it (422 over HTTP; an ``invalid_event`` dead letter over AMQP).
+Validation = Literal["off", "warn", "enforce"]
+JsonSchema = dict[str, Any]
+
+
+class EventTypeCreate(Model):
+    name: EventType
+    description: str = Field("", max_length=4000)
+    # JSON Schema (2020-12) of the event's ``data``, per ``schema_version`` ("1", "2", ...).
+    schemas: dict[Annotated[str, StringConstraints(pattern=r"^[1-9][0-9]{0,5}$")], JsonSchema] = Field(
+        default_factory=dict, max_length=50
+    )
+    examples: list[dict[str, Any]] = Field(default_factory=list, max_length=20, description="example data")
+    deprecated: bool = False
+    validation: Validation = "off"
+
+
+class EventTypeUpdate(Model):
+    description: str | None = Field(None, max_length=4000)
+    schemas: dict[Annotated[str, StringConstraints(pattern=r"^[1-9][0-9]{0,5}$")], JsonSchema] | None = Field(
+        None, max_length=50
+    )
+    examples: list[dict[str, Any]] | None = Field(None, max_length=20)
+    deprecated: bool | None = None
+    validation: Validation | None = None
+
+
+class EventTypeInfo(EventTypeCreate):
+    created_at: AwareDatetime
+    updated_at: AwareDatetime
+    version: int = 0
+
+
+class EventTypeList(Model):
+    data: list[EventTypeInfo]
+
+
+class EventTypeUpserted(Model):
+    kind: Literal["event_type.upserted"] = "event_type.upserted"
+    change_id: str
+    at: AwareDatetime
+    event_type: EventTypeInfo
+    base_version: int | None = None
+
+
+class EventTypeDeleted(Model):
+    kind: Literal["event_type.deleted"] = "event_type.deleted"
+    change_id: str
+    at: AwareDatetime
+    name: EventType
+    base_version: int | None = None
+
+
 class EndpointUpserted(Model):
     kind: Literal["endpoint.upserted"] = "endpoint.upserted"
     change_id: str
@@ -433,7 +496,9 @@ class EndpointDeleted(Model):
     base_version: int | None = None
 
 
-ChangeRecord = Annotated[EndpointUpserted | EndpointDeleted, Field(discriminator="kind")]
+ChangeRecord = Annotated[
+    EndpointUpserted | EndpointDeleted | EventTypeUpserted | EventTypeDeleted, Field(discriminator="kind")
+]
 
 
 # --- dead letters -------------------------------------------------------------------------------

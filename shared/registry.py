@@ -23,12 +23,16 @@ import structlog
 from aio_pika.abc import AbstractIncomingMessage
 from pydantic import TypeAdapter, ValidationError
 
-from hookline.shared import topology
+from hookline.shared import catalog, topology
 from hookline.shared.amqp import Broker, Publisher
 from hookline.shared.ids import new_id
 from hookline.shared.models import (
     ChangeRecord,
+    EndpointDeleted,
     EndpointUpserted,
+    EventTypeDeleted,
+    EventTypeInfo,
+    EventTypeUpserted,
     StoredEndpoint,
     error_summary,
 )
@@ -55,6 +59,12 @@ class Stale:
 class StaleWriteError(Exception):
     def __init__(self, current: StoredEndpoint | None) -> None:
         super().__init__("the endpoint changed meanwhile")
+        self.current = current
+
+
+class StaleEventTypeError(Exception):
+    def __init__(self, current: EventTypeInfo | None) -> None:
+        super().__init__("the event type changed meanwhile")
         self.current = current
 
 
@@ -89,7 +99,7 @@ class EndpointRegistry:
     def subscribe(self, listener: Listener) -> None:
         self._listeners.append(listener)
 
-    def apply(self, record: ChangeRecord) -> StoredEndpoint | Stale | None:
+    def apply(self, record: EndpointUpserted | EndpointDeleted) -> StoredEndpoint | Stale | None:
         """Apply one record: the endpoint as it now is (None once deleted), or :class:`Stale`."""
         endpoint_id = record.endpoint.id if isinstance(record, EndpointUpserted) else record.endpoint_id
         before = self._endpoints.get(endpoint_id)
@@ -113,26 +123,49 @@ class EndpointRegistry:
 
 
 class ChangeLog:
-    """Reads the endpoint change log into a registry (a supervised loop) and appends records to it."""
+    """Reads the endpoint change log into a registry and the event-type catalog (a supervised loop) and
+    appends records to it."""
 
-    def __init__(self, broker: Broker, publisher: Publisher, registry: EndpointRegistry) -> None:
+    def __init__(
+        self,
+        broker: Broker,
+        publisher: Publisher,
+        registry: EndpointRegistry,
+        event_types: catalog.Catalog | None = None,
+    ) -> None:
         self.registry = registry
+        self.catalog = event_types if event_types is not None else catalog.Catalog()
         self._follower = StreamFollower(broker, topology.ENDPOINT_LOG, self._on_record, publisher=publisher)
 
-    async def write(self, record: ChangeRecord, *, timeout_s: float) -> StoredEndpoint | None:
+    async def write(
+        self, record: EndpointUpserted | EndpointDeleted, *, timeout_s: float
+    ) -> StoredEndpoint | None:
         """Append a record and wait until this process has applied it (read-your-writes): the endpoint
         as it now is (None when deleted). Raises :class:`StaleWriteError` when a conditional change lost."""
+        result = await self._append(record, timeout_s=timeout_s)
+        if isinstance(result, Stale):
+            raise StaleWriteError(result.current)
+        assert result is None or isinstance(result, StoredEndpoint)
+        return result
+
+    async def write_event_type(
+        self, record: EventTypeUpserted | EventTypeDeleted, *, timeout_s: float
+    ) -> EventTypeInfo | None:
+        """As :meth:`write`, for the catalog; raises :class:`StaleEventTypeError`."""
+        result = await self._append(record, timeout_s=timeout_s)
+        if isinstance(result, catalog.Stale):
+            raise StaleEventTypeError(result.current)
+        assert result is None or isinstance(result, EventTypeInfo)
+        return result
+
+    async def _append(self, record: ChangeRecord, *, timeout_s: float) -> object:
         message = aio_pika.Message(
             _records.dump_json(record),
             content_type="application/json",
             delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
             message_id=record.change_id,
         )
-        result = await self._follower.append(message, timeout_s=timeout_s)
-        if isinstance(result, Stale):
-            raise StaleWriteError(result.current)
-        assert result is None or isinstance(result, StoredEndpoint)
-        return result
+        return await self._follower.append(message, timeout_s=timeout_s)
 
     async def upsert(
         self, endpoint: StoredEndpoint, *, base_version: int, timeout_s: float
@@ -183,6 +216,11 @@ class ChangeLog:
             # A record this version cannot read is skipped loudly rather than stopping the service.
             log.error("endpoint_log_record_unreadable", offset=offset_of(message), error=error_summary(exc))
             return None
+        if isinstance(record, EventTypeUpserted | EventTypeDeleted):
+            applied = self.catalog.apply(record)
+            if isinstance(applied, catalog.Stale):
+                log.info("event_type_change_stale", base_version=record.base_version)
+            return applied
         result = self.registry.apply(record)
         if isinstance(result, Stale):
             endpoint_id = record.endpoint.id if isinstance(record, EndpointUpserted) else record.endpoint_id
@@ -197,10 +235,11 @@ async def follow(
     registry: EndpointRegistry,
     *,
     sync_timeout_s: float,
+    event_types: catalog.Catalog | None = None,
 ) -> ChangeLog:
-    """Replay the change log into ``registry`` and keep following it under ``supervisor``; returns once
-    caught up (a service is not ready before it knows every endpoint)."""
-    change_log = ChangeLog(broker, publisher, registry)
+    """Replay the change log into ``registry`` (and ``event_types``) and keep following it under
+    ``supervisor``; returns once caught up (a service is not ready before it knows every endpoint)."""
+    change_log = ChangeLog(broker, publisher, registry, event_types)
     supervisor.spawn(LOOP, change_log._follower.run)
     await supervisor.wait_up(LOOP, timeout_s=sync_timeout_s)
     await change_log.sync(timeout_s=sync_timeout_s)

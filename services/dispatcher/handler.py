@@ -118,6 +118,8 @@ class Handler:
             endpoint_tenant=endpoint.tenant,
             max_bytes=self._settings.max_payload_bytes,
         )
+        if isinstance(parsed, inbound.Inbound) and message.exchange == topology.EVENTS_EXCHANGE:
+            parsed = self._catalog_check(parsed)
         if isinstance(parsed, inbound.Invalid):
             await self._dead_letter(
                 message, endpoint.id, endpoint.tenant, DeadLetterReason.INVALID_EVENT,
@@ -144,6 +146,20 @@ class Handler:
                 self._order.done(endpoint.id, event.subject, event.id)
             raise
         return True
+
+    def _catalog_check(self, parsed: inbound.Inbound) -> inbound.Inbound | inbound.Invalid:
+        """An event published straight to AMQP, on its first hop, by its type's schema in the catalog (the
+        ingest checked those it took over HTTP, and retries were checked on their first hop)."""
+        event = parsed.event
+        violation = self._change_log.catalog.check(event.type, event.schema_version, event.data)
+        if violation is None:
+            return parsed
+        if violation.validation == "enforce":
+            return inbound.Invalid(
+                f"does not match the schema of {event.type}: {violation.describe()}", event.id
+            )
+        log.warning("event_schema_mismatch", event_id=event.id, type=event.type, at=violation.pointers())
+        return parsed
 
     async def _attempt_and_settle(
         self,

@@ -15,7 +15,7 @@ from aio_pika.abc import AbstractIncomingMessage
 from fastapi import Depends, FastAPI
 from pydantic import ValidationError
 
-from hookline.ingest import auth, deadletters, endpoints, events, replay, tracking
+from hookline.ingest import auth, deadletters, endpoints, events, eventtypes, replay, tracking
 from hookline.ingest.auth import parse_tenant_tokens, principal
 from hookline.ingest.deliverylog import DeliveryLog
 from hookline.ingest.duplicates import Duplicates
@@ -143,6 +143,7 @@ def create_app(settings: IngestSettings) -> FastAPI:
     guard = Depends(principal)
     app.include_router(events.router, dependencies=[guard])
     app.include_router(endpoints.router, dependencies=[guard])
+    app.include_router(eventtypes.router, dependencies=[guard])
     app.include_router(replay.router, dependencies=[guard])
     app.include_router(deadletters.router, dependencies=[guard])
     app.include_router(tracking.router, dependencies=[guard])

@@ -245,7 +245,23 @@ async def create_endpoint(
         **endpoint.public().model_dump(),
         secret=secret,
         notify_secret=state.sealer.open(notifier.secrets[0].value) if notifier else None,
+        warnings=_pattern_warnings(state, endpoint),
     )
+
+
+def _warn_in_headers(response: Response, warnings: list[str]) -> None:
+    for warning in warnings:
+        response.headers.append("hookline-warning", warning)
+
+
+def _pattern_warnings(state: IngestState, endpoint: StoredEndpoint) -> list[str]:
+    """Patterns that match no type of the event-type catalog (a typo, most likely): said, not refused."""
+    unknown = state.change_log.catalog.unknown_patterns(endpoint.event_types)
+    if unknown:
+        log.warning("endpoint_pattern_unknown", endpoint_id=endpoint.id, patterns=unknown)
+    return [
+        f"event_types pattern {pattern!r} matches no type in the event-type catalog" for pattern in unknown
+    ]
 
 
 @router.get("", response_model=EndpointList)
@@ -353,6 +369,7 @@ async def update_endpoint(
     if url_changed and change.verify:
         written = await _record_verification(state, written)
     _etag(response, written)
+    _warn_in_headers(response, _pattern_warnings(state, written) if "event_types" in changes else [])
     return written.public()
 
 

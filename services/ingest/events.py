@@ -22,7 +22,15 @@ from hookline.shared.amqp import BROKER_ERRORS, BrokerBlockedError
 from hookline.shared.api import ApiError, broker_unavailable, invalid_input
 from hookline.shared.headers import Header as AmqpHeader
 from hookline.shared.ids import new_id
-from hookline.shared.models import BatchAccepted, BatchIn, BatchItem, Event, EventAccepted, EventIn
+from hookline.shared.models import (
+    BatchAccepted,
+    BatchIn,
+    BatchItem,
+    ErrorDetail,
+    Event,
+    EventAccepted,
+    EventIn,
+)
 from hookline.shared.notifications import OPERATOR_TENANT
 
 log = structlog.get_logger(__name__)
@@ -150,6 +158,7 @@ async def _accept(
         raise ApiError(
             422, "invalid_fields", f"tenant {OPERATOR_TENANT!r} is reserved for hookline's own notifications"
         )
+    warnings = _catalog_warnings(state, event_in)
     digest = None
     if idempotency_key is not None:
         if not 0 < len(idempotency_key) <= IDEMPOTENCY_KEY_MAX or not idempotency_key.isprintable():
@@ -183,7 +192,34 @@ async def _accept(
         event = event_in.complete(event_id=event_id, now=now)
         await _publish(state, event, accepted_at=now, request_digest=digest)
         claim.accepted = Acceptance(type=event.type, accepted_at_s=now.timestamp(), request_digest=digest)
-    return EventAccepted(id=event.id, tenant=event.tenant, type=event.type, accepted_at=now)
+    return EventAccepted(
+        id=event.id, tenant=event.tenant, type=event.type, accepted_at=now, warnings=warnings
+    )
+
+
+def _catalog_warnings(state: IngestState, event_in: EventIn) -> list[str]:
+    """What the event-type catalog says of this event: a 422 when its type enforces its schema, else
+    warnings for the answer (and the log, which names places in the data, never the data)."""
+    catalog = state.change_log.catalog
+    violation = catalog.check(event_in.type, event_in.schema_version, event_in.data)
+    warnings = []
+    if violation is not None:
+        if violation.validation == "enforce":
+            raise ApiError(
+                422,
+                "invalid_event",
+                f"the event does not match the schema of {event_in.type} (schema_version "
+                f"{event_in.schema_version}) in the event-type catalog",
+                [ErrorDetail(field=pointer, message=message) for pointer, message in violation.problems],
+            )
+        warnings.append(f"does not match the schema of {event_in.type}: {violation.describe()}")
+        log.warning(
+            "event_schema_mismatch", tenant=event_in.tenant, type=event_in.type, at=violation.pointers()
+        )
+    described = catalog.get(event_in.type)
+    if described is not None and described.deprecated:
+        warnings.append(f"{event_in.type} is deprecated in the event-type catalog")
+    return warnings
 
 
 def _to_ms(moment: datetime) -> datetime:
