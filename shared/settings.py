@@ -29,6 +29,10 @@ class CommonSettings(BaseSettings):
         description="RabbitMQ URL, vhost included; a cluster: its nodes' URLs, comma separated, tried in turn.",
     )
     log_level: LogLevel = "info"
+    otlp_endpoint: str | None = Field(
+        None,
+        description="Export traces over OTLP/HTTP to this collector (http://host:4318); unset: none exported.",
+    )
     connect_timeout_s: float = Field(
         30.0, gt=0, description="How long a service waits for the broker at start."
     )

@@ -1,6 +1,6 @@
 """Scheduling the next attempt: a copy of the message through the TTL delay hierarchy, confirmed.
 
-The copy is a fresh message: our own headers travel (attempt, first attempt time), the broker's
+The copy is a fresh message: our own headers travel (attempt, first attempt time, the trace context), the broker's
 ``x-death`` does not — RabbitMQ 3.x would take a second pass through a level queue for a cycle and
 hold the message for ever.
 """
@@ -14,6 +14,7 @@ import aio_pika
 from hookline.shared import topology
 from hookline.shared.amqp import Publisher
 from hookline.shared.headers import Header
+from hookline.shared.tracing import TraceContext
 
 
 class Delays:
@@ -32,6 +33,7 @@ class Delays:
         first_attempt_at_s: float,
         delay_s: int,
         sequence: int | None = None,
+        trace: TraceContext | None = None,
     ) -> None:
         """Publish the retry copy and wait for the broker's confirm; the caller acks the original after."""
         copy = aio_pika.Message(
@@ -44,6 +46,7 @@ class Delays:
                 Header.ATTEMPT: next_attempt,
                 Header.FIRST_ATTEMPT_AT: int(first_attempt_at_s),
                 **({Header.SEQUENCE: sequence} if sequence is not None else {}),
+                **(trace.headers() if trace is not None else {}),
             },
         )
         delay_s = min(delay_s, topology.MAX_DELAY_S)

@@ -19,6 +19,7 @@ from datetime import UTC, datetime
 
 import aio_pika
 import structlog
+from opentelemetry.trace import SpanKind
 
 from hookline.dispatcher import inbound, metrics
 from hookline.dispatcher.acks import Acks
@@ -40,6 +41,7 @@ from hookline.shared.registry import ChangeLog, EndpointRegistry
 from hookline.shared.sealing import Sealer
 from hookline.shared.settings import DispatcherSettings
 from hookline.shared.telemetry import Deferral, DeferralReason, exchange
+from hookline.shared.tracing import Tracing
 
 log = structlog.get_logger(__name__)
 
@@ -75,6 +77,7 @@ class Handler:
         breakers: BreakerView,
         sealer: Sealer,
         *,
+        tracing: Tracing | None = None,
         random_unit: Callable[[], float] = random.random,
     ) -> None:
         self.acks = Acks()
@@ -83,6 +86,7 @@ class Handler:
         self._change_log = change_log
         self._client = client
         self._credentials = Credentials(sealer, client)
+        self._tracing = tracing or Tracing("dispatcher", None)
         self._publisher = publisher
         self._delays = delays
         self._random_unit = random_unit
@@ -172,7 +176,7 @@ class Handler:
     ) -> None:
         event = parsed.event
         started_s = time.time()
-        result = await self._attempt(endpoint, event.id, message.body)
+        result = await self._attempt(endpoint, parsed, message.body)
         outcome = classify(result.status, result.error)
         first_attempt_at_s = parsed.first_attempt_at_s or started_s
         settlement = settle(
@@ -295,6 +299,7 @@ class Handler:
             first_attempt_at_s=parsed.first_attempt_at_s or time.time(),
             delay_s=max(1, math.ceil(delay_s)),
             sequence=sequence,
+            trace=parsed.trace,
         )
         await self.acks.ack(message)
         event = parsed.event
@@ -330,10 +335,26 @@ class Handler:
         self._policies[endpoint.id] = (endpoint.updated_at, policy)
         return policy
 
-    async def _attempt(self, endpoint: StoredEndpoint, event_id: str, body: bytes) -> AttemptResult:
+    async def _attempt(self, endpoint: StoredEndpoint, parsed: inbound.Inbound, body: bytes) -> AttemptResult:
+        event = parsed.event
         body = notifications.render(endpoint.body_format, body)
-        headers = signing.webhook_headers(self._keys(endpoint), event_id, body, timestamp_s=int(time.time()))
-        return await self._credentials.post(endpoint, body, headers)
+        headers = signing.webhook_headers(self._keys(endpoint), event.id, body, timestamp_s=int(time.time()))
+        attributes: dict[str, str | int | float] = {
+            "hookline.event_id": event.id, "hookline.event_type": event.type, "hookline.endpoint_id": endpoint.id,
+            "hookline.tenant": event.tenant, "hookline.attempt": parsed.attempt,
+        }  # fmt: skip
+        with self._tracing.span("hookline.deliver", parsed.trace, attributes, kind=SpanKind.CLIENT) as (
+            trace,
+            span,
+        ):
+            if trace is not None:
+                headers.update(trace.headers())
+            result = await self._credentials.post(endpoint, body, headers)
+            if span is not None:
+                span.set_attribute("http.response.status_code", result.status or 0)
+                if result.error is not None:
+                    span.set_attribute("error.type", result.error.value)
+        return result
 
     def _keys(self, endpoint: StoredEndpoint) -> list[bytes]:
         """The keys of the secrets that sign now: the newest, and during a rotation the previous ones.
@@ -378,6 +399,7 @@ class Handler:
                 first_attempt_at_s=first_attempt_at_s,
                 delay_s=settlement.delay_s,
                 sequence=sequence,
+                trace=parsed.trace,
             )
         elif isinstance(settlement, DeadLetter):
             await self._dead_letter(

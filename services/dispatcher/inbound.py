@@ -13,9 +13,10 @@ from typing import Any, Literal
 
 from pydantic import ValidationError
 
-from hookline.shared import topology
+from hookline.shared import topology, tracing
 from hookline.shared.headers import Header
 from hookline.shared.models import Event, error_summary
+from hookline.shared.tracing import TraceContext
 
 _MAX_REASONS = 3
 
@@ -29,6 +30,7 @@ class Inbound:
     first_attempt_at_s: float | None  # unix seconds of attempt 1, when this is a retry
     sequence: int | None = None  # ordered endpoints: the event's place in its subject
     origin: Origin | None = None  # put back by hand (replay, redrive): the delivery log tells them apart
+    trace: TraceContext | None = None  # the publisher's W3C trace context, sent on with every attempt
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,7 +72,7 @@ def parse(
     if exchange == topology.EVENTS_EXCHANGE:
         # Straight from an upstream: hookline's own headers on it are not hookline's (a publisher could
         # otherwise claim attempt 999, or an old first attempt, and have the event dead at once).
-        return Inbound(event=event, attempt=1, first_attempt_at_s=None)
+        return Inbound(event=event, attempt=1, first_attempt_at_s=None, trace=tracing.from_headers(headers))
     headers = headers or {}
     return Inbound(
         event=event,
@@ -78,6 +80,7 @@ def parse(
         first_attempt_at_s=_float(headers.get(Header.FIRST_ATTEMPT_AT)),
         sequence=_positive_int(headers.get(Header.SEQUENCE), default=0) or None,
         origin=_origin(headers.get(Header.ORIGIN)),
+        trace=tracing.from_headers(headers),
     )
 
 

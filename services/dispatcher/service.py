@@ -39,6 +39,7 @@ from hookline.shared.sealing import SealedSecretError, Sealer
 from hookline.shared.settings import DispatcherSettings, load
 from hookline.shared.streams import StreamFollower
 from hookline.shared.supervision import Loop, Supervisor
+from hookline.shared.tracing import Tracing
 
 log = structlog.get_logger(__name__)
 
@@ -101,6 +102,7 @@ async def dispatching(
     # Retries, dead letters and forwards: while the broker refuses publishes (an alarm) they wait, and
     # the message they settle stays unacked meanwhile; deliveries that succeed need no publish.
     settlement = Publisher(broker, wait_unblocked=True)
+    tracing = Tracing("dispatcher", settings.otlp_endpoint)
     handler = Handler(
         settings,
         endpoint_registry,
@@ -111,6 +113,7 @@ async def dispatching(
         telemetry,
         breakers,
         sealer,
+        tracing=tracing,
     )
     consumers = Consumers(
         broker,
@@ -156,6 +159,8 @@ async def dispatching(
         await consumers.close_channels()
         await telemetry_publisher.close()
         await settlement.close()
+        # 5. the last spans, when traces are exported (in a thread: the exporter blocks).
+        await asyncio.to_thread(tracing.shutdown)
 
 
 def main() -> None:

@@ -34,6 +34,7 @@ from hookline.shared.sealing import Sealer
 from hookline.shared.settings import IngestSettings, load
 from hookline.shared.streams import StreamFollower
 from hookline.shared.supervision import Loop, Supervisor
+from hookline.shared.tracing import Tracing
 from hookline.shared.views import follow_view
 
 log = structlog.get_logger(__name__)
@@ -47,6 +48,7 @@ def create_app(settings: IngestSettings) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         supervisor = Supervisor()
+        tracing = Tracing("ingest", settings.otlp_endpoint)
         state_path = settings.state_file("ingest", settings.ingest_port)
         async with (
             Broker(
@@ -115,6 +117,7 @@ def create_app(settings: IngestSettings) -> FastAPI:
                     duplicates=Duplicates(delivery_log, window_s=settings.dedupe_window_s),
                     breakers=breakers,
                     sealer=sealer,
+                    tracing=tracing,
                     tenant_tokens=parse_tenant_tokens(
                         settings.tenant_tokens.get_secret_value() if settings.tenant_tokens else None
                     ),
@@ -131,6 +134,7 @@ def create_app(settings: IngestSettings) -> FastAPI:
                 # The HTTP server has finished its requests: stop the loops, then the channels.
                 await supervisor.stop()
                 await publisher.close()
+                await asyncio.to_thread(tracing.shutdown)  # the last spans (the exporter blocks)
 
     app = FastAPI(title="hookline ingest", version=__version__, lifespan=lifespan)
     install_error_handlers(app)

@@ -17,13 +17,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import json
 import time
 from collections import Counter
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import TypeAlias
-
-import orjson
 
 from hookline.ingest.deliverylog import Acceptance, DeliveryLog
 from hookline.shared.ids import derived_id
@@ -44,7 +43,8 @@ def event_id_for_key(tenant: str, key: str) -> str:
 def request_digest(event: EventIn) -> str:
     """What a keyed request asked for (everything but the id it may carry), to refuse the key reused."""
     content = event.model_dump(mode="json", exclude={"id"})
-    return hashlib.sha256(orjson.dumps(content, option=orjson.OPT_SORT_KEYS)).hexdigest()
+    # The standard library's encoder: integers of any size, and lone surrogates escaped.
+    return hashlib.sha256(json.dumps(content, sort_keys=True).encode()).hexdigest()
 
 
 @dataclass

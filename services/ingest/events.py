@@ -11,13 +11,14 @@ import aio_pika
 import structlog
 from aio_pika.abc import FieldValue
 from fastapi import APIRouter, Depends, Header, Request, Response
+from opentelemetry.trace import SpanKind
 from pydantic import ValidationError
 
 from hookline.ingest.auth import Caller
 from hookline.ingest.deliverylog import Acceptance
 from hookline.ingest.duplicates import IDEMPOTENCY_KEY_MAX, event_id_for_key, request_digest
 from hookline.ingest.state import IngestState, ingest_state
-from hookline.shared import topology
+from hookline.shared import topology, tracing
 from hookline.shared.amqp import BROKER_ERRORS, BrokerBlockedError
 from hookline.shared.api import ApiError, broker_unavailable, invalid_input
 from hookline.shared.headers import Header as AmqpHeader
@@ -32,6 +33,7 @@ from hookline.shared.models import (
     EventIn,
 )
 from hookline.shared.notifications import OPERATOR_TENANT
+from hookline.shared.tracing import TraceContext
 
 log = structlog.get_logger(__name__)
 router = APIRouter(prefix="/v1/events", tags=["events"])
@@ -40,12 +42,19 @@ PUBLISH_TIMEOUT_S = 10.0
 
 
 def event_message(
-    event: Event, body: bytes, *, accepted_at: datetime, request_digest: str | None = None
+    event: Event,
+    body: bytes,
+    *,
+    accepted_at: datetime,
+    request_digest: str | None = None,
+    trace: TraceContext | None = None,
 ) -> aio_pika.Message:
     """The AMQP message an upstream should publish for ``event``: the same one the API publishes."""
     headers: dict[str, FieldValue] = {AmqpHeader.ACCEPTED_AT_MS: int(accepted_at.timestamp() * 1000)}
     if request_digest is not None:
         headers[AmqpHeader.REQUEST_DIGEST] = request_digest
+    if trace is not None:
+        headers.update(trace.headers())
     return aio_pika.Message(
         body,
         content_type="application/json",
@@ -87,7 +96,8 @@ async def publish_event(
         event_in = EventIn.model_validate_json(raw)
     except ValidationError as exc:
         raise invalid_input(exc.errors()) from None
-    accepted = await _accept(state, caller, event_in, idempotency_key=idempotency_key)
+    trace = tracing.from_headers(request.headers)
+    accepted = await _accept(state, caller, event_in, idempotency_key=idempotency_key, trace=trace)
     if accepted.duplicate:
         response.status_code = 200
     return accepted
@@ -109,6 +119,7 @@ async def publish_batch(
     """Up to ``BATCH_MAX`` events, published at once (their confirms come back in one round): a result
     per item, in order. An item refused (invalid, another tenant's, not confirmed) does not stop the others."""
     raw = await request.body()
+    trace = tracing.from_headers(request.headers)  # the batch's, for every event in it
     try:
         items = BatchIn.model_validate_json(raw).events
     except ValidationError as exc:
@@ -127,7 +138,7 @@ async def publish_batch(
                 details=error.details,
             )
         try:
-            accepted = await _accept(state, caller, event_in, idempotency_key=None)
+            accepted = await _accept(state, caller, event_in, idempotency_key=None, trace=trace)
         except ApiError as error:
             return BatchItem(
                 index=index,
@@ -150,7 +161,12 @@ async def publish_batch(
 
 
 async def _accept(
-    state: IngestState, caller: Caller, event_in: EventIn, *, idempotency_key: str | None
+    state: IngestState,
+    caller: Caller,
+    event_in: EventIn,
+    *,
+    idempotency_key: str | None,
+    trace: TraceContext | None,
 ) -> EventAccepted:
     """Publish one event, unless it was accepted before (then say when); raises :class:`ApiError`."""
     caller.require(event_in.tenant)
@@ -165,7 +181,13 @@ async def _accept(
             raise ApiError(
                 422,
                 "invalid_idempotency_key",
-                f"Idempotency-Key must be 1 to {IDEMPOTENCY_KEY_MAX} printable characters",
+                "invalid value for: Idempotency-Key",
+                [
+                    ErrorDetail(
+                        field="Idempotency-Key",
+                        message=f"must be 1 to {IDEMPOTENCY_KEY_MAX} printable characters",
+                    )
+                ],
             )
         digest = request_digest(event_in)
     event_id = event_in.id or (
@@ -179,6 +201,7 @@ async def _accept(
                     422,
                     "idempotency_key_reused",
                     "this Idempotency-Key was sent with another request; use a new key for a new event",
+                    [ErrorDetail(field="Idempotency-Key", message="already used for another request")],
                 )
             log.info("event_duplicate", event_id=event_id, tenant=event_in.tenant)
             return EventAccepted(
@@ -190,7 +213,16 @@ async def _accept(
             )
         now = _to_ms(datetime.now(UTC))  # what the event log's header keeps, and a duplicate is told
         event = event_in.complete(event_id=event_id, now=now)
-        await _publish(state, event, accepted_at=now, request_digest=digest)
+        attributes = {
+            "hookline.event_id": event.id,
+            "hookline.event_type": event.type,
+            "hookline.tenant": event.tenant,
+        }
+        with state.tracing.span("hookline.publish", trace, attributes, kind=SpanKind.PRODUCER) as (
+            context,
+            _,
+        ):
+            await _publish(state, event, accepted_at=now, request_digest=digest, trace=context)
         claim.accepted = Acceptance(type=event.type, accepted_at_s=now.timestamp(), request_digest=digest)
     return EventAccepted(
         id=event.id, tenant=event.tenant, type=event.type, accepted_at=now, warnings=warnings
@@ -227,7 +259,12 @@ def _to_ms(moment: datetime) -> datetime:
 
 
 async def _publish(
-    state: IngestState, event: Event, *, accepted_at: datetime, request_digest: str | None
+    state: IngestState,
+    event: Event,
+    *,
+    accepted_at: datetime,
+    request_digest: str | None,
+    trace: TraceContext | None,
 ) -> None:
     body = event.model_dump_json(exclude_none=True).encode()
     if len(body) > state.settings.max_payload_bytes:
@@ -236,7 +273,7 @@ async def _publish(
         )
     try:
         await state.publisher.publish(
-            event_message(event, body, accepted_at=accepted_at, request_digest=request_digest),
+            event_message(event, body, accepted_at=accepted_at, request_digest=request_digest, trace=trace),
             exchange=topology.EVENTS_EXCHANGE,
             routing_key=topology.event_routing_key(event.tenant, event.type),
             timeout_s=PUBLISH_TIMEOUT_S,

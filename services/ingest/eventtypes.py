@@ -166,7 +166,12 @@ async def import_openapi(
     try:
         bodies = catalog.from_openapi(document)
     except (ValueError, AttributeError) as exc:
-        raise ApiError(422, "invalid_fields", f"not an OpenAPI 3.1 webhooks document: {exc}") from None
+        raise ApiError(
+            422,
+            "invalid_fields",
+            "invalid value for: webhooks",
+            [ErrorDetail(field="webhooks", message=f"not an OpenAPI 3.1 webhooks document: {exc}")],
+        ) from None
     specs = []
     for body in bodies:
         try:

@@ -19,6 +19,7 @@ from hookline.shared.sealing import Sealer
 from hookline.shared.settings import IngestSettings
 from hookline.shared.streams import StreamFollower
 from hookline.shared.supervision import Supervisor
+from hookline.shared.tracing import Tracing
 
 
 @dataclass
@@ -39,6 +40,7 @@ class IngestState:
     duplicates: Duplicates  # events accepted before, found in the delivery log
     breakers: BreakerView  # the breaker states in force, to explain why an event waits
     sealer: Sealer
+    tracing: Tracing  # hookline.publish spans, exported when HOOKLINE_OTLP_ENDPOINT is set
     tenant_tokens: dict[str, str]  # token -> tenant
 
     def problems(self) -> list[str]:

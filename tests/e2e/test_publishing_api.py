@@ -73,7 +73,7 @@ async def test_an_event_id_is_accepted_once_across_replicas_and_a_restart(
     assert again.status_code == 200, again.text
     assert again.json() == {
         "id": event_id, "tenant": acme, "type": "order.created",
-        "accepted_at": accepted["accepted_at"], "duplicate": True,
+        "accepted_at": accepted["accepted_at"], "duplicate": True, "warnings": [],
     }  # fmt: skip
     # Another tenant's event with the same id is another event.
     other = await post(system.ingest.base_url, {**body, "tenant": tenant()})
@@ -94,6 +94,7 @@ async def test_an_event_id_is_accepted_once_across_replicas_and_a_restart(
         "ingest", {**system.env, "HOOKLINE_INGEST_PORT": str(system.ingest.port)}, system.log_dir,
         port=system.ingest.port, name="ingest-restarted",
     )  # fmt: skip
+    system.extra.append(system.ingest)  # stopped with the others at the end
     system.ingest.wait_ready()
     after_restart = await post(system.ingest.base_url, body)
     assert after_restart.status_code == 200, after_restart.text
@@ -215,3 +216,26 @@ async def test_a_batch_gets_a_result_per_item_and_each_event_is_delivered_once(
     got = deliveries(receiver, "/batch")
     assert {event_id for event_id in got if "sentinel" not in event_id} == published | {f"evt_earlier_{acme}"}
     assert set(got.values()) == {1}
+
+
+async def test_without_a_trace_exporter_the_publishers_trace_context_reaches_the_receiver_unchanged(
+    system: System, receiver: Receiver
+) -> None:
+    acme = tenant()
+    system.add_endpoint(acme, receiver.url("/trace"), ["order.*"])
+    sent = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+    async with client(system.ingest.base_url) as api:
+        answer = await api.post(
+            "/v1/events", json={"id": f"evt_trace_{acme}", "tenant": acme, "type": "order.created", "data": {}},
+            headers={"traceparent": sent},
+        )  # fmt: skip
+        malformed = await api.post(
+            "/v1/events", json={"id": f"evt_badtrace_{acme}", "tenant": acme, "type": "order.created", "data": {}},
+            headers={"traceparent": "00-not-a-trace-01"},
+        )  # fmt: skip
+    assert answer.status_code == 202, answer.text
+    assert malformed.status_code == 202, malformed.text  # a malformed one is dropped, as W3C says
+    await eventually(lambda: asyncio.sleep(0, len(deliveries(receiver, "/trace")) == 2))
+    headers = {json.loads(r.body)["id"]: r.headers for r in receiver.requests if r.path == "/trace"}
+    assert headers[f"evt_trace_{acme}"]["traceparent"] == sent
+    assert "traceparent" not in headers[f"evt_badtrace_{acme}"]
