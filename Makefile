@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 export HOOKLINE_AMQP_URL ?= amqp://guest:guest@localhost:5672/
 
-.PHONY: install browser run test test-cluster lint unit bench clean
+.PHONY: install browser run test test-soak test-cluster lint unit bench clean
 
 install: $(STAMP)
 
@@ -35,6 +35,11 @@ browser:
 
 test: lint browser
 	$(BIN)/pytest -q
+
+# Every service killed, the broker restarted, connections cut and stalled, all under load (a few minutes):
+# published = delivered + dead-lettered, nothing lost.
+test-soak: $(STAMP)
+	$(BIN)/pytest tests/soak -q -s
 
 # Three RabbitMQ nodes on this machine (scripts/start-rabbitmq-cluster.sh), one of them killed under load.
 test-cluster: $(STAMP)

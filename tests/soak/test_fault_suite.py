@@ -36,6 +36,7 @@ from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 from urllib.parse import unquote, urlsplit
@@ -49,7 +50,6 @@ from support import services
 from support.broker import Broker
 from support.proxy import TcpProxy
 from support.waiting import eventually
-from test_delivery_path import event
 
 from hookline.shared.amqp import BROKER_ERRORS
 
@@ -202,7 +202,10 @@ class Upstream:
     async def _publish(self, kind: str, event_id: str) -> None:
         tenant = self.tenants[kind]
         self.started_at[event_id] = time.time()
-        body = json.dumps(event(tenant, "load.tick", event_id)).encode()
+        occurred_at = datetime.now(UTC).isoformat().replace("+00:00", "Z")
+        body = json.dumps(
+            {"id": event_id, "type": "load.tick", "tenant": tenant, "occurred_at": occurred_at, "data": {}}
+        ).encode()
         deadline_s = time.monotonic() + PUBLISH_GIVE_UP_S
         try:
             while True:
