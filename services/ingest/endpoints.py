@@ -387,6 +387,10 @@ async def _check_capacity(state: IngestState) -> None:
     (RabbitMQ 3.x accounts three for every quorum queue; with its account full it stops accepting
     connections without a word). Refused before anything is declared, so nothing is left behind."""
     capacity = await state.capacity.recent(max_age_s=CAPACITY_MAX_AGE_S)
+    if not state.broker.blocked and capacity is not None and (capacity.memory_alarm or capacity.disk_alarm):
+        # The alarm in a reading up to a few seconds old, while the broker takes our writes: it may have
+        # cleared since (a new endpoint was refused for seconds after an alarm ended). Read again.
+        capacity = await state.capacity.recent(max_age_s=0)
     if state.broker.blocked or (capacity is not None and (capacity.memory_alarm or capacity.disk_alarm)):
         raise broker_unavailable("the broker refuses writes for now (a memory or disk alarm)")
     headroom = capacity.fd_headroom if capacity is not None else None

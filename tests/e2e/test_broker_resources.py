@@ -194,6 +194,9 @@ async def test_a_disk_alarm_is_alerted_and_the_ingest_refuses_until_it_clears(
 ) -> None:
     acme = tenant()
     endpoints = Endpoints(receiver)
+    # From a broker taking writes: the previous test's alarm may still be clearing (its unblock reaches
+    # each connection in its own time).
+    await eventually(lambda: _status(readyz(system.ingest), 200), timeout_s=15)
     system.add_endpoint(acme, receiver.url("/steady"), ["steady.*"])
     async with rabbitmq.alarm("disk"):
         await eventually(lambda: _status(readyz(system.ingest), 503), timeout_s=15)
@@ -207,7 +210,15 @@ async def test_a_disk_alarm_is_alerted_and_the_ingest_refuses_until_it_clears(
             subprocess.run, [services.HOOKLINE, "status"], env=env, capture_output=True, text=True, timeout=60
         )
         assert "DISK ALARM ON" in shown.stdout, shown.stdout + shown.stderr
+        # Last in the alarm: the ingest's reading of the broker (kept a few seconds) says "alarm".
+        no_endpoint = await post(
+            system.ingest, "/v1/endpoints", {"tenant": acme, "url": receiver.url("/x"), "event_types": ["#"]}
+        )
+        assert (no_endpoint.status_code, no_endpoint.json()["error"]) == (503, "broker_unavailable")
     await eventually(lambda: _status(readyz(system.ingest), 200), timeout_s=15)
+    # Right away, although the ingest's last reading (likely younger than its 5 s) still says "alarm": with
+    # the broker taking its writes, it reads again before refusing.
+    system.add_endpoint(acme, receiver.url("/after"), ["after.*"])
     accepted = await post(system.ingest, "/v1/events", {"tenant": acme, "type": "steady.x", "data": {}})
     assert accepted.status_code == 202, accepted.text
     await endpoints.wait_accepted("/steady", {accepted.json()["id"]})
