@@ -7,6 +7,7 @@
     hookline replay ENDPOINT_ID --since ...
     hookline status [--degrading] [--json]
     hookline receive [--status 500]      (a receiver for trying it out)
+    hookline broker-setup [--upstream NAME[:TENANT]] ...   (least-privilege broker users)
 
 Admin commands read HOOKLINE_INGEST_URL and HOOKLINE_API_TOKEN, print the API's JSON answer on stdout,
 and exit 1 with the API's error message on stderr when a request fails.
@@ -45,6 +46,36 @@ def _start_monitor(_: argparse.Namespace) -> int:
     from hookline.health_monitor.app import main
 
     main()
+    return 0
+
+
+def _broker_setup(args: argparse.Namespace) -> int:
+    import os
+    from urllib.parse import unquote, urlsplit
+
+    from pydantic import ValidationError
+
+    from hookline.shared import brokersetup
+
+    amqp_url = os.environ.get("HOOKLINE_AMQP_URL", "amqp://guest:guest@localhost:5672/")
+    vhost = args.vhost or unquote(urlsplit(amqp_url.split(",")[0]).path[1:]) or "/"
+    admin: brokersetup.Admin = (
+        brokersetup.HttpAdmin(args.management_url)
+        if args.management_url
+        else brokersetup.CtlAdmin(args.rabbitmqctl)
+    )
+    try:
+        upstreams = [brokersetup.Upstream.parse(text) for text in args.upstream]
+        users = brokersetup.setup(
+            admin, vhost=vhost, amqp_url=amqp_url, upstreams=upstreams, rotate=args.rotate
+        )
+    except ValidationError as exc:
+        print(f"hookline: --upstream takes NAME or NAME:TENANT: {exc.errors()[0]['msg']}", file=sys.stderr)
+        return 2
+    except brokersetup.SetupError as exc:
+        print(f"hookline: {exc}", file=sys.stderr)
+        return 1
+    _print({"vhost": vhost, "users": [user.model_dump(mode="json") for user in users]})
     return 0
 
 
@@ -315,6 +346,23 @@ def build_parser() -> argparse.ArgumentParser:
     commands.add_parser("ingest", help="run the HTTP API").set_defaults(run=_start_ingest)
     commands.add_parser("dispatcher", help="run a dispatcher replica").set_defaults(run=_start_dispatcher)
     commands.add_parser("health-monitor", help="run the health monitor").set_defaults(run=_start_monitor)
+
+    setup = commands.add_parser(
+        "broker-setup",
+        help="create one RabbitMQ user per service and upstream, each with least privilege",
+        description="Users hookline-ingest, hookline-dispatcher, hookline-monitor and each --upstream, "
+        "permitted only what they use (shared/permissions.py); prints new passwords and URLs once. "
+        "Passwords may be given as HOOKLINE_BROKER_PASSWORD_<USER>.",
+    )
+    setup.add_argument("--vhost", help="default: the vhost of HOOKLINE_AMQP_URL")
+    setup.add_argument(
+        "--upstream", action="append", default=[], metavar="NAME[:TENANT]",
+        help="a user that may only publish to events (with TENANT: only routing keys TENANT.*)",
+    )  # fmt: skip
+    setup.add_argument("--rotate", action="store_true", help="new passwords for existing users too")
+    setup.add_argument("--management-url", help="use the management API, e.g. http://admin:pw@host:15672")
+    setup.add_argument("--rabbitmqctl", default="rabbitmqctl", help="the rabbitmqctl command line to run")
+    setup.set_defaults(run=_broker_setup)
 
     receive = commands.add_parser("receive", help="a local webhook receiver for trying hookline out")
     receive.add_argument("--host", default="127.0.0.1")

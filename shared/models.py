@@ -344,8 +344,8 @@ class Endpoint(Model):
 
 
 class SigningSecret(Model):
-    # A whsec_ secret, or the same encrypted with HOOKLINE_SECRET_KEY ("enc:v1:...").
-    value: str = Field(pattern=r"^(whsec_[A-Za-z0-9+/=]{24,128}|enc:v1:[A-Za-z0-9+/=_-]{40,300})$")
+    # A whsec_ secret, or the same encrypted with HOOKLINE_SECRET_KEY ("enc:v2:...", or v1 before HKDF).
+    value: str = Field(pattern=r"^(whsec_[A-Za-z0-9+/=]{24,128}|enc:v[12]:[A-Za-z0-9+/=_-]{40,300})$")
     created_at: AwareDatetime
     expires_at: AwareDatetime | None = None
 
@@ -496,8 +496,51 @@ class EndpointDeleted(Model):
     base_version: int | None = None
 
 
+# --- tenants: API tokens and quotas, kept in the change log ----------------------------------------
+
+
+class StoredToken(Model):
+    """A tenant's API token as the change log keeps it: its SHA-256, never the token."""
+
+    id: str = Field(pattern=r"^tok_[0-9A-Z]{26}$")
+    tenant: Tenant
+    prefix: str = Field(description="the token's first characters, to tell it apart in a list")
+    digest: str = Field(pattern=r"^[0-9a-f]{64}$", description="SHA-256 of the token, hex")
+    description: str = Field("", max_length=200)
+    created_at: AwareDatetime
+    expires_at: AwareDatetime | None = None
+    revoked_at: AwareDatetime | None = None
+
+
+class TokenUpserted(Model):
+    kind: Literal["token.upserted"] = "token.upserted"
+    change_id: str
+    at: AwareDatetime
+    token: StoredToken
+
+
+class TenantQuota(Model):
+    """What the admin allows one tenant; null: no limit."""
+
+    max_endpoints: int | None = Field(None, ge=0, description="endpoints the tenant may have")
+    events_per_s: float | None = Field(
+        None, gt=0, description="events accepted per second through the API, per ingest replica"
+    )
+    burst: int | None = Field(None, ge=1, description="events accepted at once (default: one second's worth)")
+    bytes_per_day: int | None = Field(None, ge=0, description="event bytes accepted per UTC day")
+
+
+class QuotaSet(Model):
+    kind: Literal["tenant.quota_set"] = "tenant.quota_set"
+    change_id: str
+    at: AwareDatetime
+    tenant: Tenant
+    quota: TenantQuota
+
+
 ChangeRecord = Annotated[
-    EndpointUpserted | EndpointDeleted | EventTypeUpserted | EventTypeDeleted, Field(discriminator="kind")
+    EndpointUpserted | EndpointDeleted | EventTypeUpserted | EventTypeDeleted | TokenUpserted | QuotaSet,
+    Field(discriminator="kind"),
 ]
 
 

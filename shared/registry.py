@@ -33,11 +33,16 @@ from hookline.shared.models import (
     EventTypeDeleted,
     EventTypeInfo,
     EventTypeUpserted,
+    QuotaSet,
     StoredEndpoint,
+    StoredToken,
+    TenantQuota,
+    TokenUpserted,
     error_summary,
 )
 from hookline.shared.streams import StreamFollower, offset_of
 from hookline.shared.supervision import Supervisor
+from hookline.shared.tenants import Tenants
 
 log = structlog.get_logger(__name__)
 
@@ -123,8 +128,8 @@ class EndpointRegistry:
 
 
 class ChangeLog:
-    """Reads the endpoint change log into a registry and the event-type catalog (a supervised loop) and
-    appends records to it."""
+    """Reads the endpoint change log into a registry, the event-type catalog and the tenants' tokens and
+    quotas (a supervised loop) and appends records to it."""
 
     def __init__(
         self,
@@ -135,6 +140,7 @@ class ChangeLog:
     ) -> None:
         self.registry = registry
         self.catalog = event_types if event_types is not None else catalog.Catalog()
+        self.tenants = Tenants()
         self._follower = StreamFollower(broker, topology.ENDPOINT_LOG, self._on_record, publisher=publisher)
 
     async def write(
@@ -156,6 +162,19 @@ class ChangeLog:
         if isinstance(result, catalog.Stale):
             raise StaleEventTypeError(result.current)
         assert result is None or isinstance(result, EventTypeInfo)
+        return result
+
+    async def write_token(self, token: StoredToken, *, timeout_s: float) -> StoredToken:
+        """Append a token (new, or changed: expiry, revocation) and wait until it applies here."""
+        record = TokenUpserted(change_id=new_id("chg"), at=datetime.now(UTC), token=token)
+        result = await self._append(record, timeout_s=timeout_s)
+        assert isinstance(result, StoredToken)
+        return result
+
+    async def write_quota(self, tenant: str, quota: TenantQuota, *, timeout_s: float) -> TenantQuota:
+        record = QuotaSet(change_id=new_id("chg"), at=datetime.now(UTC), tenant=tenant, quota=quota)
+        result = await self._append(record, timeout_s=timeout_s)
+        assert isinstance(result, TenantQuota)
         return result
 
     async def _append(self, record: ChangeRecord, *, timeout_s: float) -> object:
@@ -216,6 +235,8 @@ class ChangeLog:
             # A record this version cannot read is skipped loudly rather than stopping the service.
             log.error("endpoint_log_record_unreadable", offset=offset_of(message), error=error_summary(exc))
             return None
+        if isinstance(record, TokenUpserted | QuotaSet):
+            return self.tenants.apply(record)
         if isinstance(record, EventTypeUpserted | EventTypeDeleted):
             applied = self.catalog.apply(record)
             if isinstance(applied, catalog.Stale):

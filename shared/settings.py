@@ -15,15 +15,34 @@ from urllib.parse import urlsplit
 from pydantic import Field, SecretStr, ValidationError, ValidationInfo, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
-from hookline.shared import signing
+from hookline.shared import sealing, signing
 from hookline.shared.topology import Retention
 
 LogLevel = Literal["debug", "info", "warning", "error"]
 
 
+#: API tokens published in this repository (compose.yaml's fallback): anyone could use them.
+DEVELOPMENT_TOKENS = frozenset({"local-dev-token-change-me"})
+
+
+def _api_token(value: SecretStr, *, development: bool) -> SecretStr:
+    token = value.get_secret_value()
+    if len(token) < 16:
+        raise ValueError("must be at least 16 characters")
+    if token in DEVELOPMENT_TOKENS and not development:
+        raise ValueError(
+            "is the development token published in compose.yaml: set one of your own "
+            "(openssl rand -hex 32), or HOOKLINE_DEVELOPMENT=true on a laptop"
+        )
+    return value
+
+
 class CommonSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="HOOKLINE_", extra="ignore", frozen=True)
 
+    development: bool = Field(
+        False, description="A laptop: accept the development API token compose.yaml falls back to."
+    )
     amqp_url: str = Field(
         "amqp://guest:guest@localhost:5672/",
         description="RabbitMQ URL, vhost included; a cluster: its nodes' URLs, comma separated, tried in turn.",
@@ -78,6 +97,13 @@ class CommonSettings(BaseSettings):
         """This replica's view file: one per service and port, so replicas on one host never share one."""
         self.state_dir.mkdir(parents=True, exist_ok=True)
         return self.state_dir / f"{service}-{port}.sqlite"
+
+    @field_validator("secret_key")
+    @classmethod
+    def _sealing_key(cls, value: SecretStr | None) -> SecretStr | None:
+        if value is not None:
+            sealing.check_key(value.get_secret_value())
+        return value
 
     @field_validator("amqp_url")
     @classmethod
@@ -162,10 +188,8 @@ class IngestSettings(DeliveryPolicySettings):
 
     @field_validator("api_token")
     @classmethod
-    def _token_length(cls, value: SecretStr) -> SecretStr:
-        if len(value.get_secret_value()) < 16:
-            raise ValueError("must be at least 16 characters")
-        return value
+    def _token(cls, value: SecretStr, info: ValidationInfo) -> SecretStr:
+        return _api_token(value, development=bool(info.data.get("development")))
 
     @field_validator("dedupe_window_s")
     @classmethod
@@ -302,10 +326,8 @@ class MonitorSettings(CommonSettings):
 
     @field_validator("api_token")
     @classmethod
-    def _token_length(cls, value: SecretStr) -> SecretStr:
-        if len(value.get_secret_value()) < 16:
-            raise ValueError("must be at least 16 characters")
-        return value
+    def _token(cls, value: SecretStr, info: ValidationInfo) -> SecretStr:
+        return _api_token(value, development=bool(info.data.get("development")))
 
     @field_validator("alert_webhook_secret")
     @classmethod

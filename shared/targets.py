@@ -101,10 +101,9 @@ class CheckedResolver(AbstractResolver):
             result for result in results if address_refusal(ipaddress.ip_address(result["host"])) is None
         ]
         if not allowed:
-            reasons = {address_refusal(ipaddress.ip_address(result["host"])) for result in results}
-            raise TargetRefusedError(
-                f"{host} resolves only to refused addresses: {'; '.join(sorted(filter(None, reasons)))}"
-            )
+            # Which internal addresses a name resolves to is not the caller's to learn (this message
+            # reaches API answers and the delivery log).
+            raise TargetRefusedError(f"{host} does not resolve to a public address")
         return allowed
 
     async def close(self) -> None:

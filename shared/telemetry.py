@@ -46,7 +46,7 @@ class AttemptRecord(Model):
     probe: bool = False  # the one delivery a half-open breaker lets through
     attempt_kind: AttemptKind = "delivery"
     response_headers: dict[str, str] = Field(default_factory=dict)
-    response_body: str | None = None  # its first bytes; sealed (enc:v1:…) when HOOKLINE_SECRET_KEY is set
+    response_body: str | None = None  # its first bytes; sealed (enc:v2:…) when HOOKLINE_SECRET_KEY is set
 
 
 class Heartbeat(Model):

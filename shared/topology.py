@@ -15,6 +15,7 @@ arguments come from one function each: redeclaring with different arguments is a
     hookline.endpoints (stream): the endpoint change log every service replays and follows
     hookline.telemetry (fanout) ──▶ hookline.telemetry.log (stream, 25 h): attempt records, heartbeats
     hookline.control (fanout) ──▶ hookline.breakers (stream, 1 h): breaker commands and snapshots
+    hookline.audit (stream, 400 days): who changed what through the API
     alerts (topic, <alert>.<state>): alerts firing and resolved, for whoever binds a queue
 
 Queues per endpoint: ``hookline.endpoint.<id>`` (generation 0), then ``hookline.endpoint.<id>.g<N>``.
@@ -45,6 +46,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import aio_pika
+import aiormq
 import structlog
 from aio_pika.abc import AbstractChannel, AbstractExchange, AbstractQueue
 
@@ -76,6 +78,9 @@ TELEMETRY_LOG = "hookline.telemetry.log"
 TELEMETRY_MAX_AGE = "25h"
 CONTROL_EXCHANGE = "hookline.control"
 BREAKER_LOG = "hookline.breakers"
+AUDIT_LOG = "hookline.audit"  # who changed what (services/ingest/audit.py)
+AUDIT_MAX_AGE_S = 400 * 86_400
+AUDIT_MAX_BYTES = 1 * GB
 ALERTS_EXCHANGE = "alerts"
 # Held (declared exclusive) by the health monitor that leads; the broker deletes it with its connection.
 MONITOR_LEADER_LOCK = "hookline.monitor.leader"
@@ -186,6 +191,7 @@ class Retention:
                 TELEMETRY_MAX_AGE, self.telemetry_max_bytes, segment_bytes=50 * MB
             ),
             BREAKER_LOG: _stream_arguments("1h", BREAKER_LOG_MAX_BYTES, segment_bytes=5 * MB),
+            AUDIT_LOG: _stream_arguments(f"{AUDIT_MAX_AGE_S}s", AUDIT_MAX_BYTES),
         }
 
     @property
@@ -240,11 +246,44 @@ async def declare(broker: Broker, retention: Retention, *, timeout_s: float = 60
         except aio_pika.exceptions.ChannelPreconditionFailed as exc:
             structlog.get_logger(__name__).error("topology_mismatch", detail=str(exc))
             raise SystemExit(1) from None
+        except aiormq.exceptions.ChannelAccessRefused:
+            # A role that does not own the topology (shared/permissions.py: only the ingest may
+            # declare it) finds it declared, or waits for the ingest to declare it.
+            missing = await _missing_core(broker)
+            if missing is None:
+                return
+            if time.monotonic() > deadline:
+                raise TopologyMissingError(missing) from None
+            structlog.get_logger(__name__).warning("topology_not_declared_yet", missing=missing)
+            await asyncio.sleep(1.0)
         except BROKER_ERRORS as exc:
             if time.monotonic() > deadline:
                 raise
             structlog.get_logger(__name__).warning("topology_declare_retry", error=type(exc).__name__)
             await asyncio.sleep(1.0)
+
+
+class TopologyMissingError(Exception):
+    def __init__(self, name: str) -> None:
+        super().__init__(f"{name} is not declared, and this user may not declare it (start the ingest first)")
+
+
+async def _missing_core(broker: Broker) -> str | None:
+    """The first core exchange or queue that does not exist (None when all do), asked passively: a
+    passive declare needs no permission."""
+    async with broker.channel() as channel:
+        for exchange in (EVENTS_EXCHANGE, DEAD_LETTER_EXCHANGE, TELEMETRY_EXCHANGE, CONTROL_EXCHANGE,
+                         ALERTS_EXCHANGE, DELAY_DELIVERY, *(delay_level(n) for n in range(DELAY_BITS))):  # fmt: skip
+            try:
+                await channel.declare_exchange(exchange, passive=True, timeout=CALL_TIMEOUT_S)
+            except aio_pika.exceptions.ChannelNotFoundEntity:
+                return exchange
+        for queue in core_queues():
+            try:
+                await channel.declare_queue(queue, passive=True, timeout=CALL_TIMEOUT_S)
+            except aio_pika.exceptions.ChannelNotFoundEntity:
+                return queue
+    return None
 
 
 async def _declare_stream(broker: Broker, stream: str, arguments: dict[str, Any]) -> None:
@@ -430,6 +469,7 @@ def core_queues() -> list[str]:
         ENDPOINT_LOG,
         TELEMETRY_LOG,
         BREAKER_LOG,
+        AUDIT_LOG,
         DELAY_UNROUTABLE,
         *(delay_level(level) for level in range(DELAY_BITS)),
     ]

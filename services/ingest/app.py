@@ -15,7 +15,18 @@ from aio_pika.abc import AbstractIncomingMessage
 from fastapi import Depends, FastAPI
 from pydantic import ValidationError
 
-from hookline.ingest import auth, deadletters, endpoints, events, eventtypes, replay, tracking
+from hookline.ingest import (
+    audit,
+    auth,
+    deadletters,
+    endpoints,
+    events,
+    eventtypes,
+    quotas,
+    replay,
+    tokens,
+    tracking,
+)
 from hookline.ingest.auth import parse_tenant_tokens, principal
 from hookline.ingest.deliverylog import DeliveryLog
 from hookline.ingest.duplicates import Duplicates
@@ -35,7 +46,7 @@ from hookline.shared.settings import IngestSettings, load
 from hookline.shared.streams import StreamFollower
 from hookline.shared.supervision import Loop, Supervisor
 from hookline.shared.tracing import Tracing
-from hookline.shared.views import follow_view
+from hookline.shared.views import RowView, follow_view
 
 log = structlog.get_logger(__name__)
 
@@ -76,6 +87,7 @@ def create_app(settings: IngestSettings) -> FastAPI:
                 retention_s=settings.delivery_log_retention_s,
                 max_bytes=settings.delivery_log_max_bytes,
             ) as delivery_log,
+            audit.view(state_path, vhost=broker.vhost) as audit_view,
         ):
             await topology.declare(broker, settings.retention)
             publisher = Publisher(broker)
@@ -100,7 +112,7 @@ def create_app(settings: IngestSettings) -> FastAPI:
                 await dead_letter_log.sync(timeout_s=settings.connect_timeout_s)
                 breakers = BreakerView()
                 sealer = Sealer(settings.secret_key.get_secret_value() if settings.secret_key else None)
-                _follow_delivery_log(broker, publisher, supervisor, delivery_log, breakers)
+                _follow_delivery_log(broker, publisher, supervisor, delivery_log, breakers, audit_view)
                 state = IngestState(
                     settings=settings,
                     broker=broker,
@@ -121,6 +133,8 @@ def create_app(settings: IngestSettings) -> FastAPI:
                     tenant_tokens=parse_tenant_tokens(
                         settings.tenant_tokens.get_secret_value() if settings.tenant_tokens else None
                     ),
+                    quotas=quotas.Quotas(change_log.tenants, endpoint_registry, delivery_log),
+                    audit=audit_view,
                 )
                 supervisor.spawn("upgrade", partial(_upgrade_endpoints, state), required=False)
                 app.state.ingest = state
@@ -152,6 +166,9 @@ def create_app(settings: IngestSettings) -> FastAPI:
     app.include_router(deadletters.router, dependencies=[guard])
     app.include_router(tracking.router, dependencies=[guard])
     app.include_router(auth.router, dependencies=[guard])
+    app.include_router(tokens.router, dependencies=[guard])
+    app.include_router(quotas.router, dependencies=[guard])
+    app.include_router(audit.router, dependencies=[guard])
     app.include_router(probes_router(lambda: _problems(app)))
     return app
 
@@ -162,12 +179,15 @@ def _follow_delivery_log(
     supervisor: Supervisor,
     delivery_log: DeliveryLog,
     breakers: BreakerView,
+    audit_view: RowView,
 ) -> None:
-    """The delivery log's views and the breaker states it explains waits with. Not required: a view
-    catching up (or down a while) leaves the ingest taking events; its answers are then behind."""
+    """The delivery log's views, the audit trail's and the breaker states the delivery log explains
+    waits with. Not required: a view catching up (or down a while) leaves the ingest taking events; its
+    answers are then behind."""
     for name, view, stream in (
         ("delivery-log-events", delivery_log.events, topology.EVENT_LOG),
         ("delivery-log-attempts", delivery_log.attempts, topology.TELEMETRY_LOG),
+        ("audit", audit_view, topology.AUDIT_LOG),
     ):
         follower = StreamFollower(broker, stream, view.apply, publisher=publisher, start=view.next_offset)
         supervisor.spawn(name, partial(follow_view, follower, view), required=False)
@@ -176,7 +196,7 @@ def _follow_delivery_log(
         start=datetime.now(UTC) - BREAKER_LOOKBACK, prefetch=100,
     )  # fmt: skip
     supervisor.spawn("breakers", breaker_log.run, required=False)
-    supervisor.spawn("delivery-log-expiry", partial(_expire, delivery_log), required=False)
+    supervisor.spawn("delivery-log-expiry", partial(_expire, delivery_log, audit_view), required=False)
 
 
 def _apply_breakers(breakers: BreakerView, message: AbstractIncomingMessage) -> None:
@@ -186,12 +206,15 @@ def _apply_breakers(breakers: BreakerView, message: AbstractIncomingMessage) -> 
         log.error("control_record_unreadable", error=error_summary(exc))
 
 
-async def _expire(delivery_log: DeliveryLog, loop: Loop) -> None:
+async def _expire(delivery_log: DeliveryLog, audit_view: RowView, loop: Loop) -> None:
     loop.mark_up()
     while True:
         removed = await delivery_log.expire(now_s=time.time())
         if removed:
             log.info("delivery_log_expired", rows=removed)
+        removed = await audit.expire(audit_view, now_s=time.time())
+        if removed:
+            log.info("audit_expired", rows=removed)
         loop.beat()
         await asyncio.sleep(EXPIRY_INTERVAL_S)
 

@@ -1,12 +1,14 @@
 """Who is calling: the admin token sees everything; a tenant token sees and publishes for its tenant only.
 
-Tokens are compared in constant time, each of them, whatever matches first.
+Tenant tokens are data (``/v1/tokens``, kept hashed in the change log); ``HOOKLINE_TENANT_TOKENS`` stays
+as a bootstrap. Tokens are compared in constant time, each of them, whatever matches first.
 """
 
 from __future__ import annotations
 
 import hmac
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from typing import Annotated
 
 from fastapi import APIRouter, Depends, Request
@@ -19,6 +21,9 @@ from hookline.shared.models import Model
 @dataclass(frozen=True)
 class Principal:
     tenant: str | None  # None: the admin
+    # Who, in the audit trail: "admin", "token:<id>" (a token of /v1/tokens) or "env:<tenant>"
+    # (HOOKLINE_TENANT_TOKENS).
+    actor: str = "admin"
 
     def may_see(self, tenant: str) -> bool:
         return self.tenant is None or self.tenant == tenant
@@ -27,6 +32,11 @@ class Principal:
         """Refuse a request about another tenant's data (403)."""
         if not self.may_see(tenant):
             raise ApiError(403, "forbidden", f"this token is for tenant {self.tenant!r}, not {tenant!r}")
+
+    def require_admin(self, what: str) -> None:
+        """Refuse what only the admin may do (403)."""
+        if self.tenant is not None:
+            raise ApiError(403, "forbidden", f"only the admin token may {what}")
 
     def scope(self, tenant: str | None) -> str | None:
         """The tenant a listing is limited to: the token's own, or the filter the admin asked for."""
@@ -52,15 +62,21 @@ def parse_tenant_tokens(setting: str | None) -> dict[str, str]:
 
 def principal(request: Request, state: Annotated[IngestState, Depends(ingest_state)]) -> Principal:
     scheme, _, presented = request.headers.get("authorization", "").partition(" ")
-    offered = presented.strip().encode()
+    presented = presented.strip()
+    offered = presented.encode()
     admin = hmac.compare_digest(offered, state.settings.api_token.get_secret_value().encode())
     tenant = None
     for token, owner in state.tenant_tokens.items():
         if hmac.compare_digest(offered, token.encode()):
             tenant = owner
-    if scheme.lower() != "bearer" or not (admin or tenant):
+    stored = state.change_log.tenants.authenticate(presented, datetime.now(UTC))
+    if scheme.lower() != "bearer" or not (admin or tenant or stored):
         raise ApiError(401, "unauthorized", "a valid bearer token is required")
-    return Principal(tenant=None if admin else tenant)
+    if admin:
+        return Principal(tenant=None)
+    if stored is not None:
+        return Principal(tenant=stored.tenant, actor=f"token:{stored.id}")
+    return Principal(tenant=tenant, actor=f"env:{tenant}")
 
 
 Caller = Annotated[Principal, Depends(principal)]

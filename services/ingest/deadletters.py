@@ -16,6 +16,7 @@ from aio_pika.abc import AbstractIncomingMessage
 from fastapi import APIRouter, Depends, Query
 from pydantic import Field, model_validator
 
+from hookline.ingest import audit
 from hookline.ingest.auth import Caller
 from hookline.ingest.resend import Resend, resend
 from hookline.ingest.state import IngestState, ingest_state
@@ -141,4 +142,9 @@ async def redrive(request: RedriveRequest, state: State, caller: Caller) -> Redr
         timeout_s=state.settings.registry_wait_s,
     )
     log.info("dead_letters_redriven", count=sent, skipped=len(chosen) - sent, endpoint_id=request.endpoint_id)
+    await audit.record(
+        state, caller, "dead_letters.redriven", tenant=caller.scope(request.tenant),
+        target=request.endpoint_id,
+        changes={"filter": request.model_dump(mode="json", exclude_none=True), "redriven": sent},
+    )  # fmt: skip
     return RedriveResult(redriven=sent, skipped=len(chosen) - sent)

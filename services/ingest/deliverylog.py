@@ -30,8 +30,9 @@ from hookline.shared.views import RowView, StreamMessage, ViewSchema
 
 log = structlog.get_logger(__name__)
 
+DAY_S = 86_400
 EVENTS_SCHEMA = ViewSchema(
-    version=2,  # 2: the request digest of an event sent with an Idempotency-Key
+    version=3,  # 2: the request digest of an event sent with an Idempotency-Key; 3: bytes per tenant and day
     statements=[
         """CREATE TABLE events (
             offset INTEGER PRIMARY KEY,
@@ -40,11 +41,26 @@ EVENTS_SCHEMA = ViewSchema(
             type TEXT NOT NULL,
             subject TEXT,
             accepted_at_s REAL NOT NULL,
-            request_digest TEXT
+            request_digest TEXT,
+            bytes INTEGER NOT NULL DEFAULT 0
         )""",
         "CREATE INDEX events_by_id ON events (event_id)",
         "CREATE INDEX events_by_tenant ON events (tenant, offset)",
         "CREATE INDEX events_by_time ON events (accepted_at_s)",
+        # What each tenant published per UTC day (its bytes quota), whichever replica or upstream
+        # accepted the events; kept by a trigger, so it outlives the rows that expire or are trimmed.
+        """CREATE TABLE tenant_days (
+            tenant TEXT NOT NULL,
+            day INTEGER NOT NULL,
+            events INTEGER NOT NULL,
+            bytes INTEGER NOT NULL,
+            PRIMARY KEY (tenant, day)
+        )""",
+        # 86400: DAY_S, the UTC day.
+        """CREATE TRIGGER events_per_tenant_day AFTER INSERT ON events BEGIN
+            INSERT INTO tenant_days VALUES (NEW.tenant, CAST(NEW.accepted_at_s / 86400 AS INTEGER), 1, NEW.bytes)
+            ON CONFLICT (tenant, day) DO UPDATE SET events = events + 1, bytes = bytes + excluded.bytes;
+        END""",
     ],
 )
 ATTEMPTS_SCHEMA = ViewSchema(
@@ -119,6 +135,7 @@ def _event_rows(offset: int, message: StreamMessage) -> list[tuple[Any, ...]]:
             subject if isinstance(subject, str) else None,
             accepted_at_s,
             digest if isinstance(digest, str) else None,
+            len(message.body),
         )
     ]
 
@@ -156,7 +173,8 @@ class DeliveryLog:
             path.with_suffix(".events.sqlite") if path else None,
             schema=EVENTS_SCHEMA,
             identity=f"{vhost}/{topology.EVENT_LOG}",
-            insert="INSERT OR REPLACE INTO events VALUES (?, ?, ?, ?, ?, ?, ?)",
+            # A record read twice (a consumer re-attached) is skipped before this: each is counted once.
+            insert="INSERT OR REPLACE INTO events VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
             derive=_event_rows,
         )
         self.attempts = RowView(
@@ -204,6 +222,13 @@ class DeliveryLog:
         )
         row = await self.events.read(lambda db: db.execute(sql, (event_id, tenant, since_s)).fetchone())
         return None if row is None else Acceptance(type=row[0], accepted_at_s=row[1], request_digest=row[2])
+
+    async def day_of(self, tenant: str, *, day_start_s: float) -> tuple[int, int]:
+        """The events and event bytes ``tenant`` published on the UTC day starting at ``day_start_s``."""
+        sql = "SELECT events, bytes FROM tenant_days WHERE tenant = ? AND day = ?"
+        day = int(day_start_s // DAY_S)
+        row = await self.events.read(lambda db: db.execute(sql, (tenant, day)).fetchone())
+        return (int(row[0]), int(row[1])) if row is not None else (0, 0)
 
     async def recent_events(
         self,
@@ -264,6 +289,9 @@ class DeliveryLog:
         events = await self.events.store.write(
             lambda db: db.execute("DELETE FROM events WHERE accepted_at_s < ?", (cutoff_s,)).rowcount
         )
+        await self.events.store.write(
+            lambda db: db.execute("DELETE FROM tenant_days WHERE day < ?", (int(cutoff_s // DAY_S),))
+        )
         attempts = await self.attempts.store.write(
             lambda db: db.execute("DELETE FROM attempts WHERE at_s < ?", (cutoff_s,)).rowcount
         )
@@ -309,7 +337,7 @@ def _where(*conditions: tuple[str, Any]) -> tuple[str, list[Any]]:
 
 
 def _logged_event(row: Sequence[Any]) -> LoggedEvent:
-    offset, event_id, tenant, type_, subject, accepted_at_s, _ = row
+    offset, event_id, tenant, type_, subject, accepted_at_s = row[:6]
     return LoggedEvent(
         offset=offset,
         event_id=event_id,

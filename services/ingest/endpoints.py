@@ -20,6 +20,7 @@ import structlog
 from fastapi import APIRouter, Depends, Header, Query, Response
 from pydantic import ValidationError
 
+from hookline.ingest import audit
 from hookline.ingest.auth import Caller
 from hookline.ingest.state import IngestState, ingest_state
 from hookline.ingest.verification import verify
@@ -137,6 +138,19 @@ async def _notifier(state: IngestState, endpoint: StoredEndpoint) -> StoredEndpo
     return written
 
 
+async def _audit(
+    state: IngestState, caller: Caller, action: str, before: StoredEndpoint | None, after: StoredEndpoint
+) -> None:
+    changes = audit.changes_between(before, after)
+    await audit.record(state, caller, action, tenant=after.tenant, target=after.id, changes=changes)
+
+
+def _may_skip_verification(caller: Caller, *, verify: bool) -> None:
+    # Unverified, a tenant could point its deliveries at a third party that never agreed to them.
+    if not verify:
+        caller.require_admin('skip verification ("verify": false)')
+
+
 def _reserved(tenant: str) -> None:
     if tenant == notifications.OPERATOR_TENANT:
         raise _invalid("tenant", f"{tenant!r} is reserved for hookline's own notifications")
@@ -216,7 +230,9 @@ async def create_endpoint(
     spec: EndpointCreate, state: State, caller: Caller, response: Response
 ) -> EndpointCreated:
     caller.require(spec.tenant)
+    _may_skip_verification(caller, verify=spec.verify)
     _reserved(spec.tenant)
+    state.quotas.check_endpoints(spec.tenant)
     await _check_target(spec.url, state)
     now = datetime.now(UTC)
     secret = generate_secret()
@@ -238,6 +254,7 @@ async def create_endpoint(
         await topology.provision(admin, endpoint)
     endpoint = await _write(state, endpoint, base_version=0)
     log.info("endpoint_created", endpoint_id=endpoint.id, tenant=endpoint.tenant)
+    await _audit(state, caller, "endpoint.created", None, endpoint)
     if spec.verify:
         endpoint = await _record_verification(state, endpoint)
     _etag(response, endpoint)
@@ -314,6 +331,7 @@ async def update_endpoint(
     if_match: IfMatch = None,
 ) -> Endpoint:
     before = _stored(state, endpoint_id, caller)
+    _may_skip_verification(caller, verify=change.verify)
     base_version = _base_version(before, if_match)
     changes = change.model_dump(exclude_unset=True, exclude={"verify"})
     for field in ("url", "event_types", "ordered", "body_format", "notify_format"):
@@ -366,6 +384,7 @@ async def update_endpoint(
             to_queue=topology.endpoint_queue(written.id, written.queue_generation),
         )
     log.info("endpoint_updated", endpoint_id=endpoint_id, tenant=written.tenant, fields=sorted(changes))
+    await _audit(state, caller, "endpoint.updated", before, written)
     if url_changed and change.verify:
         written = await _record_verification(state, written)
     _etag(response, written)
@@ -432,7 +451,10 @@ async def upgrade(state: IngestState, endpoint_id: str) -> None:
 @router.post("/{endpoint_id}/verify", response_model=Endpoint)
 async def verify_endpoint(endpoint_id: str, state: State, caller: Caller) -> Endpoint:
     """Run the verification handshake again (after fixing the receiver)."""
-    return (await _record_verification(state, _stored(state, endpoint_id, caller))).public()
+    before = _stored(state, endpoint_id, caller)
+    after = await _record_verification(state, before)
+    await _audit(state, caller, "endpoint.verified", before, after)
+    return after.public()
 
 
 @router.post("/{endpoint_id}/rotate-secret", response_model=RotatedSecret)
@@ -465,8 +487,9 @@ async def rotate_secret(
             "updated_at": now,
         }
     )
-    await _write(state, after, base_version)
+    written = await _write(state, after, base_version)
     log.info("endpoint_secret_rotated", endpoint_id=endpoint_id, tenant=after.tenant, overlap_s=overlap_s)
+    await _audit(state, caller, "endpoint.secret_rotated", before, written)
     return RotatedSecret(secret=secret, previous_expires_at=expires_at)
 
 
@@ -478,6 +501,8 @@ async def _set_status(
     after = before.model_copy(update={"status": status, "updated_at": datetime.now(UTC)})
     written = await _write(state, after, base_version)
     log.info("endpoint_status_changed", endpoint_id=endpoint_id, tenant=after.tenant, status=status.value)
+    action = "endpoint.paused" if status is EndpointStatus.PAUSED else "endpoint.resumed"
+    await _audit(state, caller, action, before, written)
     return written.public()
 
 
@@ -535,6 +560,10 @@ async def delete_endpoint(
     log.info(
         "endpoint_deleted", endpoint_id=endpoint_id, tenant=endpoint.tenant, ready=ready, unacked=unacked
     )
+    await audit.record(
+        state, caller, "endpoint.deleted", tenant=endpoint.tenant, target=endpoint_id,
+        changes={"url": endpoint.url, "force": force, "events_dead_lettered": ready + unacked if force else 0},
+    )  # fmt: skip
     return Response(status_code=204)
 
 

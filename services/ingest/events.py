@@ -4,10 +4,12 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from datetime import UTC, datetime
 from typing import Annotated, Any
 
 import aio_pika
+import orjson
 import structlog
 from aio_pika.abc import FieldValue
 from fastapi import APIRouter, Depends, Header, Request, Response
@@ -174,6 +176,9 @@ async def _accept(
         raise ApiError(
             422, "invalid_fields", f"tenant {OPERATOR_TENANT!r} is reserved for hookline's own notifications"
         )
+    await state.quotas.check_events(
+        event_in.tenant, count=1, size_bytes=lambda: len(orjson.dumps(event_in.data)), now_s=time.time()
+    )
     warnings = _catalog_warnings(state, event_in)
     digest = None
     if idempotency_key is not None:

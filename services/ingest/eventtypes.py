@@ -11,6 +11,7 @@ import structlog
 from fastapi import APIRouter, Body, Depends, Header, Response
 from pydantic import ValidationError
 
+from hookline.ingest import audit
 from hookline.ingest.auth import Caller
 from hookline.ingest.state import IngestState, ingest_state
 from hookline.shared import __version__, catalog
@@ -70,7 +71,12 @@ def _base_version(current: EventTypeInfo, if_match: str | None) -> int:
 
 
 async def _write(
-    state: IngestState, described: EventTypeInfo, *, base_version: int, response: Response
+    state: IngestState,
+    caller: Caller,
+    described: EventTypeInfo,
+    *,
+    base_version: int,
+    response: Response,
 ) -> EventTypeInfo:
     record = EventTypeUpserted(
         change_id=new_id("chg"), at=datetime.now(UTC), event_type=described, base_version=base_version
@@ -84,6 +90,10 @@ async def _write(
     assert written is not None
     response.headers["ETag"] = f'"{written.version}"'
     log.info("event_type_written", event_type=written.name, version=written.version)
+    await audit.record(
+        state, caller, "event_type.created" if base_version == 0 else "event_type.updated", tenant=None,
+        target=written.name, changes={"version": written.version, "validation": written.validation},
+    )  # fmt: skip
     return written
 
 
@@ -97,7 +107,7 @@ async def create_event_type(
         raise ApiError(409, "event_type_exists", f"{spec.name} is in the catalog already; PATCH it")
     now = datetime.now(UTC)
     described = EventTypeInfo(**spec.model_dump(), created_at=now, updated_at=now)
-    return await _write(state, described, base_version=0, response=response)
+    return await _write(state, caller, described, base_version=0, response=response)
 
 
 @router.get("/v1/event-types", response_model=EventTypeList)
@@ -129,7 +139,7 @@ async def update_event_type(
     }
     after = EventTypeInfo.model_validate({**current.model_dump(), **changes, "updated_at": datetime.now(UTC)})
     _checked(after)
-    return await _write(state, after, base_version=base_version, response=response)
+    return await _write(state, caller, after, base_version=base_version, response=response)
 
 
 @router.delete("/v1/event-types/{name}", status_code=204)
@@ -147,6 +157,7 @@ async def delete_event_type(name: str, state: State, caller: Caller, if_match: I
     except StaleEventTypeError as exc:
         raise ApiError(409, "event_type_changed", f"{name} changed meanwhile; read it again") from exc
     log.info("event_type_deleted", event_type=name)
+    await audit.record(state, caller, "event_type.deleted", tenant=None, target=name)
     return Response(status_code=204)
 
 
@@ -186,5 +197,7 @@ async def import_openapi(
         described = EventTypeInfo(
             **spec.model_dump(), created_at=current.created_at if current else now, updated_at=now
         )
-        await _write(state, described, base_version=current.version if current else 0, response=response)
+        await _write(
+            state, caller, described, base_version=current.version if current else 0, response=response
+        )
     return Imported(imported=[spec.name for spec in specs])

@@ -18,6 +18,7 @@ from aio_pika.abc import AbstractIncomingMessage
 from fastapi import APIRouter, Depends
 from pydantic import AwareDatetime
 
+from hookline.ingest import audit
 from hookline.ingest.auth import Caller
 from hookline.ingest.resend import Resend, resend
 from hookline.ingest.state import IngestState, ingest_state
@@ -106,4 +107,8 @@ async def replay(endpoint_id: str, request: ReplayRequest, state: State, caller:
         state, (Resend(endpoint.id, event_id, body, origin="replay") for event_id, body in found.items())
     )
     log.info("endpoint_replayed", endpoint_id=endpoint.id, tenant=endpoint.tenant, count=sent)
+    await audit.record(
+        state, caller, "endpoint.replayed", tenant=endpoint.tenant, target=endpoint.id,
+        changes={"since": request.since.isoformat(), "until": until.isoformat(), "replayed": sent},
+    )  # fmt: skip
     return ReplayResult(replayed=sent, since=request.since, until=until)

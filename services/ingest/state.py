@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from fastapi import Request
 
@@ -20,6 +21,10 @@ from hookline.shared.settings import IngestSettings
 from hookline.shared.streams import StreamFollower
 from hookline.shared.supervision import Supervisor
 from hookline.shared.tracing import Tracing
+from hookline.shared.views import RowView
+
+if TYPE_CHECKING:
+    from hookline.ingest.quotas import Quotas  # which routes to IngestState
 
 
 @dataclass
@@ -41,7 +46,11 @@ class IngestState:
     breakers: BreakerView  # the breaker states in force, to explain why an event waits
     sealer: Sealer
     tracing: Tracing  # hookline.publish spans, exported when HOOKLINE_OTLP_ENDPOINT is set
-    tenant_tokens: dict[str, str]  # token -> tenant
+    tenant_tokens: dict[
+        str, str
+    ]  # token -> tenant (HOOKLINE_TENANT_TOKENS; tokens as data: change_log.tenants)
+    quotas: Quotas
+    audit: RowView  # the audit trail's view (audit.py)
 
     def problems(self) -> list[str]:
         # Blocked counts: a load balancer should send events to an ingest that can take them.

@@ -11,6 +11,7 @@ import structlog
 from fastapi import APIRouter, Depends, Query
 from pydantic import BaseModel
 
+from hookline.ingest import audit
 from hookline.ingest.attempts import attempt
 from hookline.ingest.auth import Caller
 from hookline.ingest.deliverylog import LoggedEvent
@@ -189,6 +190,10 @@ async def resend_event(
         tenant=endpoint.tenant,
         status=record.status,
     )
+    await audit.record(
+        state, caller, "event.resent", tenant=endpoint.tenant, target=event_id,
+        changes={"endpoint_id": endpoint.id, "status": record.status},
+    )  # fmt: skip
     return EndpointAttempt(event_id=event_id, endpoint_id=endpoint.id, **_view(state, record).model_dump())
 
 

@@ -180,7 +180,7 @@ async def test_an_events_story_at_every_endpoint(system: System, receiver: Recei
     raw = b"".join(m.body for m in await read_stream(system.amqp_url, "hookline.telemetry.log", at_least=1))
     assert b"thanks" not in raw
     assert b"busy, later" not in raw
-    assert b"enc:v1:" in raw
+    assert b"enc:v2:" in raw
 
     # The same story from the command line.
     env = {**system.env, "HOOKLINE_INGEST_URL": system.ingest.base_url}

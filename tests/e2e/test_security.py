@@ -91,7 +91,7 @@ async def test_secrets_are_sealed_in_the_endpoint_log_and_never_logged(
     stored = b"".join(record.body for record in records)
     assert endpoint["secret"].encode() not in stored
     assert b"whsec_" not in stored
-    assert b"enc:v1:" in stored
+    assert b"enc:v2:" in stored
     assert endpoint["secret"] not in system.logs()
     with system.api() as api:
         listed = api.get("/v1/endpoints").json()["data"]
@@ -138,3 +138,19 @@ def test_a_tenant_token_sees_and_publishes_for_its_tenant_only(system: System) -
         assert api.post("/v1/events", json={"tenant": "acme", "type": "a.b", "data": {}}).status_code == 202
         dead: dict[str, Any] = api.get("/v1/dead-letters").json()
         assert all(item["tenant"] == "acme" for item in dead["data"])
+
+
+def test_only_the_admin_may_skip_verification(system: System) -> None:
+    mine = system.add_endpoint("acme", "http://127.0.0.1:9/unverified-by-admin", ["#"])
+    assert mine["verified"] is True  # the admin skipped the handshake
+    headers = {"authorization": f"Bearer {TENANT_TOKEN}"}
+    with httpx.Client(base_url=system.ingest.base_url, headers=headers, timeout=30) as api:
+        spec = {"tenant": "acme", "url": "http://127.0.0.1:9/third-party", "event_types": ["#"]}
+        created = api.post("/v1/endpoints", json={**spec, "verify": False})
+        assert created.status_code == 403
+        assert created.json()["error"] == "forbidden"
+        assert "verify" in created.json()["message"]
+        moved = api.patch(f"/v1/endpoints/{mine['id']}", json={"url": spec["url"], "verify": False})
+        assert moved.status_code == 403
+        # Verified (the default), the tenant may register it: the handshake decides.
+        assert api.post("/v1/endpoints", json=spec).status_code == 201

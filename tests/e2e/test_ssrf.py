@@ -25,7 +25,8 @@ SYSTEM_ENV = {"HOOKLINE_ALLOW_PRIVATE_TARGETS": "false"}
     ("url", "reason"),
     [
         ("http://127.0.0.1:9/hook", "loopback"),
-        ("http://localhost:9/hook", "loopback"),
+        # A name: refused without saying which internal addresses it resolves to.
+        ("http://localhost:9/hook", "localhost does not resolve to a public address"),
         ("http://[::1]:9/hook", "loopback"),
         ("http://169.254.169.254/latest/meta-data/", "link-local"),
         ("http://10.1.2.3/hook", "private"),
@@ -42,6 +43,9 @@ def test_private_targets_are_refused_at_registration(system: System, url: str, r
     [detail] = response.json()["details"]
     assert detail["field"] == "url"
     assert reason in detail["message"]
+    if "localhost" in url:
+        assert "127.0.0.1" not in response.text
+        assert "::1" not in response.text
 
 
 @pytest.fixture

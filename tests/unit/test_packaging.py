@@ -8,7 +8,9 @@ from pathlib import Path
 
 import yaml
 
+from hookline.shared.brokersetup import password_variable
 from hookline.shared.cli import build_parser
+from hookline.shared.permissions import USERS, Role
 from hookline.shared.settings import DispatcherSettings, IngestSettings, MonitorSettings
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -21,16 +23,28 @@ def _compose() -> dict:  # type: ignore[type-arg]
 
 def test_compose_runs_ingest_two_dispatchers_and_the_monitor_against_rabbitmq() -> None:
     services = {name: s for name, s in _compose()["services"].items() if "profiles" not in s}
-    assert set(services) == {"rabbitmq", "ingest", "dispatcher", "health-monitor"}
+    assert set(services) == {"rabbitmq", "broker-setup", "ingest", "dispatcher", "health-monitor"}
     assert services["dispatcher"]["deploy"]["replicas"] == 2
     assert services["rabbitmq"]["image"].startswith("rabbitmq:")
-    for name in ("ingest", "dispatcher", "health-monitor"):
+    # The broker is reached from this host only; the services connect as their own users.
+    assert all(port.startswith("127.0.0.1:") for port in services["rabbitmq"]["ports"])
+    assert services["broker-setup"]["depends_on"]["rabbitmq"]["condition"] == "service_healthy"
+    passwords = services["broker-setup"]["environment"]
+    for name, role in (
+        ("ingest", Role.INGEST),
+        ("dispatcher", Role.DISPATCHER),
+        ("health-monitor", Role.MONITOR),
+    ):
         service = services[name]
         assert service["command"] == ["hookline", name]
-        assert service["environment"]["HOOKLINE_AMQP_URL"].startswith(
-            "${HOOKLINE_AMQP_URL:-amqp://guest:guest@rabbitmq:5672"
-        )
-        assert service["depends_on"]["rabbitmq"]["condition"] == "service_healthy"
+        url = service["environment"]["HOOKLINE_AMQP_URL"]
+        assert f"amqp://{USERS[role]}:" in url
+        assert "guest" not in url
+        # The password the service connects with is the one broker-setup set.
+        password = passwords[password_variable(USERS[role])]
+        assert password in url
+        assert service["depends_on"]["broker-setup"]["condition"] == "service_completed_successfully"
+        assert service["environment"]["HOOKLINE_DEVELOPMENT"] == "${HOOKLINE_DEVELOPMENT:-false}"
 
 
 def test_the_cluster_profile_adds_two_nodes_that_join_the_first_with_one_cookie() -> None:
@@ -48,8 +62,8 @@ def test_the_cluster_profile_adds_two_nodes_that_join_the_first_with_one_cookie(
         assert {c["source"] for c in services[node]["configs"]} == {"rabbitmq-conf", "rabbitmq-join"}
         assert f"{node}-data" in compose["volumes"]
     assert "queue_leader_locator = balanced" in compose["configs"]["rabbitmq-conf"]["content"]
-    # The services reach every node when told to (README): the URL is overridable as a whole.
-    assert services["ingest"]["environment"]["HOOKLINE_AMQP_URL"].startswith("${HOOKLINE_AMQP_URL:-")
+    # The services reach every node when told to (README): each one's URL is overridable as a whole.
+    assert services["ingest"]["environment"]["HOOKLINE_AMQP_URL"].startswith("${HOOKLINE_INGEST_AMQP_URL:-")
 
 
 def test_every_compose_command_is_a_real_cli_command() -> None:
@@ -71,6 +85,8 @@ def test_every_compose_setting_is_a_real_setting() -> None:
     }
     for name, service in _compose()["services"].items():
         for variable in service.get("environment", {}):
+            if name == "broker-setup" and variable.startswith("HOOKLINE_BROKER_PASSWORD_"):
+                continue  # broker-setup's own (shared/brokersetup.py)
             if variable.startswith("HOOKLINE_"):
                 assert variable in known, (name, variable)
 

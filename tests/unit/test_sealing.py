@@ -2,10 +2,17 @@
 
 from __future__ import annotations
 
+import base64
+import hashlib
+import os
+
 import pytest
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+from pydantic import ValidationError
 
 from hookline.shared.models import SigningSecret
 from hookline.shared.sealing import SealedSecretError, Sealer
+from hookline.shared.settings import IngestSettings
 from hookline.shared.signing import generate_secret
 
 
@@ -13,7 +20,7 @@ def test_sealed_secrets_round_trip_and_fit_the_model() -> None:
     secret = generate_secret()
     sealer = Sealer("k" * 40)
     sealed = sealer.seal(secret)
-    assert sealed.startswith("enc:v1:")
+    assert sealed.startswith("enc:v2:")
     assert secret not in sealed
     assert sealer.seal(secret) != sealed, "a fresh nonce every time"
     assert sealer.open(sealed) == secret
@@ -32,3 +39,25 @@ def test_a_missing_or_wrong_key_is_a_clear_error(key: str | None, message: str) 
     sealed = Sealer("k" * 40).seal(generate_secret())
     with pytest.raises(SealedSecretError, match=message):
         Sealer(key).open(sealed)
+
+
+def test_a_secret_sealed_before_hkdf_still_opens() -> None:
+    """enc:v1 values (AES-GCM under SHA-256 of the setting) are in existing change logs."""
+    key, secret = "k" * 40, generate_secret()
+    nonce = os.urandom(12)
+    sealed = nonce + AESGCM(hashlib.sha256(key.encode()).digest()).encrypt(
+        nonce, secret.encode(), b"hookline signing secret"
+    )
+    v1 = "enc:v1:" + base64.urlsafe_b64encode(sealed).decode()
+    assert Sealer(key).open(v1) == secret
+    SigningSecret.model_validate({"value": v1, "created_at": "2026-11-29T18:00:00Z"})
+    with pytest.raises(SealedSecretError, match="is not the key"):
+        Sealer("w" * 40).open(v1)
+
+
+@pytest.mark.parametrize("key", ["", "short", "k" * 31])
+def test_a_short_or_empty_key_is_refused_not_taken_as_no_key(key: str) -> None:
+    with pytest.raises(ValueError, match="at least 32"):
+        Sealer(key)
+    with pytest.raises(ValidationError, match=r"HOOKLINE_SECRET_KEY|secret_key"):
+        IngestSettings(api_token="a" * 16, secret_key=key)  # type: ignore[arg-type]

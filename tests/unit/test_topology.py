@@ -203,7 +203,7 @@ def test_endpoint_queues_are_the_current_one_and_those_it_left() -> None:
 
 def test_core_queues_are_what_every_service_relies_on() -> None:
     core = topology.core_queues()
-    assert len(core) == len(set(core)) == 7 + topology.DELAY_BITS
+    assert len(core) == len(set(core)) == 8 + topology.DELAY_BITS
     assert set(core) >= {
         "hookline.unrouted",
         "hookline.events.log",
@@ -211,6 +211,7 @@ def test_core_queues_are_what_every_service_relies_on() -> None:
         "hookline.endpoints",
         "hookline.telemetry.log",
         "hookline.breakers",
+        "hookline.audit",
         "hookline.delay.unroutable",
         "hookline.delay.00",
         "hookline.delay.27",
@@ -223,15 +224,18 @@ def test_every_capped_stream_has_an_age_and_a_byte_cap_and_the_budget_adds_them_
     retention = topology.Retention()
     arguments = retention.arguments()
     assert set(arguments) == {
-        topology.EVENT_LOG, topology.DEAD_LETTER_STREAM, topology.TELEMETRY_LOG, topology.BREAKER_LOG
+        topology.EVENT_LOG, topology.DEAD_LETTER_STREAM, topology.TELEMETRY_LOG, topology.BREAKER_LOG,
+        topology.AUDIT_LOG,
     }  # fmt: skip
     for stream in arguments.values():
         assert stream["x-queue-type"] == "stream"
         assert stream["x-max-age"]
         assert 0 < stream["x-stream-max-segment-size-bytes"] <= stream["x-max-length-bytes"] // 20
     # The defaults: 20 GB of events, 5 GB of dead letters, 4 GB of telemetry, 0.2 GB of breaker states,
-    # each with the segment being written on top.
-    assert retention.disk_budget_bytes == 29_200_000_000 + 500_000_000 + 250_000_000 + 50_000_000 + 5_000_000
+    # 1 GB of audit trail, each with the segment being written on top.
+    assert retention.disk_budget_bytes == (
+        30_200_000_000 + 500_000_000 + 250_000_000 + 50_000_000 + 5_000_000 + 50_000_000
+    )
     # The telemetry stream keeps the arguments it always had: no warning for it on an upgrade.
     assert arguments[topology.TELEMETRY_LOG] == {
         "x-queue-type": "stream",

@@ -1,0 +1,169 @@
+"""The audit trail: who changed what, when — every change made through the API.
+
+Each change (an endpoint created, changed, paused, resumed, rotated, verified or deleted; a redrive; a
+replay; a resend; a token created, expired or revoked; a quota set; an event type written) appends one
+record to the ``hookline.audit`` stream once the change is done, naming the actor (``admin``,
+``token:<id>`` or ``env:<tenant>``), the action, the target and what changed — field names and values,
+never a secret, a header value or an auth credential. Every ingest replica follows the stream into a
+local view (SQLite) that ``GET /v1/audit`` reads; a tenant token sees its own tenant's records.
+
+A record is written after its change succeeded, so that a refused change leaves none; should the broker
+refuse the record then, the change stands and ``audit_record_not_written`` is logged as an error.
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Annotated, Any
+
+import aio_pika
+import structlog
+from fastapi import APIRouter, Depends, Query
+
+from hookline.ingest.auth import Caller, Principal
+from hookline.ingest.state import IngestState, ingest_state
+from hookline.shared import topology
+from hookline.shared.amqp import BROKER_ERRORS
+from hookline.shared.ids import new_id
+from hookline.shared.models import Model
+from hookline.shared.views import RowView, StreamMessage, ViewSchema
+
+log = structlog.get_logger(__name__)
+
+#: Fields of an endpoint whose values are never shown in the trail (their names are).
+SECRET_FIELDS = frozenset({"secrets", "sealed_headers", "sealed_auth", "headers", "auth"})
+# Fields that change with every write: not a change anyone made.
+_BOOKKEEPING = frozenset(
+    {"id", "created_at", "version", "updated_at", "queue_generation", "retired_queues", "routed"}
+)
+
+SCHEMA = ViewSchema(
+    version=1,
+    statements=[
+        """CREATE TABLE audit (
+            offset INTEGER PRIMARY KEY,
+            id TEXT NOT NULL,
+            at_s REAL NOT NULL,
+            tenant TEXT,
+            record BLOB NOT NULL
+        )""",
+        "CREATE INDEX audit_by_tenant ON audit (tenant, offset)",
+        "CREATE INDEX audit_by_time ON audit (at_s)",
+    ],
+)
+
+
+class AuditRecord(Model):
+    id: str
+    at: datetime
+    actor: str
+    action: str
+    tenant: str | None
+    target: str | None
+    changes: dict[str, Any]
+
+
+class AuditList(Model):
+    data: list[AuditRecord]
+    next_after: str | None = None
+
+
+def changes_between(before: Model | None, after: Model | None) -> dict[str, Any]:
+    """Each field that differs, ``{"from", "to"}``; a secret field only as ``"changed"``."""
+    old = before.model_dump(mode="json") if before is not None else {}
+    new = after.model_dump(mode="json") if after is not None else {}
+    changed: dict[str, Any] = {}
+    for field in sorted(set(old) | set(new)):
+        if field in _BOOKKEEPING or old.get(field) == new.get(field):
+            continue
+        changed[field] = (
+            "changed" if field in SECRET_FIELDS else {"from": old.get(field), "to": new.get(field)}
+        )
+    return changed
+
+
+async def record(
+    state: IngestState,
+    caller: Principal,
+    action: str,
+    *,
+    tenant: str | None,
+    target: str | None,
+    changes: dict[str, Any] | None = None,
+) -> None:
+    entry = AuditRecord(
+        id=new_id("aud"),
+        at=datetime.now(UTC),
+        actor=caller.actor,
+        action=action,
+        tenant=tenant,
+        target=target,
+        changes=changes or {},
+    )
+    message = aio_pika.Message(
+        entry.model_dump_json().encode(),
+        content_type="application/json",
+        delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
+        message_id=entry.id,
+    )
+    try:
+        await state.publisher.publish(message, exchange="", routing_key=topology.AUDIT_LOG)
+    except BROKER_ERRORS as exc:
+        log.error("audit_record_not_written", action=action, target=target, error=type(exc).__name__)
+
+
+def _rows(offset: int, message: StreamMessage) -> list[tuple[Any, ...]]:
+    try:
+        entry = AuditRecord.model_validate_json(message.body)
+    except ValueError:
+        log.error("audit_record_unreadable", offset=offset)
+        return []
+    return [(offset, entry.id, entry.at.timestamp(), entry.tenant, message.body)]
+
+
+def view(path: Path | None, *, vhost: str) -> RowView:
+    return RowView(
+        path.with_suffix(".audit.sqlite") if path else None,
+        schema=SCHEMA,
+        identity=f"{vhost}/{topology.AUDIT_LOG}",
+        insert="INSERT OR REPLACE INTO audit VALUES (?, ?, ?, ?, ?)",
+        derive=_rows,
+    )
+
+
+router = APIRouter(prefix="/v1/audit", tags=["audit"])
+
+
+@router.get("", response_model=AuditList)
+async def list_audit(
+    state: Annotated[IngestState, Depends(ingest_state)],
+    caller: Caller,
+    tenant: str | None = None,
+    since: datetime | None = None,
+    limit: Annotated[int, Query(ge=1, le=1000)] = 100,
+    after: Annotated[str | None, Query(description="records after this id (oldest first)")] = None,
+) -> AuditList:
+    scope = caller.scope(tenant)
+    since_s = since.timestamp() if since is not None else 0.0
+    conditions: list[str] = ["at_s >= ?"]
+    values: list[object] = [since_s]
+    if scope is not None:
+        conditions.append("tenant = ?")
+        values.append(scope)
+    if after is not None:
+        conditions.append("offset > coalesce((SELECT offset FROM audit WHERE id = ?), -1)")
+        values.append(after)
+    # Only the fixed conditions above are joined in; every value is a placeholder.
+    sql = f"SELECT record FROM audit WHERE {' AND '.join(conditions)} ORDER BY offset LIMIT ?"  # noqa: S608
+    rows = await state.audit.read(lambda db: db.execute(sql, (*values, limit + 1)).fetchall())
+    page = [AuditRecord.model_validate_json(row[0]) for row in rows[:limit]]
+    return AuditList(data=page, next_after=page[-1].id if len(rows) > limit else None)
+
+
+async def expire(audit: RowView, *, now_s: float) -> int:
+    """Rows older than the stream keeps (``topology.AUDIT_MAX_AGE_S``) leave the view too."""
+    cutoff_s = now_s - topology.AUDIT_MAX_AGE_S
+    return await audit.store.write(
+        lambda db: db.execute("DELETE FROM audit WHERE at_s < ?", (cutoff_s,)).rowcount
+    )

@@ -1,0 +1,157 @@
+"""Per-tenant quotas, set by the admin (``PUT /v1/tenants/{tenant}/quota``) and kept in the change log.
+
+- **endpoints**: how many endpoints the tenant may have; checked at registration.
+- **events per second**: a token bucket per tenant in each ingest replica (``burst`` events at once,
+  refilled at ``events_per_s``); with N replicas behind a balancer a tenant gets up to N times the rate.
+- **bytes per day**: event bytes per UTC day, counted in the delivery log from the event log, so across
+  every replica and the AMQP upstreams alike (a second or so behind the publishes).
+
+Over a quota: 429 ``quota_exceeded`` with ``Retry-After`` (when a token is back, the next UTC day, or a
+minute for the endpoint count, which only a deletion or the admin changes). Quotas apply to the HTTP
+API; an upstream publishing over AMQP is limited by its broker permissions instead (README).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Annotated
+
+from fastapi import APIRouter, Depends
+
+from hookline.ingest import audit
+from hookline.ingest.auth import Caller
+from hookline.ingest.deliverylog import DAY_S, DeliveryLog
+from hookline.ingest.state import IngestState, ingest_state
+from hookline.shared.api import ApiError
+from hookline.shared.models import Model, Tenant, TenantQuota
+from hookline.shared.registry import EndpointRegistry
+from hookline.shared.tenants import NO_QUOTA, Tenants
+
+#: What Retry-After says when only a deletion (or the admin) makes room.
+ENDPOINTS_RETRY_AFTER_S = 60
+
+
+@dataclass(frozen=True)
+class Bucket:
+    tokens: float
+    at_s: float
+
+
+def take(
+    bucket: Bucket | None, *, rate_per_s: float, burst: int, count: int, now_s: float
+) -> tuple[Bucket, float]:
+    """Take ``count`` tokens: the bucket after, and 0.0 when admitted, else the seconds until they are
+    there (the bucket then unchanged but refilled to now). A full bucket holds ``burst`` tokens."""
+    held = burst if bucket is None else min(burst, bucket.tokens + (now_s - bucket.at_s) * rate_per_s)
+    if count <= held:
+        return Bucket(held - count, now_s), 0.0
+    if count > burst:
+        return Bucket(held, now_s), math.inf  # never fits: as many events at once as the burst allows
+    return Bucket(held, now_s), (count - held) / rate_per_s
+
+
+def over_quota(message: str, retry_after_s: float) -> ApiError:
+    return ApiError(
+        429, "quota_exceeded", message, headers={"Retry-After": str(max(1, math.ceil(retry_after_s)))}
+    )
+
+
+class Usage(Model):
+    endpoints: int
+    events_today: int
+    bytes_today: int
+
+
+class QuotaView(Model):
+    tenant: str
+    quota: TenantQuota
+    usage: Usage
+
+
+class Quotas:
+    def __init__(self, tenants: Tenants, registry: EndpointRegistry, delivery_log: DeliveryLog) -> None:
+        self._tenants = tenants
+        self._registry = registry
+        self._delivery_log = delivery_log
+        self._buckets: dict[str, Bucket] = {}
+
+    def _endpoint_count(self, tenant: str) -> int:
+        return sum(1 for endpoint in self._registry.all() if endpoint.tenant == tenant)
+
+    def check_endpoints(self, tenant: str) -> None:
+        limit = self._tenants.quota(tenant).max_endpoints
+        if limit is not None and self._endpoint_count(tenant) >= limit:
+            raise over_quota(
+                f"tenant {tenant!r} has {limit} endpoints, its quota (max_endpoints)", ENDPOINTS_RETRY_AFTER_S
+            )
+
+    async def check_events(
+        self, tenant: str, *, count: int, size_bytes: Callable[[], int], now_s: float
+    ) -> None:
+        """Admit ``count`` events of ``size_bytes()`` bytes in all (measured only when a bytes quota is
+        set), or raise 429."""
+        quota = self._tenants.quota(tenant)
+        if quota is NO_QUOTA:
+            return
+        if quota.bytes_per_day is not None:
+            day_start_s = now_s - now_s % DAY_S
+            _, used = await self._delivery_log.day_of(tenant, day_start_s=day_start_s)
+            if used + size_bytes() > quota.bytes_per_day:
+                raise over_quota(
+                    f"tenant {tenant!r} has published {used} of its {quota.bytes_per_day} bytes today "
+                    "(bytes_per_day, UTC)",
+                    day_start_s + DAY_S - now_s,
+                )
+        if quota.events_per_s is not None:
+            burst = quota.burst or max(1, math.ceil(quota.events_per_s))
+            bucket, wait_s = take(
+                self._buckets.get(tenant),
+                rate_per_s=quota.events_per_s,
+                burst=burst,
+                count=count,
+                now_s=now_s,
+            )
+            self._buckets[tenant] = bucket
+            if wait_s == math.inf:
+                raise ApiError(
+                    422,
+                    "batch_over_burst",
+                    f"{count} events at once exceed tenant {tenant!r}'s burst of {burst}",
+                )
+            if wait_s > 0:
+                raise over_quota(
+                    f"tenant {tenant!r} may publish {quota.events_per_s:g} events/s (burst {burst})", wait_s
+                )
+
+    async def view(self, tenant: str, now_s: float) -> QuotaView:
+        day = await self._delivery_log.day_of(tenant, day_start_s=now_s - now_s % DAY_S)
+        return QuotaView(
+            tenant=tenant,
+            quota=self._tenants.quota(tenant),
+            usage=Usage(endpoints=self._endpoint_count(tenant), events_today=day[0], bytes_today=day[1]),
+        )
+
+
+router = APIRouter(prefix="/v1/tenants", tags=["tenants"])
+State = Annotated[IngestState, Depends(ingest_state)]
+
+
+@router.get("/{tenant}/quota", response_model=QuotaView)
+async def get_quota(tenant: Tenant, state: State, caller: Caller) -> QuotaView:
+    caller.require(tenant)
+    return await state.quotas.view(tenant, datetime.now(UTC).timestamp())
+
+
+@router.put("/{tenant}/quota", response_model=QuotaView)
+async def set_quota(tenant: Tenant, quota: TenantQuota, state: State, caller: Caller) -> QuotaView:
+    caller.require_admin("set quotas")
+    before = state.change_log.tenants.quota(tenant)
+    await state.change_log.write_quota(tenant, quota, timeout_s=state.settings.registry_wait_s)
+    await audit.record(
+        state, caller, "tenant.quota_set", tenant=tenant, target=tenant,
+        changes=audit.changes_between(before, quota),
+    )  # fmt: skip
+    return await state.quotas.view(tenant, datetime.now(UTC).timestamp())

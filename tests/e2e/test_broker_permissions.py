@@ -1,0 +1,373 @@
+"""Least privilege on the broker: `hookline broker-setup` users, each service running as its own, and
+upstreams that can publish their own tenant's events and nothing else."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import uuid
+from collections.abc import Awaitable, Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import aio_pika
+import aiormq
+import httpx
+import pytest
+from conftest import tenant
+from support import services
+from support.broker import Broker
+from support.receiver import Received, Receiver, Reply
+from support.waiting import eventually
+
+from hookline.shared import topology
+from hookline.shared.amqp import Broker as AmqpBroker
+from hookline.shared.permissions import USERS, Role
+from hookline.shared.topology import Retention
+
+pytestmark = pytest.mark.e2e
+
+ROLE_PASSWORD = "role-password-for-the-tests-0123"
+SERVICE_ENV = {
+    "HOOKLINE_BREAKER_FAILURE_THRESHOLD": "3",
+    "HOOKLINE_BREAKER_COOLDOWN_S": "2",
+    "HOOKLINE_TICK_S": "0.2",
+    "HOOKLINE_QUEUE_POLL_S": "0.5",
+    "HOOKLINE_RETRY_SCHEDULE_S": "1",
+    "HOOKLINE_RETIRED_QUEUE_GRACE_S": "1",
+}
+
+
+@dataclass
+class Setup:
+    vhost_url: str  # as the admin (the tests' own user)
+    urls: dict[str, str]  # user -> URL with its credentials
+    acme: str
+    acme_upstream: str
+    any_upstream: str
+    output: dict[str, Any]
+
+
+def _broker_setup(vhost_url: str, *arguments: str) -> dict[str, Any]:
+    env = services.base_env(vhost_url)
+    env.update({f"HOOKLINE_BROKER_PASSWORD_HOOKLINE_{role.upper()}": ROLE_PASSWORD for role in Role})
+    done = subprocess.run(
+        [services.HOOKLINE, "broker-setup", *arguments], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    output: dict[str, Any] = json.loads(done.stdout)
+    return output
+
+
+@pytest.fixture(scope="module")
+def setup(rabbitmq: Broker) -> Iterator[Setup]:
+    acme = tenant()
+    suffix = uuid.uuid4().hex[:8]
+    acme_upstream, any_upstream = f"upstream-{acme}", f"upstream-all-{suffix}"
+    with rabbitmq.vhost("broker-permissions") as vhost_url:
+        output = _broker_setup(vhost_url, "--upstream", f"{acme_upstream}:{acme}", "--upstream", any_upstream)
+        users = {user["user"]: user for user in output["users"]}
+        urls = {u: users[u]["amqp_url"] for u in (acme_upstream, any_upstream)}
+        for role in Role:
+            urls[USERS[role]] = vhost_url.replace("guest:guest@", f"{USERS[role]}:{ROLE_PASSWORD}@")
+        try:
+            yield Setup(vhost_url, urls, acme, acme_upstream, any_upstream, output)
+        finally:
+            for user in (acme_upstream, any_upstream):
+                rabbitmq.ctl(["delete_user", user])
+
+
+def test_setup_prints_each_new_password_once_and_never_one_it_was_given(
+    setup: Setup, rabbitmq: Broker
+) -> None:
+    users = {user["user"]: user for user in setup.output["users"]}
+    assert {users[USERS[role]]["role"] for role in Role} == {"ingest", "dispatcher", "monitor"}
+    for role in Role:
+        assert users[USERS[role]]["password"] is None
+        assert users[USERS[role]]["amqp_url"] is None
+    upstream = users[setup.acme_upstream]
+    assert upstream["role"] == "upstream"
+    assert upstream["tenant"] == setup.acme
+    assert len(upstream["password"]) >= 32
+    assert upstream["password"] in upstream["amqp_url"]
+    # Run again: permissions set again, a password kept (not printed) unless asked to rotate.
+    again = _broker_setup(setup.vhost_url, "--upstream", f"{setup.acme_upstream}:{setup.acme}")
+    kept = {user["user"]: user for user in again["users"]}[setup.acme_upstream]
+    assert kept["password"] is None
+    assert kept["amqp_url"] is None
+    listed = rabbitmq.ctl(["list_topic_permissions", "-p", setup.vhost_url.rsplit("/", 1)[1]])
+    assert f"{setup.acme_upstream}\tevents\t^{setup.acme}\\." in listed
+
+
+async def _refused(url: str, operation: Callable[[aio_pika.abc.AbstractChannel], Awaitable[object]]) -> bool:
+    """Whether the broker refuses ``operation`` for this user (ACCESS_REFUSED); False when it is done."""
+    connection = await aio_pika.connect(url)
+    async with connection:
+        channel = await connection.channel(publisher_confirms=True)
+        try:
+            await operation(channel)
+        except aiormq.exceptions.ChannelAccessRefused:
+            return True
+    return False
+
+
+def _publish(exchange: str, routing_key: str) -> Callable[[aio_pika.abc.AbstractChannel], Awaitable[object]]:
+    async def run(channel: aio_pika.abc.AbstractChannel) -> object:
+        target = (
+            channel.default_exchange if exchange == "" else await channel.get_exchange(exchange, ensure=False)
+        )
+        body = json.dumps({"kind": "forged"}).encode()
+        return await target.publish(aio_pika.Message(body), routing_key=routing_key, mandatory=False)
+
+    return run
+
+
+def _consume(queue: str) -> Callable[[aio_pika.abc.AbstractChannel], Awaitable[object]]:
+    async def run(channel: aio_pika.abc.AbstractChannel) -> object:
+        await channel.set_qos(prefetch_count=1)
+        found = await channel.get_queue(queue, ensure=False)
+
+        async def ignore(message: aio_pika.abc.AbstractIncomingMessage) -> None:
+            await message.ack()
+
+        return await found.consume(ignore, arguments={"x-stream-offset": "first"})
+
+    return run
+
+
+def _declare(queue: str) -> Callable[[aio_pika.abc.AbstractChannel], Awaitable[object]]:
+    async def run(channel: aio_pika.abc.AbstractChannel) -> object:
+        return await channel.declare_queue(queue, durable=True, arguments={"x-queue-type": "quorum"})
+
+    return run
+
+
+def _delete(queue: str) -> Callable[[aio_pika.abc.AbstractChannel], Awaitable[object]]:
+    async def run(channel: aio_pika.abc.AbstractChannel) -> object:
+        return await channel.queue_delete(queue)
+
+    return run
+
+
+@pytest.fixture(scope="module")
+def topology_declared(setup: Setup) -> None:
+    """The core topology, as the ingest user declares it at its start."""
+
+    async def declare() -> None:
+        async with AmqpBroker(
+            setup.urls[USERS[Role.INGEST]], name="test-ingest", connect_timeout_s=15
+        ) as broker:
+            await topology.declare(broker, Retention())
+
+    asyncio.run(declare())
+
+
+# What an upstream must not do: register an endpoint (append to the change log), forge breaker commands,
+# telemetry, dead letters or retries, read a stream, declare or delete anything.
+FORBIDDEN_TO_UPSTREAMS = {
+    "append to the endpoint change log": _publish("", topology.ENDPOINT_LOG),
+    "publish to an endpoint queue by name": _publish(
+        "", topology.endpoint_queue("ep_01JD0000000000000000000000")
+    ),
+    "forge a breaker command": _publish(topology.CONTROL_EXCHANGE, ""),
+    "forge telemetry": _publish(topology.TELEMETRY_EXCHANGE, ""),
+    "forge a dead letter": _publish(topology.DEAD_LETTER_EXCHANGE, ""),
+    "schedule a retry": _publish(topology.delay_level(0), "x"),
+    "publish an alert": _publish(topology.ALERTS_EXCHANGE, "x.firing"),
+    "read the event log": _consume(topology.EVENT_LOG),
+    "read the endpoint change log": _consume(topology.ENDPOINT_LOG),
+    "declare a queue": _declare("upstream-own-queue"),
+    "delete the event log": _delete(topology.EVENT_LOG),
+}
+
+
+@pytest.mark.usefixtures("topology_declared")
+@pytest.mark.parametrize("what", FORBIDDEN_TO_UPSTREAMS)
+async def test_an_upstream_cannot_touch_hooklines_internals(setup: Setup, what: str) -> None:
+    for user in (setup.acme_upstream, setup.any_upstream):
+        assert await _refused(setup.urls[user], FORBIDDEN_TO_UPSTREAMS[what]), f"{user} may {what}"
+
+
+@pytest.mark.usefixtures("topology_declared")
+async def test_a_tenants_upstream_publishes_only_its_tenants_routing_keys(setup: Setup) -> None:
+    own = setup.urls[setup.acme_upstream]
+    assert not await _refused(own, _publish("events", f"{setup.acme}.order.created"))
+    assert await _refused(own, _publish("events", "beta.order.created"))
+    assert await _refused(own, _publish("events", f"{setup.acme}x.order.created"))  # a prefix, not a tenant
+    assert await _refused(own, _publish("events", setup.acme))  # no dot: no tenant's event
+    # An upstream without a tenant publishes for any.
+    assert not await _refused(setup.urls[setup.any_upstream], _publish("events", "beta.order.created"))
+
+
+# Each service is refused what only another role does (the matrix in shared/permissions.py).
+FORBIDDEN_TO_ROLES = [
+    (Role.DISPATCHER, "publish an event", _publish("events", "acme.order.created")),
+    (Role.DISPATCHER, "forge a breaker command", _publish(topology.CONTROL_EXCHANGE, "")),
+    (Role.DISPATCHER, "delete the endpoint change log", _delete(topology.ENDPOINT_LOG)),
+    (Role.DISPATCHER, "read the event log", _consume(topology.EVENT_LOG)),
+    (Role.MONITOR, "forge telemetry", _publish(topology.TELEMETRY_EXCHANGE, "")),
+    (Role.MONITOR, "schedule a retry", _publish(topology.delay_level(0), "x")),
+    (Role.MONITOR, "delete the dead-letter stream", _delete(topology.DEAD_LETTER_STREAM)),
+    (Role.INGEST, "take the monitor's leader lock", _declare(topology.MONITOR_LEADER_LOCK)),
+]
+
+
+@pytest.mark.usefixtures("topology_declared")
+@pytest.mark.parametrize(
+    ("role", "what", "operation"), FORBIDDEN_TO_ROLES, ids=[w for _, w, _ in FORBIDDEN_TO_ROLES]
+)
+async def test_each_service_is_refused_what_its_role_does_not_do(
+    setup: Setup,
+    role: Role,
+    what: str,
+    operation: Callable[[aio_pika.abc.AbstractChannel], Awaitable[object]],
+) -> None:
+    assert await _refused(setup.urls[USERS[role]], operation), f"{USERS[role]} may {what}"
+
+
+@pytest.fixture(scope="module")
+def least_privilege_system(
+    setup: Setup, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[dict[str, services.Service]]:
+    log_dir: Path = tmp_path_factory.mktemp("least-privilege")
+    env = services.base_env(setup.vhost_url, HOOKLINE_STATE_DIR=str(log_dir / "state"), **SERVICE_ENV)
+    # The dispatcher and the monitor start first: they wait for the ingest to declare the topology.
+    started = {
+        "dispatcher": services.start(
+            "dispatcher", {**env, "HOOKLINE_AMQP_URL": setup.urls[USERS[Role.DISPATCHER]]}, log_dir
+        ),
+        "health-monitor": services.start(
+            "health-monitor", {**env, "HOOKLINE_AMQP_URL": setup.urls[USERS[Role.MONITOR]]}, log_dir
+        ),
+    }
+    started["ingest"] = services.start(
+        "ingest", {**env, "HOOKLINE_AMQP_URL": setup.urls[USERS[Role.INGEST]]}, log_dir
+    )
+    try:
+        for service in started.values():
+            service.wait_ready(60)
+        yield started
+    finally:
+        codes = {name: service.stop() for name, service in started.items()}
+        logs = "\n".join(service.log() for service in started.values())
+        assert set(codes.values()) == {0}, f"exit codes {codes}\n{logs}"
+
+
+async def test_every_service_works_as_its_own_least_privileged_user(
+    setup: Setup, least_privilege_system: dict[str, services.Service], receiver: Receiver
+) -> None:
+    ingest, monitor = least_privilege_system["ingest"], least_privilege_system["health-monitor"]
+    acme = setup.acme
+    auth = {"authorization": f"Bearer {services.TOKEN}"}
+    broken = {"now": True}
+    delivered: set[tuple[str, str]] = set()  # (path, webhook-id) answered 2xx
+
+    def respond(request: Received) -> Reply:
+        if request.path == "/retired":
+            return Reply(status=410)
+        if (request.path == "/flaky" and broken["now"]) or (
+            request.path == "/refusing" and not delivered_once
+        ):
+            return Reply(status=500 if request.path == "/flaky" else 400)
+        delivered.add((request.path, request.headers["webhook-id"]))
+        return Reply(status=204)
+
+    delivered_once: list[str] = []  # /refusing refuses until the test fixes it
+    receiver.responder = respond
+
+    async def arrived(path: str, *ids: str) -> bool:
+        return {(path, i) for i in ids} <= delivered
+
+    async def api(method: str, path: str, **kwargs: Any) -> httpx.Response:
+        async with httpx.AsyncClient(base_url=ingest.base_url, headers=auth, timeout=30) as client:
+            return await client.request(method, path, **kwargs)
+
+    def endpoint(path: str, patterns: list[str]) -> dict[str, Any]:
+        return {"tenant": acme, "url": receiver.url(path), "event_types": patterns, "verify": False}
+
+    await api("POST", "/v1/endpoints", json=endpoint("/ok", ["order.*"]))
+    flaky = (await api("POST", "/v1/endpoints", json=endpoint("/flaky", ["invoice.*"]))).json()
+    refusing = (await api("POST", "/v1/endpoints", json=endpoint("/refusing", ["refund.*"]))).json()
+    gone = (await api("POST", "/v1/endpoints", json=endpoint("/gone", ["order.*"]))).json()
+
+    # Events from the HTTP API (the ingest) and from the tenant's own upstream user.
+    assert (
+        await api(
+            "POST", "/v1/events", json={"id": "evt_http", "tenant": acme, "type": "order.created", "data": {}}
+        )
+    ).status_code == 202
+    upstream_event = {
+        "id": "evt_amqp",
+        "tenant": acme,
+        "type": "order.created",
+        "occurred_at": "2026-12-01T00:00:00Z",
+        "data": {},
+    }
+    connection = await aio_pika.connect(setup.urls[setup.acme_upstream])
+    async with connection:
+        channel = await connection.channel(publisher_confirms=True)
+        exchange = await channel.get_exchange("events", ensure=False)
+        body = json.dumps(upstream_event).encode()
+        await exchange.publish(
+            aio_pika.Message(
+                body,
+                content_type="application/json",
+                delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
+                message_id="evt_amqp",
+            ),
+            routing_key=f"{acme}.order.created",
+        )
+    await eventually(lambda: arrived("/ok", "evt_http", "evt_amqp"))
+
+    # Retries through the delay queues and a breaker opened and closed by the monitor's commands.
+    for n in range(5):
+        await api(
+            "POST",
+            "/v1/events",
+            json={"id": f"evt_flaky_{n}", "tenant": acme, "type": "invoice.paid", "data": {}},
+        )
+
+    async def breaker(state: str) -> bool:
+        async with httpx.AsyncClient(base_url=monitor.base_url, headers=auth, timeout=30) as client:
+            response = await client.get(f"/v1/endpoints/{flaky['id']}/health")
+        return response.status_code == 200 and response.json()["breaker_state"] == state
+
+    await eventually(lambda: breaker("open"), timeout_s=60)
+    broken["now"] = False
+    await eventually(lambda: breaker("closed"), timeout_s=60)
+    await eventually(lambda: arrived("/flaky", *(f"evt_flaky_{n}" for n in range(5))), timeout_s=60)
+
+    # A refused delivery is a dead letter the ingest lists and redrives.
+    await api(
+        "POST", "/v1/events", json={"id": "evt_refused", "tenant": acme, "type": "refund.issued", "data": {}}
+    )
+
+    async def dead_lettered() -> bool:
+        listed = (await api("GET", "/v1/dead-letters", params={"endpoint_id": refusing["id"]})).json()
+        return len(listed["data"]) == 1
+
+    await eventually(dead_lettered, timeout_s=30)
+    delivered_once.append("fixed")
+    redriven = (await api("POST", "/v1/dead-letters/redrive", json={"endpoint_id": refusing["id"]})).json()
+    assert redriven["redriven"] == 1
+    await eventually(lambda: arrived("/refusing", "evt_refused"), timeout_s=30)
+
+    # A 410 disables the endpoint: the dispatcher writes that to the change log.
+    retired = (await api("POST", "/v1/endpoints", json=endpoint("/retired", ["refund.*"]))).json()
+    await api(
+        "POST", "/v1/events", json={"id": "evt_retired", "tenant": acme, "type": "refund.made", "data": {}}
+    )
+
+    async def disabled() -> bool:
+        return (await api("GET", f"/v1/endpoints/{retired['id']}")).json()["status"] == "disabled"
+
+    await eventually(disabled, timeout_s=30)
+
+    # Deleting an endpoint: its route goes (the ingest), its drained queue is removed (the monitor).
+    assert (await api("DELETE", f"/v1/endpoints/{gone['id']}")).status_code == 204
+    await eventually(lambda: asyncio.to_thread(lambda: "queue_removed" in monitor.log()), timeout_s=60)
+
+    logs = "\n".join(service.log() for service in least_privilege_system.values())
+    assert "access_refused" not in logs.lower(), logs[-3000:]

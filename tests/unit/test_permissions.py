@@ -1,0 +1,128 @@
+"""The permission matrix derived from topology's names, and broker-setup's plan (pure)."""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import re
+
+import pytest
+
+from hookline.shared import topology
+from hookline.shared.brokersetup import Upstream, password_hash, plan, wanted_users
+from hookline.shared.permissions import GRANTS, NOTHING, Role, names, upstream_grant
+
+ENDPOINT_QUEUE = topology.endpoint_queue("ep_01JD0000000000000000000000", 3)
+ROUTE = topology.route_exchange("ep_01JD0000000000000000000000")
+
+
+def allowed(expression: str, name: str) -> bool:
+    return re.search(expression, name) is not None
+
+
+@pytest.mark.parametrize(
+    ("role", "permission", "name", "expected"),
+    [
+        # The ingest owns the topology.
+        (Role.INGEST, "configure", topology.ENDPOINT_LOG, True),
+        (Role.INGEST, "configure", ENDPOINT_QUEUE, True),
+        (Role.INGEST, "write", "amq.default", True),
+        (Role.INGEST, "write", topology.EVENTS_EXCHANGE, True),
+        (Role.INGEST, "configure", topology.MONITOR_LEADER_LOCK, False),
+        # A dispatcher: endpoint queues, retries, dead letters, telemetry; no streams, no events.
+        (Role.DISPATCHER, "configure", ENDPOINT_QUEUE, True),
+        (Role.DISPATCHER, "configure", ROUTE, True),
+        (Role.DISPATCHER, "configure", topology.ENDPOINT_LOG, False),
+        (Role.DISPATCHER, "configure", topology.EVENT_LOG, False),
+        (Role.DISPATCHER, "write", topology.delay_level(27), True),
+        (Role.DISPATCHER, "write", topology.DEAD_LETTER_EXCHANGE, True),
+        (Role.DISPATCHER, "write", topology.EVENTS_EXCHANGE, False),
+        (Role.DISPATCHER, "write", topology.CONTROL_EXCHANGE, False),
+        (Role.DISPATCHER, "read", ENDPOINT_QUEUE, True),
+        (Role.DISPATCHER, "read", topology.EVENT_LOG, False),
+        (Role.DISPATCHER, "read", topology.TELEMETRY_LOG, False),
+        # A monitor: breaker commands, alerts, the lock; no telemetry or retries of its own.
+        (Role.MONITOR, "configure", topology.MONITOR_LEADER_LOCK, True),
+        (Role.MONITOR, "write", topology.CONTROL_EXCHANGE, True),
+        (Role.MONITOR, "write", topology.TELEMETRY_EXCHANGE, False),
+        (Role.MONITOR, "write", topology.delay_level(0), False),
+        (Role.MONITOR, "configure", topology.DEAD_LETTER_STREAM, False),
+        (Role.MONITOR, "read", topology.TELEMETRY_LOG, True),
+        # Anchored: a name that merely starts or ends like an allowed one is not allowed.
+        (Role.MONITOR, "write", "xhookline.control", False),
+        (Role.MONITOR, "write", "hookline.control.x", False),
+    ],
+)
+def test_each_role_may_use_only_its_names(role: Role, permission: str, name: str, expected: bool) -> None:
+    assert allowed(getattr(GRANTS[role], permission), name) is expected
+
+
+def test_an_upstream_may_only_write_events_and_a_tenant_only_its_keys() -> None:
+    grant, topic = upstream_grant("acme")
+    assert (grant.configure, grant.read) == (NOTHING, NOTHING)
+    assert allowed(grant.write, "events")
+    assert not allowed(grant.write, "amq.default")
+    assert not allowed(grant.write, topology.ENDPOINT_LOG)
+    assert topic is not None
+    assert topic.exchange == "events"
+    assert allowed(topic.write, "acme.order.created")
+    assert not allowed(topic.write, "acmex.order.created")
+    assert not allowed(topic.write, "beta.order.created")
+    assert upstream_grant(None)[1] is None
+
+
+def test_names_escapes_and_anchors() -> None:
+    assert names(("a.b",), ("p.",)) == r"^(?:a\.b|p\..*)$"
+    assert names() == NOTHING
+
+
+def test_rabbitmq_password_hash() -> None:
+    salt = b"\x01\x02\x03\x04"
+    hashed = base64.b64decode(password_hash("secret", salt))
+    assert hashed[:4] == salt
+    assert hashed[4:] == hashlib.sha256(salt + b"secret").digest()
+
+
+def _plan(current: dict[str, object], *, given: dict[str, str] | None = None, rotate: bool = False):  # type: ignore[no-untyped-def]
+    counter = iter(range(100))
+    return plan(
+        current,
+        vhost="v",
+        wanted=wanted_users([Upstream(user="orders", tenant="acme"), Upstream(user="anything")]),
+        given=given or {},
+        rotate=rotate,
+        new_password=lambda: f"generated-{next(counter)}",
+        new_salt=lambda: b"salt",
+    )
+
+
+def test_new_users_get_generated_passwords_and_every_permission() -> None:
+    decided = _plan({"users": []})
+    users = {u["name"]: u for u in decided.definitions["users"]}
+    assert set(users) == {"hookline-ingest", "hookline-dispatcher", "hookline-monitor", "orders", "anything"}
+    assert set(decided.passwords) == set(users)
+    assert users["hookline-monitor"]["tags"] == ["monitoring"]
+    assert users["hookline-dispatcher"]["tags"] == []
+    assert {p["user"] for p in decided.definitions["permissions"]} == set(users)
+    assert all(p["vhost"] == "v" for p in decided.definitions["permissions"])
+    [topic] = decided.definitions["topic_permissions"]
+    assert (topic["user"], topic["exchange"], topic["write"]) == ("orders", "events", r"^acme\.")
+    assert decided.clear_topics == []
+
+
+def test_an_existing_users_password_is_kept_unless_given_or_rotated() -> None:
+    existing = {"name": "orders", "password_hash": "KEPT", "tags": []}
+    kept = _plan({"users": [existing]})
+    assert "orders" not in kept.passwords
+    assert next(u for u in kept.definitions["users"] if u["name"] == "orders")["password_hash"] == "KEPT"
+    given = _plan({"users": [existing]}, given={"orders": "from-the-environment"})
+    assert given.passwords["orders"] == "from-the-environment"
+    assert _plan({"users": [existing]}, rotate=True).passwords["orders"].startswith("generated-")
+
+
+def test_a_tenant_limit_removed_is_cleared() -> None:
+    current = {
+        "users": [{"name": "anything", "password_hash": "X", "tags": []}],
+        "topic_permissions": [{"user": "anything", "vhost": "v", "exchange": "events", "write": "^old\\."}],
+    }
+    assert _plan(current).clear_topics == ["anything"]
