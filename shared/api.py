@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 from collections.abc import Callable, Generator, Mapping, Sequence
 from typing import Any
 
@@ -16,7 +15,7 @@ import aio_pika
 import prometheus_client
 import structlog
 import uvicorn
-from fastapi import APIRouter, FastAPI, Request, Response
+from fastapi import APIRouter, Depends, FastAPI, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
@@ -26,6 +25,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from hookline.shared import lifecycle
 from hookline.shared.amqp import BrokerBlockedError, ChannelLostError
+from hookline.shared.bearer import UNAUTHORIZED_MESSAGE, presents_token
 from hookline.shared.models import ErrorBody, ErrorDetail
 
 log = structlog.get_logger(__name__)
@@ -120,14 +120,15 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(Exception, on_unexpected)
 
 
-def bearer_token_guard(token: str) -> Callable[[Request], None]:
-    """A dependency that admits only requests carrying ``Authorization: Bearer <token>``."""
-    expected = token.encode()
+def bearer_token_guard(*tokens: str) -> Callable[[Request], None]:
+    """A dependency that admits only requests carrying ``Authorization: Bearer <token>``, the token one
+    of ``tokens``."""
+    if not tokens:
+        raise ValueError("a bearer token guard needs at least one token")
 
     def guard(request: Request) -> None:
-        scheme, _, presented = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(presented.strip().encode(), expected):
-            raise ApiError(401, "unauthorized", "a valid bearer token is required")
+        if not presents_token(request.headers.get("authorization", ""), tokens):
+            raise ApiError(401, "unauthorized", UNAUTHORIZED_MESSAGE)
 
     return guard
 
@@ -167,10 +168,13 @@ class BodyLimit:
         await self.app(scope, limited_receive, send)
 
 
-def probes_router(problems: Callable[[], list[str]]) -> APIRouter:
+def probes_router(problems: Callable[[], list[str]], *, metrics_tokens: Sequence[str]) -> APIRouter:
     """``/healthz`` (the process answers), ``/readyz`` (it can do its work: ``problems`` says what is
-    missing, such as the broker or a loop that is not running) and ``/metrics``."""
+    missing, such as the broker or a loop that is not running) and ``/metrics``, which answers only a
+    bearer token of ``metrics_tokens``: it shares the API's listener and the monitor's series name
+    endpoints. The probes stay open: orchestrators call them without credentials."""
     router = APIRouter(include_in_schema=False)
+    metrics_guard = Depends(bearer_token_guard(*metrics_tokens))
 
     @router.get("/healthz")
     async def healthz() -> dict[str, str]:
@@ -184,7 +188,7 @@ def probes_router(problems: Callable[[], list[str]]) -> APIRouter:
         details = [ErrorDetail(field=None, message=problem) for problem in found]
         return error_response(503, "not_ready", "not ready: " + "; ".join(found), details)
 
-    @router.get("/metrics")
+    @router.get("/metrics", dependencies=[metrics_guard])
     async def metrics() -> Response:
         return Response(prometheus_client.generate_latest(), media_type=prometheus_client.CONTENT_TYPE_LATEST)
 

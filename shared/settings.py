@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Annotated, Literal, TypeVar
 from urllib.parse import urlsplit
 
-from pydantic import Field, SecretStr, ValidationError, ValidationInfo, field_validator
+from pydantic import AfterValidator, Field, SecretStr, ValidationError, ValidationInfo, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from hookline.shared import sealing, signing
@@ -148,8 +148,28 @@ class DeliveryPolicySettings(CommonSettings):
         return value
 
 
+#: HOOKLINE_METRICS_TOKEN of the ingest and the monitor (the dispatcher, having no API token, differs).
+_METRICS_READER_DESCRIPTION = (
+    "A read-only bearer token for Prometheus scrapes of /metrics (at least 16 characters); "
+    "unset: the API token."
+)
+
+
+def _metrics_token(value: SecretStr | None) -> SecretStr | None:
+    # Empty is unset, so that compose can pass ${HOOKLINE_METRICS_TOKEN:-} through without a default.
+    if value is None or not value.get_secret_value():
+        return None
+    if len(value.get_secret_value()) < 16:
+        raise ValueError("must be at least 16 characters")
+    return value
+
+
+MetricsToken = Annotated[SecretStr | None, AfterValidator(_metrics_token)]
+
+
 class IngestSettings(DeliveryPolicySettings):
     api_token: SecretStr = Field(description="Admin bearer token for the HTTP API (at least 16 characters).")
+    metrics_token: MetricsToken = Field(None, description=_METRICS_READER_DESCRIPTION)
     tenant_tokens: SecretStr | None = Field(
         None,
         description="tenant:token pairs, comma separated: a token that sees and publishes for its tenant only.",
@@ -206,6 +226,11 @@ class IngestSettings(DeliveryPolicySettings):
 class DispatcherSettings(DeliveryPolicySettings):
     dispatcher_metrics_host: str = "127.0.0.1"
     dispatcher_metrics_port: int = Field(8002, ge=0, le=65535, description="0 picks a free port.")
+    metrics_token: MetricsToken = Field(
+        None,
+        description="A bearer token the metrics port's /metrics then requires (at least 16 characters); "
+        "unset: open, as the dispatcher has no API token.",
+    )
     prefetch_per_endpoint: int = Field(
         32, ge=1, le=1000, description="Unacked deliveries one dispatcher holds per endpoint."
     )
@@ -258,6 +283,7 @@ class DispatcherSettings(DeliveryPolicySettings):
 
 class MonitorSettings(CommonSettings):
     api_token: SecretStr = Field(description="Bearer token for the status API (the same as the ingest's).")
+    metrics_token: MetricsToken = Field(None, description=_METRICS_READER_DESCRIPTION)
     monitor_host: str = "127.0.0.1"
     monitor_port: int = Field(8001, ge=0, le=65535)
     breaker_failure_threshold: int = Field(10, ge=1, description="Consecutive failures that open a breaker.")
@@ -335,6 +361,13 @@ class MonitorSettings(CommonSettings):
         if value is not None:
             signing.secret_key(value.get_secret_value())  # raises, naming what is wrong
         return value
+
+
+def metrics_tokens(settings: IngestSettings | MonitorSettings) -> tuple[str, ...]:
+    """What ``/metrics`` of the ingest or the monitor accepts: the admin token, which may read anything
+    anyway, and the read-only metrics token when there is one (what Prometheus should hold)."""
+    read_only = (settings.metrics_token.get_secret_value(),) if settings.metrics_token else ()
+    return (settings.api_token.get_secret_value(), *read_only)
 
 
 class ClientSettings(BaseSettings):

@@ -10,6 +10,10 @@ from contextlib import asynccontextmanager
 import prometheus_client
 import structlog
 from aiohttp import web
+from pydantic import SecretStr
+
+from hookline.shared.bearer import UNAUTHORIZED_MESSAGE, presents_token
+from hookline.shared.models import ErrorBody
 
 log = structlog.get_logger(__name__)
 
@@ -50,10 +54,20 @@ BREAKERS_EXPIRED = prometheus_client.Counter(
 
 
 @asynccontextmanager
-async def probe_server(host: str, port: int, *, problems: Callable[[], list[str]]) -> AsyncIterator[int]:
-    """Serve ``/metrics``, ``/healthz`` and ``/readyz``; yields the bound port (``port=0`` picks one)."""
+async def probe_server(
+    host: str, port: int, *, problems: Callable[[], list[str]], metrics_token: SecretStr | None = None
+) -> AsyncIterator[int]:
+    """Serve ``/metrics``, ``/healthz`` and ``/readyz``; yields the bound port (``port=0`` picks one).
+    With ``metrics_token``, ``/metrics`` answers only that bearer token (the probes stay open for the
+    orchestrator); without, it is open: its series name no endpoint or tenant."""
+    accepted = (metrics_token.get_secret_value(),) if metrics_token else ()
 
-    async def metrics(_: web.Request) -> web.Response:
+    async def metrics(request: web.Request) -> web.Response:
+        if accepted and not presents_token(request.headers.get("authorization", ""), accepted):
+            body = ErrorBody(error="unauthorized", message=UNAUTHORIZED_MESSAGE)
+            return web.json_response(
+                body.model_dump(mode="json"), status=401, headers={"WWW-Authenticate": "Bearer"}
+            )
         return web.Response(
             body=prometheus_client.generate_latest(),
             headers={"Content-Type": prometheus_client.CONTENT_TYPE_LATEST},

@@ -204,7 +204,10 @@ async def serve(settings: DispatcherSettings, stopping: asyncio.Event) -> None:
             async with (
                 dispatching(settings, broker, supervisor, change_log, publisher, client) as consumers,
                 metrics.probe_server(
-                    settings.dispatcher_metrics_host, settings.dispatcher_metrics_port, problems=problems
+                    settings.dispatcher_metrics_host,
+                    settings.dispatcher_metrics_port,
+                    problems=problems,
+                    metrics_token=settings.metrics_token,
                 ),
             ):
                 log.info("dispatcher_ready", endpoints=len(endpoint_registry))

@@ -20,7 +20,7 @@ from hookline.shared.amqp import Broker, Publisher
 from hookline.shared.api import bearer_token_guard, install_error_handlers, probes_router, serve
 from hookline.shared.capacity import CapacityReader
 from hookline.shared.delivery import DeliveryClient
-from hookline.shared.settings import MonitorSettings, load
+from hookline.shared.settings import MonitorSettings, load, metrics_tokens
 from hookline.shared.supervision import Supervisor
 
 log = structlog.get_logger(__name__)
@@ -98,7 +98,7 @@ def create_app(settings: MonitorSettings) -> FastAPI:
     app.include_router(
         status.router, dependencies=[Depends(bearer_token_guard(settings.api_token.get_secret_value()))]
     )
-    app.include_router(probes_router(problems))
+    app.include_router(probes_router(problems, metrics_tokens=metrics_tokens(settings)))
     # The dashboard has its own login (a session cookie), not the bearer guard of the API.
     app.state.sessions = Sessions()
     app.include_router(dashboard.router)

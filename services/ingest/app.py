@@ -42,7 +42,7 @@ from hookline.shared.deadletters import DeadLetterIndex
 from hookline.shared.delivery import DeliveryClient
 from hookline.shared.models import error_summary
 from hookline.shared.sealing import Sealer
-from hookline.shared.settings import IngestSettings, load
+from hookline.shared.settings import IngestSettings, load, metrics_tokens
 from hookline.shared.streams import StreamFollower
 from hookline.shared.supervision import Loop, Supervisor
 from hookline.shared.tracing import Tracing
@@ -169,7 +169,7 @@ def create_app(settings: IngestSettings) -> FastAPI:
     app.include_router(tokens.router, dependencies=[guard])
     app.include_router(quotas.router, dependencies=[guard])
     app.include_router(audit.router, dependencies=[guard])
-    app.include_router(probes_router(lambda: _problems(app)))
+    app.include_router(probes_router(lambda: _problems(app), metrics_tokens=metrics_tokens(settings)))
     return app
 
 

@@ -108,8 +108,11 @@ def metric(text: str, name: str) -> float | None:
 
 
 async def metrics(service: services.Service) -> str:
-    async with httpx.AsyncClient(base_url=service.base_url, timeout=10) as client:
-        return (await client.get("/metrics")).text
+    # The API token: the monitor's /metrics needs a token (a dispatcher's is open without one).
+    async with httpx.AsyncClient(base_url=service.base_url, headers=AUTH, timeout=10) as client:
+        response = await client.get("/metrics")
+    assert response.status_code == 200, f"{service.name}: {response.status_code} {response.text[:200]}"
+    return response.text
 
 
 async def test_a_memory_alarm_is_alerted_refused_at_the_door_and_loses_nothing(

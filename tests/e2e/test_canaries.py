@@ -9,7 +9,7 @@ import pytest
 from conftest import System
 from support.receiver import Receiver, Reply
 from support.waiting import eventually
-from test_monitors_and_repair import get_json
+from test_monitors_and_repair import AUTH, get_json
 
 pytestmark = pytest.mark.e2e
 
@@ -30,8 +30,10 @@ async def test_canaries_measure_the_whole_path_and_say_when_it_breaks(
     canary = system.add_endpoint("canary", receiver.url("/canary"), ["hookline.canary"])
 
     async def latency() -> float | None:
-        async with httpx.AsyncClient(base_url=system.monitor.base_url, timeout=10) as client:
-            text = (await client.get("/metrics")).text
+        async with httpx.AsyncClient(base_url=system.monitor.base_url, headers=AUTH, timeout=10) as client:
+            response = await client.get("/metrics")
+        assert response.status_code == 200, response.text
+        text = response.text
         for line in text.splitlines():
             if line.startswith("hookline_canary_latency_seconds{") and canary["id"] in line:
                 return float(line.rsplit(" ", 1)[1])

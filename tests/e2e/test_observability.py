@@ -4,8 +4,9 @@ Every metric a PromQL expression of the Grafana dashboard or of the Prometheus a
 be served on the ``/metrics`` of at least one service: a renamed metric, a counter without its
 ``_total`` or a histogram without ``_bucket`` would otherwise leave a panel empty and an alert silent,
 and nothing would say so. The real system is started and driven (a success, a retry, a dead letter,
-canaries) so that the series created on first use exist when it is scraped. The compose profile
-``observability`` and the files it mounts are checked as far as can be without a Docker engine.
+canaries) so that the series created on first use exist when it is scraped, with the bearer token
+Prometheus is given; ``/metrics`` answers nothing without it. The compose profile ``observability``
+and the files it mounts are checked as far as can be without a Docker engine.
 """
 
 from __future__ import annotations
@@ -37,12 +38,16 @@ ALERTS = ROOT / "deploy" / "prometheus" / "alerts.yml"
 PROMETHEUS = ROOT / "deploy" / "prometheus" / "prometheus.yml"
 COMPOSE = ROOT / "compose.yaml"
 
+#: The read-only token Prometheus scrapes with; the system below runs with it, dispatchers included.
+METRICS_TOKEN = "metrics-token-0123456789abcdef"
+
 SYSTEM_ENV = {
     # Canaries, so that the canary latency series exists; a fast tick and queue poll, so that the
     # monitor's per-endpoint series appear within seconds.
     "HOOKLINE_CANARY_INTERVAL_S": "0.5",
     "HOOKLINE_TICK_S": "0.2",
     "HOOKLINE_QUEUE_POLL_S": "0.5",
+    "HOOKLINE_METRICS_TOKEN": METRICS_TOKEN,
 }
 
 #: Made by Prometheus for each target, not by any service.
@@ -356,6 +361,30 @@ def test_prometheus_scrapes_each_service_on_its_port_and_loads_the_rules() -> No
     assert [mounts[path] for path in config["rule_files"]] == [ALERTS]
 
 
+def test_prometheus_scrapes_with_the_token_compose_gives_it_as_a_file() -> None:
+    config = yaml.safe_load(PROMETHEUS.read_text())
+    compose = yaml.safe_load(COMPOSE.read_text())
+    prometheus = compose["services"]["prometheus"]
+    # Container path -> the top-level config compose writes there.
+    files = {entry["target"]: compose["configs"][entry["source"]] for entry in prometheus.get("configs", [])}
+    paths = set()
+    for job in config["scrape_configs"]:
+        authorization = job.get("authorization")
+        assert authorization is not None, f"job {job['job_name']} sends no token: its scrapes get 401"
+        # From a file only: the token itself is in no file of the repository.
+        assert authorization == {"type": "Bearer", "credentials_file": authorization.get("credentials_file")}
+        paths.add(authorization["credentials_file"])
+    (path,) = paths
+    assert path in files, f"compose gives Prometheus no file at {path}"
+    # The metrics token when it is set, else the API token the services are given (same fallback).
+    environments = [compose["services"][name]["environment"] for name in ("ingest", "health-monitor")]
+    (api_token,) = {environment["HOOKLINE_API_TOKEN"] for environment in environments}
+    assert api_token.startswith("${HOOKLINE_API_TOKEN:-")
+    assert files[path]["content"] == "${HOOKLINE_METRICS_TOKEN:-" + api_token + "}"
+    # Prometheus's own API answers every series it scraped without a login: this host only.
+    assert all(port.startswith("127.0.0.1:") for port in prometheus["ports"])
+
+
 def bind_mounts(service: dict[str, Any]) -> dict[str, Path]:
     """Container path -> file or directory of the checkout, for the service's ./ bind mounts."""
     found = {}
@@ -412,6 +441,10 @@ def test_the_observability_profile_provisions_grafana_with_prometheus_and_the_da
 # --- Against the real services. ---------------------------------------------------------------------
 
 
+def bearer(token: str) -> dict[str, str]:
+    return {"authorization": f"Bearer {token}"}
+
+
 def client(base_url: str) -> httpx.AsyncClient:
     return httpx.AsyncClient(
         base_url=base_url, headers={"authorization": f"Bearer {services.TOKEN}"}, timeout=30
@@ -423,9 +456,11 @@ async def scrape(system: System) -> str:
     every = [system.ingest, *system.dispatchers, system.monitor]
     texts = []
     for service in every:
-        # Without a token, as Prometheus scrapes.
-        async with httpx.AsyncClient(base_url=service.base_url, timeout=30) as plain:
-            response = await plain.get("/metrics")
+        # With the metrics token, as Prometheus scrapes (deploy/prometheus/prometheus.yml).
+        async with httpx.AsyncClient(
+            base_url=service.base_url, headers=bearer(METRICS_TOKEN), timeout=30
+        ) as scraper:
+            response = await scraper.get("/metrics")
         assert response.status_code == 200, f"{service.name}: {response.status_code} {response.text[:200]}"
         texts.append(response.text)
     return "\n".join(texts)
@@ -494,3 +529,78 @@ async def test_every_metric_the_dashboard_and_alerts_use_is_exported(
     # _total are reported missing.
     wrong = referenced([*expressions(), "hookline_made_up_total > 0", "rate(hookline_delivery_attempts[5m])"])
     assert unexported(wrong, sampled, declared) == {"hookline_made_up_total", "hookline_delivery_attempts"}
+
+
+# --- /metrics needs a token; the probes do not. -----------------------------------------------------
+
+UNAUTHORIZED = {"error": "unauthorized", "message": "a valid bearer token is required", "details": []}
+WRONG_TOKEN = "wrong-token-0123456789abcdef"
+
+
+def assert_refused(http: httpx.Client, service: services.Service, headers: dict[str, str]) -> None:
+    refused = http.get(f"{service.base_url}/metrics", headers=headers)
+    assert refused.status_code == 401, f"{service.name} with {headers}: {refused.status_code}"
+    assert refused.json() == UNAUTHORIZED, service.name
+    assert refused.headers["www-authenticate"] == "Bearer", service.name
+
+
+def assert_scraped(http: httpx.Client, service: services.Service, headers: dict[str, str]) -> None:
+    scraped = http.get(f"{service.base_url}/metrics", headers=headers)
+    assert scraped.status_code == 200, f"{service.name} with {headers}: {scraped.status_code} {scraped.text}"
+    assert "# TYPE hookline_" in scraped.text, service.name
+
+
+def assert_probes_open(http: httpx.Client, service: services.Service) -> None:
+    for probe in ("/healthz", "/readyz"):
+        answer = http.get(f"{service.base_url}{probe}")
+        assert answer.status_code == 200, f"{service.name} {probe}: {answer.status_code} {answer.text}"
+
+
+def test_with_a_metrics_token_metrics_answer_it_and_nothing_else(system: System) -> None:
+    """HOOKLINE_METRICS_TOKEN set (this module's system): every service's /metrics takes it; the
+    ingest's and the monitor's take the API token too; without a token, with another or another
+    scheme, 401 with the APIs' error body; the probes answer without a token."""
+    refusals: list[dict[str, str]] = [
+        {},
+        bearer(WRONG_TOKEN),
+        {"authorization": f"Basic {METRICS_TOKEN}"},
+        {"authorization": METRICS_TOKEN},
+    ]
+    with httpx.Client(timeout=30) as http:
+        for service in (system.ingest, system.monitor, *system.dispatchers):
+            for headers in refusals:
+                assert_refused(http, service, headers)
+            assert_scraped(http, service, bearer(METRICS_TOKEN))
+            assert_probes_open(http, service)
+        for service in (system.ingest, system.monitor):
+            assert_scraped(http, service, bearer(services.TOKEN))
+        # A dispatcher is never given the API token: it reads nothing there.
+        for dispatcher in system.dispatchers:
+            assert_refused(http, dispatcher, bearer(services.TOKEN))
+
+
+def test_without_a_metrics_token_the_api_token_reads_the_ingest_and_monitor_metrics(system: System) -> None:
+    """HOOKLINE_METRICS_TOKEN unset (compose's Prometheus then sends the API token): the ingest and the
+    monitor take the API token alone; a dispatcher's /metrics, which names no endpoint, stays open."""
+    env = {name: value for name, value in system.env.items() if name != "HOOKLINE_METRICS_TOKEN"}
+    started = [
+        services.start(command, env, system.log_dir, name=f"{command}-without-metrics-token")
+        for command in ("ingest", "health-monitor", "dispatcher")
+    ]
+    system.extra.extend(started)  # their logs go with the system's on a failure
+    ingest, monitor, dispatcher = started
+    try:
+        for service in started:
+            service.wait_ready(timeout_s=60)
+        with httpx.Client(timeout=30) as http:
+            for service in (ingest, monitor):
+                for headers in ({}, bearer(WRONG_TOKEN), bearer(METRICS_TOKEN)):
+                    assert_refused(http, service, headers)
+                assert_scraped(http, service, bearer(services.TOKEN))
+                assert_probes_open(http, service)
+            assert_scraped(http, dispatcher, {})
+            assert_probes_open(http, dispatcher)
+    finally:
+        # Stopped here: they serve this test only, and a third dispatcher would share later deliveries.
+        codes = {service.name: service.stop() for service in started}
+    assert set(codes.values()) == {0}, codes

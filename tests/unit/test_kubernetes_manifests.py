@@ -3,9 +3,10 @@
 Every ``HOOKLINE_*`` variable a workload sets (literal ``env``, ConfigMap and Secret keys, ``envFrom``)
 is a setting of that service's settings class, so a typo or a removed setting fails here instead of
 being silently ignored by pydantic-settings (``extra="ignore"``); required settings are provided; the
-values build the settings class; ports, probes and scrape annotations agree with the port settings;
-each workload runs its own ``hookline <service>``; pods outlive the shutdown grace; and the checker is
-shown to catch what it is meant to catch (the self-checks at the end run it on altered documents).
+values build the settings class; ports, probes and scrape annotations agree with the port settings
+(and only the dispatcher, whose /metrics needs no token, is annotated for scraping); each workload runs
+its own ``hookline <service>``; pods outlive the shutdown grace; and the checker is shown to catch what
+it is meant to catch (the self-checks at the end run it on altered documents).
 """
 
 from __future__ import annotations
@@ -45,6 +46,9 @@ LISTEN = {  # the (host, port) settings a service listens on; probes and metrics
 # Secrets the manifests use but do not contain: the RabbitMQ Cluster Operator creates this one.
 EXTERNAL_SECRETS = {"hookline-rabbitmq-default-user": {"username", "password", "host", "port"}}
 WORKLOAD_KINDS = {"Deployment", "StatefulSet"}
+# Services whose /metrics answers only a bearer token: prometheus.io/* annotations cannot send one, so
+# these are scraped by a PodMonitor (README.md there) and must not be annotated (every scrape a 401).
+TOKEN_SCRAPED = {"ingest", "health-monitor"}
 SECRET = object()  # the value of a variable that comes from a Secret: known to exist, not known
 
 
@@ -142,7 +146,8 @@ def container_env(container: Doc, docs: list[Doc]) -> tuple[dict[str, Any], list
                 if ref["name"] in secrets
                 else EXTERNAL_SECRETS.get(ref["name"])
             )
-            if keys is None or ref["key"] not in keys:
+            # An optional key may be missing (the variable is then unset); when added, it is a secret.
+            if (keys is None or ref["key"] not in keys) and not ref.get("optional"):
                 problems.append(f"{name} reads {ref['name']}/{ref['key']}, which no Secret provides")
             env[name] = SECRET
         elif "configMapKeyRef" in entry.get("valueFrom", {}):
@@ -237,9 +242,14 @@ def port_problems(docs: list[Doc]) -> list[str]:
         if env.get(LISTEN[service][0]) != "0.0.0.0":
             problems.append(f"{name}: {LISTEN[service][0]} must be 0.0.0.0 in a pod")
         problems += [f"{name}: {problem}" for problem in probe_problems(container, named, port)]
-        annotations = workload["spec"]["template"]["metadata"].get("annotations", {})
+        annotations = workload["spec"]["template"]["metadata"].get("annotations") or {}
         scraped = annotations.get("prometheus.io/scrape") == "true"
-        if not scraped or annotations.get("prometheus.io/port") != str(port):
+        if service in TOKEN_SCRAPED:
+            if scraped:
+                problems.append(f"{name}: annotated for scraping, but its /metrics needs a bearer token")
+            if env.get("HOOKLINE_METRICS_TOKEN") is not SECRET:
+                problems.append(f"{name}: HOOKLINE_METRICS_TOKEN does not come from a Secret")
+        elif not scraped or annotations.get("prometheus.io/port") != str(port):
             problems.append(f"{name}: prometheus.io annotations do not point at port {port}")
     return problems + service_port_problems(docs)
 
@@ -536,6 +546,19 @@ def _root(docs: list[Doc]) -> None:
     ] = False
 
 
+def _annotate_the_monitor(docs: list[Doc]) -> None:
+    _workload(docs, "health-monitor")["spec"]["template"]["metadata"]["annotations"] = {
+        "prometheus.io/scrape": "true",
+        "prometheus.io/port": "8001",
+    }
+
+
+def _metrics_token_in_plain_text(docs: list[Doc]) -> None:
+    entry = _env(docs, "ingest", "HOOKLINE_METRICS_TOKEN")
+    del entry["valueFrom"]
+    entry["value"] = "metrics-token-0123456789abcdef"
+
+
 def _forget_a_node(docs: list[Doc]) -> None:
     entry = _env(docs, "dispatcher", "HOOKLINE_AMQP_URL")
     entry["value"] = ",".join(entry["value"].split(",")[:2])
@@ -551,6 +574,8 @@ MUTATIONS: list[tuple[Callable[[list[Doc]], None], Callable[[list[Doc]], list[st
     ),
     (_drop_api_token, env_problems, "required setting HOOKLINE_API_TOKEN is not provided"),
     (_move_port, port_problems, "listens on 9001"),
+    (_annotate_the_monitor, port_problems, "its /metrics needs a bearer token"),
+    (_metrics_token_in_plain_text, port_problems, "HOOKLINE_METRICS_TOKEN does not come from a Secret"),
     (_short_grace, lifecycle_problems, "does not exceed HOOKLINE_SHUTDOWN_GRACE_S 20"),
     (_wrong_command, command_problems, "not ['hookline', 'dispatcher']"),
     (_one_monitor, lifecycle_problems, "runs 1 replicas, not 2"),

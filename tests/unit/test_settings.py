@@ -9,7 +9,14 @@ import pytest
 from pydantic_settings import BaseSettings
 
 from hookline.shared.amqp import broker_urls
-from hookline.shared.settings import ClientSettings, DispatcherSettings, IngestSettings, MonitorSettings, load
+from hookline.shared.settings import (
+    ClientSettings,
+    DispatcherSettings,
+    IngestSettings,
+    MonitorSettings,
+    load,
+    metrics_tokens,
+)
 
 
 def test_defaults_match_the_design(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -38,6 +45,9 @@ def test_retry_schedule_is_comma_separated_seconds(monkeypatch: pytest.MonkeyPat
         ("HOOKLINE_AMQP_URL", "amqp://a:5672/one,amqp://b:5672/two", DispatcherSettings),
         ("HOOKLINE_AMQP_URL", " , ", DispatcherSettings),
         ("HOOKLINE_API_TOKEN", "short", IngestSettings),
+        ("HOOKLINE_METRICS_TOKEN", "short", IngestSettings),
+        ("HOOKLINE_METRICS_TOKEN", "short", MonitorSettings),
+        ("HOOKLINE_METRICS_TOKEN", "short", DispatcherSettings),
         ("HOOKLINE_INGEST_PORT", "eighty", IngestSettings),
         ("HOOKLINE_DEDUPE_WINDOW_S", "1000000", IngestSettings),  # longer than the delivery log keeps
     ],
@@ -70,6 +80,18 @@ def test_the_ingest_needs_a_token(
     with pytest.raises(SystemExit):
         load(IngestSettings)
     assert "HOOKLINE_API_TOKEN: Field required" in capsys.readouterr().err
+
+
+def test_metrics_take_the_api_token_and_the_metrics_token_when_set(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HOOKLINE_API_TOKEN", "a" * 20)
+    monkeypatch.delenv("HOOKLINE_METRICS_TOKEN", raising=False)
+    assert metrics_tokens(IngestSettings()) == ("a" * 20,)
+    # Empty is unset: compose may pass ${HOOKLINE_METRICS_TOKEN:-} through.
+    monkeypatch.setenv("HOOKLINE_METRICS_TOKEN", "")
+    assert MonitorSettings().metrics_token is None
+    assert DispatcherSettings().metrics_token is None
+    monkeypatch.setenv("HOOKLINE_METRICS_TOKEN", "m" * 16)
+    assert metrics_tokens(MonitorSettings()) == ("a" * 20, "m" * 16)
 
 
 def _documented_settings() -> set[str]:
