@@ -16,7 +16,8 @@
 # RabbitMQ 3.x reserves three per quorum queue in that account though an idle queue holds none open (500
 # queues: 1,502 reserved, 37 files open), and hangs new connections once the account is full; 4.x keeps
 # no such account. Setting it above the open-file limit lets one node hold 10,000 idle endpoint queues
-# on a machine whose hard limit is 20,000.
+# on a machine whose hard limit is 20,000. HOOKLINE_CLUSTER_MANAGEMENT=1 enables the management plugin,
+# its HTTP API on 127.0.0.1 at each node's AMQP port + 10000.
 set -euo pipefail
 
 BASE="${HOOKLINE_CLUSTER_DIR:-/var/lib/rabbitmq/hookline-cluster}"
@@ -72,7 +73,12 @@ EOF
   else
     echo "[]." > "$dir/advanced.config"
   fi
-  echo "[]." > "$dir/enabled_plugins"
+  if [ "${HOOKLINE_CLUSTER_MANAGEMENT:-0}" = 1 ]; then
+    echo "[rabbitmq_management]." > "$dir/enabled_plugins"
+    printf 'management.tcp.ip = 127.0.0.1\nmanagement.tcp.port = %s\n' $((port + 10000)) >> "$dir/rabbitmq.conf"
+  else
+    echo "[]." > "$dir/enabled_plugins"
+  fi
   if [ "$(id -u)" = 0 ]; then chown -R rabbitmq:rabbitmq "$BASE"; fi
 }
 
