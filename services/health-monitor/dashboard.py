@@ -353,6 +353,25 @@ async def resend(request: Request, event_id: str, session: Current, ingest: Inge
     return _back(fields, f"/ui/events/{event_id}", notice=f"Sent {event_id} to {endpoint_id} again.")
 
 
+# --- audit trail ------------------------------------------------------------------------------------
+
+
+@router.get("/audit")
+async def audit(request: Request, session: Current, ingest: Ingest) -> HTMLResponse:
+    """Who changed what, newest first (the ingest's audit trail; a tenant sees its own)."""
+    after = request.query_params.get("after", "")
+    problem = None
+    page: dict[str, Any] = {"data": [], "next_after": None}
+    params = {"order": "desc", "limit": "100", **({"after": after} if after else {})}
+    try:
+        page = await ingest.call(session.token, "GET", "/v1/audit", params=params)
+    except IngestApiError as exc:
+        problem = exc.message
+    return _page_for(
+        request, "audit.html", session, records=page["data"], next_after=page["next_after"], problem=problem
+    )
+
+
 # --- dead letters -----------------------------------------------------------------------------------
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import aio_pika
 import structlog
@@ -142,20 +142,21 @@ async def list_audit(
     tenant: str | None = None,
     since: datetime | None = None,
     limit: Annotated[int, Query(ge=1, le=1000)] = 100,
-    after: Annotated[str | None, Query(description="records after this id (oldest first)")] = None,
+    after: Annotated[str | None, Query(description="the page after this record id")] = None,
+    order: Annotated[Literal["asc", "desc"], Query(description="asc: oldest first (follow it)")] = "asc",
 ) -> AuditList:
     scope = caller.scope(tenant)
-    since_s = since.timestamp() if since is not None else 0.0
     conditions: list[str] = ["at_s >= ?"]
-    values: list[object] = [since_s]
+    values: list[object] = [since.timestamp() if since is not None else 0.0]
     if scope is not None:
         conditions.append("tenant = ?")
         values.append(scope)
     if after is not None:
-        conditions.append("offset > coalesce((SELECT offset FROM audit WHERE id = ?), -1)")
+        beyond = ">" if order == "asc" else "<"
+        conditions.append(f"offset {beyond} coalesce((SELECT offset FROM audit WHERE id = ?), -1)")  # noqa: S608
         values.append(after)
     # Only the fixed conditions above are joined in; every value is a placeholder.
-    sql = f"SELECT record FROM audit WHERE {' AND '.join(conditions)} ORDER BY offset LIMIT ?"  # noqa: S608
+    sql = f"SELECT record FROM audit WHERE {' AND '.join(conditions)} ORDER BY offset {order} LIMIT ?"  # noqa: S608
     rows = await state.audit.read(lambda db: db.execute(sql, (*values, limit + 1)).fetchall())
     page = [AuditRecord.model_validate_json(row[0]) for row in rows[:limit]]
     return AuditList(data=page, next_after=page[-1].id if len(rows) > limit else None)

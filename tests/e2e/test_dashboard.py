@@ -222,3 +222,40 @@ async def test_the_admin_sees_every_tenant_and_filters_by_one(system: System) ->
         asked_for_globex = (await ui.get("/ui/", params={"tenant": "globex"})).text
         assert acme["id"] in asked_for_globex
         assert globex["id"] not in asked_for_globex
+
+
+async def test_the_audit_page_shows_who_changed_what_and_a_tenant_only_its_own(system: System) -> None:
+    with system.api() as api:
+        acme = api.post(
+            "/v1/endpoints",
+            json={
+                "tenant": "acme",
+                "url": "http://127.0.0.1:9/audit-page",
+                "event_types": ["#"],
+                "verify": False,
+            },
+        ).json()
+        assert api.post(f"/v1/endpoints/{acme['id']}/pause").status_code == 200
+    async with httpx.AsyncClient(base_url=system.monitor.base_url, timeout=30) as ui:
+        assert (await ui.post("/ui/login", data={"token": ACME_TOKEN})).status_code == 303
+        async with httpx.AsyncClient(
+            base_url=system.ingest.base_url, headers={"authorization": f"Bearer {GLOBEX_TOKEN}"}, timeout=30
+        ) as globex_api:
+            created = await globex_api.post(
+                "/v1/endpoints",
+                json={"tenant": "globex", "url": "http://127.0.0.1:9/g", "event_types": ["#"]},
+            )
+            assert created.status_code == 201, created.text
+        globex_id = created.json()["id"]
+
+        async def shown() -> str | None:
+            page = (await ui.get("/ui/audit")).text
+            return page if "endpoint.paused" in page else None
+
+        page = await eventually(shown, timeout_s=10)
+        assert acme["id"] in page
+        assert "endpoint.created" in page
+        assert "admin" in page
+        assert globex_id not in page, "another tenant's changes stay out of sight"
+        # Newest first: the pause above the creation.
+        assert page.index("endpoint.paused") < page.index("endpoint.created")
