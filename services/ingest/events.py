@@ -176,8 +176,8 @@ async def _accept(
         raise ApiError(
             422, "invalid_fields", f"tenant {OPERATOR_TENANT!r} is reserved for hookline's own notifications"
         )
-    await state.quotas.check_events(
-        event_in.tenant, count=1, size_bytes=lambda: len(orjson.dumps(event_in.data)), now_s=time.time()
+    await state.quotas.check_event(
+        event_in.tenant, size_bytes=lambda: len(orjson.dumps(event_in.data)), now_s=time.time()
     )
     warnings = _catalog_warnings(state, event_in)
     digest = None

@@ -88,11 +88,9 @@ class Quotas:
                 f"tenant {tenant!r} has {limit} endpoints, its quota (max_endpoints)", ENDPOINTS_RETRY_AFTER_S
             )
 
-    async def check_events(
-        self, tenant: str, *, count: int, size_bytes: Callable[[], int], now_s: float
-    ) -> None:
-        """Admit ``count`` events of ``size_bytes()`` bytes in all (measured only when a bytes quota is
-        set), or raise 429."""
+    async def check_event(self, tenant: str, *, size_bytes: Callable[[], int], now_s: float) -> None:
+        """Admit one event of ``size_bytes()`` bytes (measured only when a bytes quota is set), or raise
+        429. A batch is admitted event by event: each item gets its own answer."""
         quota = self._tenants.quota(tenant)
         if quota is NO_QUOTA:
             return
@@ -108,19 +106,9 @@ class Quotas:
         if quota.events_per_s is not None:
             burst = quota.burst or max(1, math.ceil(quota.events_per_s))
             bucket, wait_s = take(
-                self._buckets.get(tenant),
-                rate_per_s=quota.events_per_s,
-                burst=burst,
-                count=count,
-                now_s=now_s,
+                self._buckets.get(tenant), rate_per_s=quota.events_per_s, burst=burst, count=1, now_s=now_s
             )
             self._buckets[tenant] = bucket
-            if wait_s == math.inf:
-                raise ApiError(
-                    422,
-                    "batch_over_burst",
-                    f"{count} events at once exceed tenant {tenant!r}'s burst of {burst}",
-                )
             if wait_s > 0:
                 raise over_quota(
                     f"tenant {tenant!r} may publish {quota.events_per_s:g} events/s (burst {burst})", wait_s
