@@ -7,7 +7,9 @@ run again, the permissions are set again and a user's password is kept unless a 
 ``--rotate``.
 
 Passwords come from ``HOOKLINE_BROKER_PASSWORD_<USER>`` (the user name upper-cased, ``-`` as ``_``), or
-are generated for a new user and printed once with the URL each service needs.
+are generated for a new user and printed once with the URL each service needs. A variable that is set
+must hold :data:`MIN_PASSWORD_LENGTH` characters: a shorter one (empty included) is refused before the
+broker is touched, so a placeholder left in a Secret stops the run instead of becoming a password.
 """
 
 from __future__ import annotations
@@ -37,6 +39,8 @@ _TAGS: dict[Role, tuple[str, ...]] = {
     Role.DISPATCHER: (),
 }
 _PASSWORD_BYTES = 24
+#: What a given password must have at least (deploy/kubernetes' placeholders are shorter on purpose).
+MIN_PASSWORD_LENGTH = 16
 
 
 class Upstream(Model):
@@ -69,6 +73,10 @@ class Admin(Protocol):
 
 class SetupError(Exception):
     pass
+
+
+class PasswordError(SetupError):
+    """A given password is too short to be one: running again cannot help (the CLI exits 2)."""
 
 
 class CtlAdmin:
@@ -221,6 +229,24 @@ def password_variable(user: str) -> str:
     return "HOOKLINE_BROKER_PASSWORD_" + user.upper().replace("-", "_").replace(".", "_")
 
 
+def given_passwords(wanted: Sequence[Wanted], environ: Mapping[str, str]) -> dict[str, str]:
+    """User -> the password its variable sets; :class:`PasswordError` for one set but too short."""
+    given = {}
+    for want in wanted:
+        variable = password_variable(want.user)
+        if variable not in environ:
+            continue
+        # Set but empty counts too: a Secret's key left blank would otherwise mean "generate one", and
+        # the generated password would only be printed in a log nobody copies it from.
+        if len(environ[variable]) < MIN_PASSWORD_LENGTH:
+            raise PasswordError(
+                f"{variable} is shorter than {MIN_PASSWORD_LENGTH} characters (a placeholder left in?); "
+                "nothing was changed on the broker"
+            )
+        given[want.user] = environ[variable]
+    return given
+
+
 def setup(
     admin: Admin,
     *,
@@ -233,9 +259,7 @@ def setup(
     """Create or update every role's user and each upstream's; what each one is, with the password
     (and URL) of those whose password this run generated."""
     wanted = wanted_users(upstreams)
-    given = {
-        w.user: environ[password_variable(w.user)] for w in wanted if environ.get(password_variable(w.user))
-    }
+    given = given_passwords(wanted, environ)
     decided = plan(
         admin.export(),
         vhost=vhost,

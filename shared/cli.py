@@ -72,6 +72,10 @@ def _broker_setup(args: argparse.Namespace) -> int:
     except ValidationError as exc:
         print(f"hookline: --upstream takes NAME or NAME:TENANT: {exc.errors()[0]['msg']}", file=sys.stderr)
         return 2
+    # 2, like a bad argument: what was given is wrong, and a retry (a Kubernetes Job's) cannot help.
+    except brokersetup.PasswordError as exc:
+        print(f"hookline: {exc}", file=sys.stderr)
+        return 2
     except brokersetup.SetupError as exc:
         print(f"hookline: {exc}", file=sys.stderr)
         return 1
@@ -352,7 +356,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="create one RabbitMQ user per service and upstream, each with least privilege",
         description="Users hookline-ingest, hookline-dispatcher, hookline-monitor and each --upstream, "
         "permitted only what they use (shared/permissions.py); prints new passwords and URLs once. "
-        "Passwords may be given as HOOKLINE_BROKER_PASSWORD_<USER>.",
+        "Passwords may be given as HOOKLINE_BROKER_PASSWORD_<USER> (16 characters at least).",
     )
     setup.add_argument("--vhost", help="default: the vhost of HOOKLINE_AMQP_URL")
     setup.add_argument(

@@ -5,26 +5,35 @@ is a setting of that service's settings class, so a typo or a removed setting fa
 being silently ignored by pydantic-settings (``extra="ignore"``); required settings are provided; the
 values build the settings class; ports, probes and scrape annotations agree with the port settings
 (and only the dispatcher, whose /metrics needs no token, is annotated for scraping); each workload runs
-its own ``hookline <service>``; pods outlive the shutdown grace; and the checker is shown to catch what
-it is meant to catch (the self-checks at the end run it on altered documents).
+its own ``hookline <service>``; pods outlive the shutdown grace; the broker-setup Job runs a
+``hookline broker-setup`` the CLI accepts, as the operator's administrator, with a password for exactly
+the users it creates, and each service connects as its own role's user with the password the Job set
+(the administrator's Secret is the Job's alone); and the checker is shown to catch what it is meant to
+catch (the self-checks at the end run it on altered documents).
 """
 
 from __future__ import annotations
 
+import argparse
+import contextlib
 import copy
+import io
 import os
 import re
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import prometheus_client
 import pytest
 import yaml
-from pydantic import AliasChoices, AliasPath
+from pydantic import AliasChoices, AliasPath, ValidationError
 from pydantic_settings import BaseSettings
 
+from hookline.shared.brokersetup import MIN_PASSWORD_LENGTH, Upstream, password_variable, wanted_users
 from hookline.shared.cli import build_parser
+from hookline.shared.permissions import USERS, Role
 from hookline.shared.settings import DispatcherSettings, IngestSettings, MonitorSettings
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy" / "kubernetes"
@@ -43,9 +52,18 @@ LISTEN = {  # the (host, port) settings a service listens on; probes and metrics
     "dispatcher": ("HOOKLINE_DISPATCHER_METRICS_HOST", "HOOKLINE_DISPATCHER_METRICS_PORT"),
     "health-monitor": ("HOOKLINE_MONITOR_HOST", "HOOKLINE_MONITOR_PORT"),
 }
-# Secrets the manifests use but do not contain: the RabbitMQ Cluster Operator creates this one.
-EXTERNAL_SECRETS = {"hookline-rabbitmq-default-user": {"username", "password", "host", "port"}}
+# app.kubernetes.io/component -> the role whose broker user the service connects as
+ROLES = {"ingest": Role.INGEST, "dispatcher": Role.DISPATCHER, "health-monitor": Role.MONITOR}
+# The broker's administrator, which the RabbitMQ Cluster Operator creates: the broker-setup Job's alone.
+ADMIN_SECRET = "hookline-rabbitmq-default-user"
+# Secrets the manifests use but do not contain.
+EXTERNAL_SECRETS = {ADMIN_SECRET: {"username", "password", "host", "port"}}
 WORKLOAD_KINDS = {"Deployment", "StatefulSet"}
+SETUP = "broker-setup"  # the component of the Job that creates the broker users
+# What `hookline broker-setup` reads besides the users' passwords: the vhost of HOOKLINE_AMQP_URL.
+SETUP_VARIABLES = {"HOOKLINE_AMQP_URL"}
+# The management API's port on the RabbitmqCluster's client Service.
+MANAGEMENT_PORT = 15672
 # Services whose /metrics answers only a bearer token: prometheus.io/* annotations cannot send one, so
 # these are scraped by a PodMonitor (README.md there) and must not be annotated (every scrape a 401).
 TOKEN_SCRAPED = {"ingest", "health-monitor"}
@@ -76,6 +94,18 @@ def workloads(docs: list[Doc]) -> Iterator[tuple[str, Doc]]:
     for doc in docs:
         if doc["kind"] in WORKLOAD_KINDS:
             yield doc["spec"]["template"]["metadata"]["labels"]["app.kubernetes.io/component"], doc
+
+
+def pod_templates(docs: list[Doc]) -> Iterator[tuple[str, Doc]]:
+    """(component, resource) for everything that runs pods: the services' workloads, then the Jobs."""
+    yield from workloads(docs)
+    for doc in docs:
+        if doc["kind"] == "Job":
+            yield doc["spec"]["template"]["metadata"]["labels"]["app.kubernetes.io/component"], doc
+
+
+def setup_jobs(docs: list[Doc]) -> list[Doc]:
+    return [resource for component, resource in pod_templates(docs) if component == SETUP]
 
 
 def containers(workload: Doc) -> list[Doc]:
@@ -161,12 +191,23 @@ def container_env(container: Doc, docs: list[Doc]) -> tuple[dict[str, Any], list
     return env, problems
 
 
+_REFERENCE = r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)"
+
+
 def _expand(value: str, env: dict[str, Any]) -> Any:
-    """Kubernetes' $(VAR) expansion of the variables defined before; a value built from a secret stays
-    a _Template, which settings_environment fills with stand-ins so that its shape is still validated."""
-    if any(env.get(name) is SECRET for name in re.findall(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)", value)):
-        return _Template(value)
-    return re.sub(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)", lambda m: str(env.get(m.group(1), m.group(0))), value)
+    """Kubernetes' $(VAR) expansion of the variables defined before. A secret's reference is left as is,
+    so a value built from one is a _Template (settings_environment fills in stand-ins, so that its shape
+    is still validated) whose other parts, a user name, are known."""
+    referenced = [env.get(name) for name in re.findall(_REFERENCE, value)]
+
+    def one(match: re.Match[str]) -> str:
+        found = env.get(match.group(1))
+        return match.group(0) if found is None or found is SECRET else str(found)
+
+    expanded = re.sub(_REFERENCE, one, value)
+    if any(found is SECRET or isinstance(found, _Template) for found in referenced):
+        return _Template(expanded)
+    return expanded
 
 
 class _Template(str):
@@ -183,10 +224,57 @@ def settings_environment(env: dict[str, Any]) -> dict[str, str]:
         if value is SECRET:
             value = stand_in
         elif isinstance(value, _Template):
-            value = re.sub(r"\$\([A-Za-z_][A-Za-z0-9_]*\)", stand_in, value)
+            value = re.sub(_REFERENCE, stand_in, value)
         if name.startswith("HOOKLINE_"):
             resolved[name] = value
     return resolved
+
+
+def secret_source(container: Doc, variable: str, *, before: str | None = None) -> tuple[str, str] | None:
+    """(Secret, key) a variable is read from by a secretKeyRef that cannot be missing, defined before
+    the variable ``before`` (Kubernetes expands only those), or None."""
+    source = None
+    for entry in container.get("env", []):
+        if entry["name"] == before:
+            break
+        if entry["name"] == variable:
+            ref = entry.get("valueFrom", {}).get("secretKeyRef")
+            source = None if ref is None or ref.get("optional") else (ref["name"], ref["key"])
+    return source
+
+
+def references(value: Any, name: str) -> bool:
+    """Whether ``name`` is a value anywhere in this (a Secret named by a secretKeyRef, envFrom, volume)."""
+    if isinstance(value, dict):
+        return any(references(v, name) for v in value.values())
+    if isinstance(value, list):
+        return any(references(v, name) for v in value)
+    return value == name
+
+
+def setup_arguments(container: Doc) -> argparse.Namespace | None:
+    """The container's command as the CLI parses it, if it is a `hookline broker-setup` it accepts."""
+    argv = [*container.get("command", []), *container.get("args", [])]
+    if argv[:1] != ["hookline"]:
+        return None
+    try:
+        with contextlib.redirect_stderr(io.StringIO()):
+            args = build_parser().parse_args(argv[1:])
+        for text in args.upstream:
+            Upstream.parse(text)  # as the CLI does before anything else
+    except (SystemExit, ValidationError):
+        return None
+    return args if args.command == "broker-setup" else None
+
+
+def setup_users(args: argparse.Namespace) -> list[str]:
+    """The users this broker-setup creates (each role's, then each --upstream)."""
+    return [w.user for w in wanted_users([Upstream.parse(text) for text in args.upstream])]
+
+
+def vhost_of(url: str) -> str:
+    """The vhost a service connects to (hookline.shared.amqp.Broker) or broker-setup grants on."""
+    return urlsplit(url.split(",")[0].strip()).path.lstrip("/") or "/"
 
 
 def listen_port(service: str, env: dict[str, Any]) -> int:
@@ -197,22 +285,38 @@ def listen_port(service: str, env: dict[str, Any]) -> int:
 # --- the checks (each returns what is wrong; the tests assert nothing is) --------------------------
 
 
+def expected_variables(component: str, resource: Doc) -> tuple[set[str], set[str], str] | None:
+    """The HOOKLINE_* variables a component reads, those it needs, and what reads them; None for a
+    component hookline does not have."""
+    if component == SETUP:
+        # Not a service: `hookline broker-setup` reads the vhost and a password per user it creates; a
+        # user without one would get a generated password that no service has.
+        (container,) = resource["spec"]["template"]["spec"]["containers"]
+        args = setup_arguments(container)
+        passwords = set() if args is None else {password_variable(user) for user in setup_users(args)}
+        return SETUP_VARIABLES | passwords, passwords, "hookline broker-setup"
+    cls = SETTINGS.get(component)
+    if cls is None:
+        return None
+    return set(env_names(cls)), required_env_names(cls), cls.__name__
+
+
 def env_problems(docs: list[Doc]) -> list[str]:
     problems: list[str] = []
-    for service, workload in workloads(docs):
-        cls = SETTINGS.get(service)
-        where = f"{workload['kind']} {workload['metadata']['name']}"
-        if cls is None:
-            problems.append(f"{where}: component {service!r} is not a hookline service")
+    for component, resource in pod_templates(docs):
+        where = f"{resource['kind']} {resource['metadata']['name']}"
+        expected = expected_variables(component, resource)
+        if expected is None:
+            problems.append(f"{where}: component {component!r} is not a hookline service")
             continue
-        known = env_names(cls)
-        for container in containers(workload):
+        known, required, reader = expected
+        for container in containers(resource):
             env, found = container_env(container, docs)
             problems += [f"{where}: {p}" for p in found]
             for name in sorted(env):
                 if name.upper().startswith("HOOKLINE_") and name.upper() not in known:
-                    problems.append(f"{where}: {name} is not a setting of {cls.__name__}")
-            for name in sorted(required_env_names(cls) - {n.upper() for n in env}):
+                    problems.append(f"{where}: {name} is not a setting of {reader}")
+            for name in sorted(required - {n.upper() for n in env}):
                 problems.append(f"{where}: required setting {name} is not provided")
     return problems
 
@@ -329,11 +433,15 @@ def lifecycle_problems(docs: list[Doc]) -> list[str]:
 
 def security_problems(docs: list[Doc]) -> list[str]:
     problems: list[str] = []
-    for _, workload in workloads(docs):
+    for _, workload in pod_templates(docs):
         name = workload["metadata"]["name"]
         pod = workload["spec"]["template"]["spec"]
         if (pod.get("securityContext") or {}).get("runAsNonRoot") is not True:
             problems.append(f"{name}: the pod's securityContext lacks runAsNonRoot: true")
+        if ((pod.get("securityContext") or {}).get("seccompProfile") or {}).get("type") != "RuntimeDefault":
+            problems.append(f"{name}: the pod's seccompProfile is not RuntimeDefault")
+        if pod.get("automountServiceAccountToken") is not False:
+            problems.append(f"{name}: mounts a service account token it has no use for")
         for container in containers(workload):
             context = container.get("securityContext") or {}
             where = f"{name}/{container['name']}"
@@ -352,7 +460,7 @@ def security_problems(docs: list[Doc]) -> list[str]:
 
 
 def broker_problems(docs: list[Doc]) -> list[str]:
-    """One AMQP URL for all, listing exactly the nodes of the RabbitmqCluster."""
+    """One AMQP URL for all but for the credentials, listing exactly the nodes of the RabbitmqCluster."""
     problems: list[str] = []
     (cluster,) = by_kind(docs, "RabbitmqCluster").values()
     name, replicas = cluster["metadata"]["name"], cluster["spec"]["replicas"]
@@ -364,14 +472,145 @@ def broker_problems(docs: list[Doc]) -> list[str]:
         (container,) = workload["spec"]["template"]["spec"]["containers"]
         env, _ = container_env(container, docs)
         url = str(env.get("HOOKLINE_AMQP_URL", ""))
-        urls.add(url)
+        urls.add(re.sub(r"://[^@/,]*@", "://", url))
         hosts = [part.rsplit("@", 1)[-1].split("/", 1)[0] for part in url.split(",")]
         if hosts != expected:
             problems.append(
                 f"{workload['metadata']['name']}: HOOKLINE_AMQP_URL lists {hosts}, not {expected}"
             )
     if len(urls) != 1:
-        problems.append("the services do not share one HOOKLINE_AMQP_URL")
+        problems.append("the services do not share one HOOKLINE_AMQP_URL (their credentials aside)")
+    return problems
+
+
+def setup_job_problems(docs: list[Doc]) -> list[str]:
+    """One broker-setup Job: a command the CLI accepts, through the management API as the operator's
+    administrator, a password from a Secret for each user it creates, the services' vhost and image,
+    and the retries and clean-up the first apply and re-runs need (broker-setup.yaml)."""
+    jobs = setup_jobs(docs)
+    if len(jobs) != 1:
+        return [f"{len(jobs)} broker-setup Jobs, not 1"]
+    (job,) = jobs
+    name = job["metadata"]["name"]
+    (container,) = job["spec"]["template"]["spec"]["containers"]
+    args = setup_arguments(container)
+    if args is None:
+        argv = [*container.get("command", []), *container.get("args", [])]
+        return [f"{name} runs {argv}, not a `hookline broker-setup` the CLI accepts"]
+    env, _ = container_env(container, docs)
+    problems = _admin_problems(name, args, container, docs)
+    for user in setup_users(args):
+        variable = password_variable(user)
+        if variable not in env:
+            problems.append(f"{name}: no {variable}: broker-setup would generate a password no service has")
+        elif secret_source(container, variable) is None:
+            problems.append(f"{name}: {variable} is not read from a Secret by a secretKeyRef that must exist")
+    vhost = args.vhost or vhost_of(str(env.get("HOOKLINE_AMQP_URL", "amqp://localhost:5672/")))
+    for _, workload in workloads(docs):
+        (service,) = workload["spec"]["template"]["spec"]["containers"]
+        service_vhost = vhost_of(str(container_env(service, docs)[0].get("HOOKLINE_AMQP_URL", "")))
+        if service_vhost != vhost:
+            problems.append(
+                f"{name} grants on vhost {vhost!r}, {workload['metadata']['name']} uses {service_vhost!r}"
+            )
+        # An older image would grant an older permission matrix.
+        if service["image"] != container["image"]:
+            problems.append(
+                f"{name} runs {container['image']}, {workload['metadata']['name']} {service['image']}"
+            )
+    return problems + _job_lifecycle_problems(job)
+
+
+def _admin_problems(name: str, args: argparse.Namespace, container: Doc, docs: list[Doc]) -> list[str]:
+    """--management-url: the RabbitmqCluster's Service, as the administrator from the operator's Secret."""
+    if not args.management_url:
+        return [f"{name}: no --management-url (the image has no rabbitmqctl)"]
+    (cluster,) = by_kind(docs, "RabbitmqCluster")
+    expected = f"http://$(U):$(P)@{cluster}:{MANAGEMENT_PORT}"
+    match = re.fullmatch(rf"http://{_REFERENCE}:{_REFERENCE}@([^/]+)/?", args.management_url)
+    if match is None or match.group(3) != f"{cluster}:{MANAGEMENT_PORT}":
+        return [f"{name}: --management-url {args.management_url} is not {expected}"]
+    problems = []
+    for variable, key in ((match.group(1), "username"), (match.group(2), "password")):
+        if secret_source(container, variable) != (ADMIN_SECRET, key):
+            problems.append(f"{name}: --management-url's {key} $({variable}) is not {ADMIN_SECRET}/{key}")
+    return problems
+
+
+def _job_lifecycle_problems(job: Doc) -> list[str]:
+    name, spec = job["metadata"]["name"], job["spec"]
+    problems = []
+    # The broker is not answering yet on the first apply: failures must be retried, not end the Job.
+    if (
+        spec["template"]["spec"].get("restartPolicy") not in ("Never", "OnFailure")
+        or spec.get("backoffLimit", 6) < 1
+    ):
+        problems.append(f"{name}: a failed attempt is not retried")
+    for rule in (spec.get("podFailurePolicy") or {}).get("rules", []):
+        codes = rule.get("onExitCodes") or {}
+        if rule["action"] == "FailJob" and codes.get("operator") == "In" and 1 in codes.get("values", []):
+            problems.append(f"{name}: exit 1 (the broker not reachable yet) fails the Job instead of a retry")
+    # Without it the finished Job stays, and an apply with a changed one fails (a Job is immutable).
+    if "ttlSecondsAfterFinished" not in spec:
+        problems.append(f"{name}: no ttlSecondsAfterFinished, so it is never run again by an apply")
+    return problems
+
+
+def credentials_problems(docs: list[Doc]) -> list[str]:
+    """Each service connects as its own role's user (USERS) with the password the Job sets for that
+    user, to the management API too (a user with the monitoring tag), and none uses the administrator."""
+    jobs = setup_jobs(docs)
+    problems = [
+        f"{resource['metadata']['name']} uses {ADMIN_SECRET}: the broker-setup Job's alone"
+        for _, resource in pod_templates(docs)
+        if resource not in jobs and references(resource["spec"]["template"], ADMIN_SECRET)
+    ]
+    passwords: dict[str, tuple[str, str] | None] = {}
+    for job in jobs:
+        (setup,) = job["spec"]["template"]["spec"]["containers"]
+        passwords.update({user: secret_source(setup, password_variable(user)) for user in USERS.values()})
+    tags = {w.user: w.tags for w in wanted_users(())}
+    for service, workload in workloads(docs):
+        name, user = workload["metadata"]["name"], USERS[ROLES[service]]
+        (container,) = workload["spec"]["template"]["spec"]["containers"]
+        env, _ = container_env(container, docs)
+        for variable in ("HOOKLINE_AMQP_URL", "HOOKLINE_RABBITMQ_MANAGEMENT_URL"):
+            # The management API answers /api/nodes (the broker's alarms) to the monitoring tag only.
+            if variable == "HOOKLINE_RABBITMQ_MANAGEMENT_URL" and "monitoring" not in tags[user]:
+                if variable in env:
+                    problems.append(f"{name}: {variable} as {user}, which has no monitoring tag")
+            elif variable not in env:
+                problems.append(f"{name}: no {variable}")
+            else:
+                problems += [
+                    f"{name}: {variable}{problem}"
+                    for problem in _credential_problems(
+                        str(env[variable]), user, passwords.get(user), container, variable
+                    )
+                ]
+    return list(dict.fromkeys(problems))
+
+
+def _credential_problems(
+    value: str, user: str, password: tuple[str, str] | None, container: Doc, variable: str
+) -> list[str]:
+    """Each address of a URL setting logs in as ``user`` with the Secret key ``password``."""
+    problems = []
+    for address in value.split(","):
+        match = re.match(r"[a-z]+://([^:@/]*):([^@/]*)@", address.strip())
+        if match is None:
+            problems.append(" has an address without a user and password")
+            continue
+        if match.group(1) != user:
+            problems.append(f" connects as {match.group(1)}, not {user}")
+        reference = re.fullmatch(_REFERENCE, match.group(2))
+        # Kubernetes expands a variable defined before this one only; a later one stays "$(...)".
+        source = None if reference is None else secret_source(container, reference.group(1), before=variable)
+        if source is None or source != password:
+            problems.append(
+                f"'s password is not {password_variable(user)} from the Secret the broker-setup Job sets "
+                f"it from ({password}), but {source}"
+            )
     return problems
 
 
@@ -408,7 +647,7 @@ def test_every_resource_is_named_and_in_the_hookline_namespace(docs: list[Doc]) 
             assert doc["metadata"].get("namespace") == NAMESPACE, doc["metadata"]["name"]
     assert set(by_kind(docs, "Namespace")) == {NAMESPACE}
     kinds = {doc["kind"] for doc in docs}
-    assert {"Secret", "ConfigMap", "RabbitmqCluster", "PodDisruptionBudget", "ScaledObject"} <= kinds
+    assert {"Secret", "ConfigMap", "RabbitmqCluster", "PodDisruptionBudget", "ScaledObject", "Job"} <= kinds
     (cluster,) = by_kind(docs, "RabbitmqCluster").values()
     assert cluster["apiVersion"] == "rabbitmq.com/v1beta1"
 
@@ -453,6 +692,22 @@ def test_services_reach_every_broker_node(docs: list[Doc]) -> None:
     assert broker_problems(docs) == []
 
 
+def test_the_broker_setup_job_creates_exactly_the_role_users(docs: list[Doc]) -> None:
+    assert setup_job_problems(docs) == []
+    (job,) = setup_jobs(docs)
+    (container,) = job["spec"]["template"]["spec"]["containers"]
+    args = setup_arguments(container)
+    assert args is not None
+    assert args.run.__name__ == "_broker_setup"
+    given = {e["name"] for e in container["env"] if e["name"].startswith("HOOKLINE_BROKER_PASSWORD_")}
+    assert given == {password_variable(user) for user in USERS.values()}
+
+
+def test_each_service_connects_as_its_own_broker_user(docs: list[Doc]) -> None:
+    assert credentials_problems(docs) == []
+    assert set(ROLES) == set(SETTINGS)
+
+
 def test_every_workload_has_a_disruption_budget(docs: list[Doc]) -> None:
     budgets = [
         doc["spec"]["selector"]["matchLabels"] for doc in by_kind(docs, "PodDisruptionBudget").values()
@@ -485,6 +740,34 @@ def test_the_secret_holds_placeholders_the_services_refuse(docs: list[Doc]) -> N
     assert set(values) == {"HOOKLINE_API_TOKEN", "HOOKLINE_SECRET_KEY"}
     # Shorter than the 16 characters required: a forgotten placeholder stops the service at start.
     assert len(values["HOOKLINE_API_TOKEN"]) < 16
+
+
+def test_the_broker_password_placeholders_fail_the_setup_job_at_once(
+    docs: list[Doc], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    placeholders = by_kind(docs, "Secret")["hookline-broker-users"]["stringData"]
+    assert set(placeholders) == {password_variable(user) for user in USERS.values()}
+    assert all(len(value) < MIN_PASSWORD_LENGTH for value in placeholders.values())
+    # The Job's command, run with its environment as the placeholder Secret makes it: refused before
+    # the broker is reached (nothing listens on port 9), with an exit code that fails the Job at once.
+    (job,) = setup_jobs(docs)
+    (container,) = job["spec"]["template"]["spec"]["containers"]
+    for name in [n for n in os.environ if n.upper().startswith("HOOKLINE_")]:
+        monkeypatch.delenv(name)
+    for entry in container["env"]:
+        ref = entry.get("valueFrom", {}).get("secretKeyRef", {})
+        if ref.get("name") == "hookline-broker-users":
+            monkeypatch.setenv(entry["name"], placeholders[ref["key"]])
+        elif entry["name"] in SETUP_VARIABLES:
+            monkeypatch.setenv(entry["name"], entry["value"])
+    argv = [*container["command"], *container.get("args", [])][1:]
+    args = build_parser().parse_args([re.sub(_REFERENCE, "x", argument) for argument in argv])
+    args.management_url = "http://admin:password@127.0.0.1:9"
+    code = args.run(args)
+    assert "is shorter than 16 characters" in capsys.readouterr().err
+    (rule,) = job["spec"]["podFailurePolicy"]["rules"]
+    assert rule["action"] == "FailJob"
+    assert rule["onExitCodes"] == {"containerName": container["name"], "operator": "In", "values": [code]}
 
 
 # --- the checker catches what it should ------------------------------------------------------------
@@ -564,6 +847,92 @@ def _forget_a_node(docs: list[Doc]) -> None:
     entry["value"] = ",".join(entry["value"].split(",")[:2])
 
 
+def _job_container(docs: list[Doc]) -> Doc:
+    (job,) = setup_jobs(docs)
+    (container,) = job["spec"]["template"]["spec"]["containers"]
+    return container
+
+
+def _dispatcher_as_the_ingest(docs: list[Doc]) -> None:
+    _env(docs, "dispatcher", "BROKER_USER")["value"] = USERS[Role.INGEST]
+
+
+def _monitor_with_the_dispatchers_password(docs: list[Doc]) -> None:
+    ref = _env(docs, "health-monitor", "BROKER_PASSWORD")["valueFrom"]["secretKeyRef"]
+    ref["key"] = password_variable(USERS[Role.DISPATCHER])
+
+
+def _management_url_as_another_user(docs: list[Doc]) -> None:
+    entry = _env(docs, "ingest", "HOOKLINE_RABBITMQ_MANAGEMENT_URL")
+    entry["value"] = entry["value"].replace("$(BROKER_USER)", USERS[Role.DISPATCHER])
+
+
+def _password_in_plain_text(docs: list[Doc]) -> None:
+    entry = _env(docs, "dispatcher", "HOOKLINE_AMQP_URL")
+    entry["value"] = entry["value"].replace("$(BROKER_PASSWORD)", "s3cr3t-in-the-manifest")
+
+
+def _password_defined_after_the_url(docs: list[Doc]) -> None:
+    (container,) = _workload(docs, "ingest")["spec"]["template"]["spec"]["containers"]
+    entry = _env(docs, "ingest", "BROKER_PASSWORD")
+    container["env"].remove(entry)
+    container["env"].append(entry)  # $(BROKER_PASSWORD) is then not expanded in the URLs
+
+
+def _service_as_the_administrator(docs: list[Doc]) -> None:
+    _env(docs, "health-monitor", "BROKER_PASSWORD")["valueFrom"]["secretKeyRef"] = {
+        "name": ADMIN_SECRET,
+        "key": "password",
+    }
+
+
+def _job_missing_a_password(docs: list[Doc]) -> None:
+    container = _job_container(docs)
+    variable = password_variable(USERS[Role.MONITOR])
+    container["env"] = [e for e in container["env"] if e["name"] != variable]
+
+
+def _job_password_optional(docs: list[Doc]) -> None:
+    entry = next(e for e in _job_container(docs)["env"] if e["name"] == password_variable(USERS[Role.INGEST]))
+    entry["valueFrom"]["secretKeyRef"]["optional"] = True
+
+
+def _job_upstream_without_password(docs: list[Doc]) -> None:
+    _job_container(docs)["command"] += ["--upstream", "orders:acme"]
+
+
+def _job_misspelled_option(docs: list[Doc]) -> None:
+    command = _job_container(docs)["command"]
+    command[command.index("--management-url")] = "--managment-url"
+
+
+def _job_as_guest(docs: list[Doc]) -> None:
+    command = _job_container(docs)["command"]
+    command[-1] = "http://guest:guest@hookline-rabbitmq:15672"
+
+
+def _job_on_another_vhost(docs: list[Doc]) -> None:
+    _job_container(docs)["command"] += ["--vhost", "hookline"]
+
+
+def _job_variable_misspelled(docs: list[Doc]) -> None:
+    _job_container(docs)["env"].append({"name": "HOOKLINE_AMQP_URLS", "value": "amqp://hookline-rabbitmq/"})
+
+
+def _job_writable_root(docs: list[Doc]) -> None:
+    _job_container(docs)["securityContext"]["readOnlyRootFilesystem"] = False
+
+
+def _job_kept_forever(docs: list[Doc]) -> None:
+    (job,) = setup_jobs(docs)
+    del job["spec"]["ttlSecondsAfterFinished"]
+
+
+def _job_not_retried(docs: list[Doc]) -> None:
+    (job,) = setup_jobs(docs)
+    job["spec"]["podFailurePolicy"]["rules"][0]["onExitCodes"]["values"] = [1, 2]
+
+
 MUTATIONS: list[tuple[Callable[[list[Doc]], None], Callable[[list[Doc]], list[str]], str]] = [
     (_misspell_literal, env_problems, "HOOKLINE_INGEST_PROT is not a setting of IngestSettings"),
     (_misspell_configmap_key, env_problems, "HOOKLINE_SHUTDOWN_GRACE is not a setting of DispatcherSettings"),
@@ -581,6 +950,39 @@ MUTATIONS: list[tuple[Callable[[list[Doc]], None], Callable[[list[Doc]], list[st
     (_one_monitor, lifecycle_problems, "runs 1 replicas, not 2"),
     (_root, security_problems, "runAsNonRoot is not true"),
     (_forget_a_node, broker_problems, "HOOKLINE_AMQP_URL lists"),
+    (_dispatcher_as_the_ingest, credentials_problems, "connects as hookline-ingest, not hookline-dispatcher"),
+    (
+        _monitor_with_the_dispatchers_password,
+        credentials_problems,
+        "password is not HOOKLINE_BROKER_PASSWORD_HOOKLINE_MONITOR",
+    ),
+    (_management_url_as_another_user, credentials_problems, "MANAGEMENT_URL connects as hookline-dispatcher"),
+    (
+        _password_in_plain_text,
+        credentials_problems,
+        "password is not HOOKLINE_BROKER_PASSWORD_HOOKLINE_DISPATCHER",
+    ),
+    (
+        _password_defined_after_the_url,
+        credentials_problems,
+        "password is not HOOKLINE_BROKER_PASSWORD_HOOKLINE_INGEST",
+    ),
+    (_service_as_the_administrator, credentials_problems, f"hookline-health-monitor uses {ADMIN_SECRET}"),
+    (_job_missing_a_password, setup_job_problems, "no HOOKLINE_BROKER_PASSWORD_HOOKLINE_MONITOR"),
+    (_job_missing_a_password, env_problems, "HOOKLINE_BROKER_PASSWORD_HOOKLINE_MONITOR is not provided"),
+    (_job_password_optional, setup_job_problems, "HOOKLINE_BROKER_PASSWORD_HOOKLINE_INGEST is not read from"),
+    (_job_upstream_without_password, setup_job_problems, "no HOOKLINE_BROKER_PASSWORD_ORDERS"),
+    (_job_misspelled_option, setup_job_problems, "not a `hookline broker-setup` the CLI accepts"),
+    (_job_as_guest, setup_job_problems, "is not http://$(U):$(P)@hookline-rabbitmq:15672"),
+    (_job_on_another_vhost, setup_job_problems, "grants on vhost 'hookline'"),
+    (_job_variable_misspelled, env_problems, "HOOKLINE_AMQP_URLS is not a setting of hookline broker-setup"),
+    (
+        _job_writable_root,
+        security_problems,
+        "hookline-broker-setup/broker-setup: the root filesystem is writable",
+    ),
+    (_job_kept_forever, setup_job_problems, "no ttlSecondsAfterFinished"),
+    (_job_not_retried, setup_job_problems, "exit 1 (the broker not reachable yet) fails the Job"),
 ]
 
 

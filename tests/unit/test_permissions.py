@@ -1,16 +1,28 @@
-"""The permission matrix derived from topology's names, and broker-setup's plan (pure)."""
+"""The permission matrix derived from topology's names, broker-setup's plan (pure), and the passwords it
+takes."""
 
 from __future__ import annotations
 
 import base64
 import hashlib
 import re
+from typing import Any
 
 import pytest
 
 from hookline.shared import topology
-from hookline.shared.brokersetup import Upstream, password_hash, plan, wanted_users
-from hookline.shared.permissions import GRANTS, NOTHING, Role, names, upstream_grant
+from hookline.shared.brokersetup import (
+    MIN_PASSWORD_LENGTH,
+    PasswordError,
+    Upstream,
+    password_hash,
+    password_variable,
+    plan,
+    setup,
+    wanted_users,
+)
+from hookline.shared.cli import build_parser
+from hookline.shared.permissions import GRANTS, NOTHING, USERS, Role, names, upstream_grant
 
 ENDPOINT_QUEUE = topology.endpoint_queue("ep_01JD0000000000000000000000", 3)
 ROUTE = topology.route_exchange("ep_01JD0000000000000000000000")
@@ -126,3 +138,47 @@ def test_a_tenant_limit_removed_is_cleared() -> None:
         "topic_permissions": [{"user": "anything", "vhost": "v", "exchange": "events", "write": "^old\\."}],
     }
     assert _plan(current).clear_topics == ["anything"]
+
+
+class _Broker:
+    """An empty broker that records what is loaded into it."""
+
+    def __init__(self) -> None:
+        self.loaded: list[dict[str, Any]] = []
+
+    def export(self) -> dict[str, Any]:
+        return {"users": []}
+
+    def load(self, definitions: dict[str, Any]) -> None:
+        self.loaded.append(definitions)
+
+    def clear_topic_permissions(self, vhost: str, user: str) -> None:
+        raise AssertionError("no topic permission to clear")
+
+
+@pytest.mark.parametrize("password", ["REPLACE_ME", "", "x" * (MIN_PASSWORD_LENGTH - 1)])
+def test_a_given_password_too_short_is_refused_before_the_broker_is_touched(password: str) -> None:
+    broker = _Broker()
+    environ = {password_variable(USERS[Role.DISPATCHER]): password}
+    with pytest.raises(PasswordError, match="HOOKLINE_BROKER_PASSWORD_HOOKLINE_DISPATCHER is shorter"):
+        setup(broker, vhost="/", amqp_url="amqp://broker:5672/", environ=environ)
+    assert broker.loaded == []
+
+
+def test_a_given_password_long_enough_is_set_and_not_shown() -> None:
+    broker = _Broker()
+    environ = {password_variable(USERS[Role.DISPATCHER]): "x" * MIN_PASSWORD_LENGTH}
+    users = {u.user: u for u in setup(broker, vhost="/", amqp_url="amqp://broker:5672/", environ=environ)}
+    assert users[USERS[Role.DISPATCHER]].password is None
+    assert users[USERS[Role.INGEST]].password is not None  # not given: generated, shown once
+    assert len(broker.loaded) == 1
+
+
+def test_the_cli_exits_2_on_a_refused_password(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv(password_variable(USERS[Role.INGEST]), "REPLACE_ME")
+    # Nothing listens there: reaching for it would exit 1 instead.
+    args = build_parser().parse_args(["broker-setup", "--management-url", "http://admin:pw@127.0.0.1:9"])
+    assert args.run(args) == 2
+    assert "HOOKLINE_BROKER_PASSWORD_HOOKLINE_INGEST is shorter than 16" in capsys.readouterr().err
