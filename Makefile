@@ -33,8 +33,12 @@ unit: $(STAMP)
 browser:
 	@scripts/install-browser.sh
 
+# Test modules run two at a time (each module's system, broker vhost and receivers are its own), then
+# the few that change the broker for everyone (an alarm, a restart: marked serial) run alone.
+TEST_WORKERS ?= 2
 test: lint browser
-	$(BIN)/pytest -q
+	$(BIN)/pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not serial"
+	$(BIN)/pytest -q -m serial
 
 # Every service killed, the broker restarted, connections cut and stalled, all under load (a few minutes):
 # published = delivered + dead-lettered, nothing lost.

@@ -26,7 +26,7 @@ from support.receiver import Received, Receiver, Reply
 from support.waiting import eventually
 from test_monitors_and_repair import AUTH, get_json, publish
 
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
+pytestmark = [pytest.mark.e2e, pytest.mark.serial, pytest.mark.timeout(240)]
 
 SYSTEM_ENV = {
     "HOOKLINE_RABBITMQ_DIAGNOSTICS": "rabbitmq-diagnostics",

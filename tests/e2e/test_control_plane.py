@@ -14,7 +14,7 @@ from support.receiver import Receiver, Reply
 from support.waiting import eventually
 from test_delivery_path import event
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.serial]
 
 SYSTEM_ENV = {
     "HOOKLINE_BREAKER_FAILURE_THRESHOLD": "3",

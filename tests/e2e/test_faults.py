@@ -13,7 +13,7 @@ from support.receiver import Received, Receiver, Reply
 from support.waiting import eventually
 from test_delivery_path import event
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.serial]
 
 # These tests fail many attempts on purpose; a breaker opening would hold the retries back.
 SYSTEM_ENV = {"HOOKLINE_BREAKER_FAILURE_THRESHOLD": "1000"}

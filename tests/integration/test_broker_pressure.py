@@ -21,7 +21,7 @@ from support.waiting import eventually
 from hookline.shared import topology
 from hookline.shared.amqp import CALL_TIMEOUT_S, Broker, BrokerBlockedError, Publisher
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.serial]
 
 
 async def test_an_alarm_refuses_publishes_at_once_and_consumers_keep_acking(
