@@ -44,6 +44,8 @@ class Record:
     headers: Mapping[str, Any] = field(default_factory=dict)
     message_id: str | None = None
     timestamp: datetime | None = None
+    routing_key: str | None = None
+    user_id: str | None = None
 
 
 async def fill(log: DeliveryLog, attempts: int, now_s: float) -> float:
@@ -61,7 +63,10 @@ async def fill(log: DeliveryLog, attempts: int, now_s: float) -> float:
             "data": {},
         }
         at_ms = int((now_s - span_s + span_s * n / events) * 1000)
-        log.events.apply(Record(orjson.dumps(event), {"x-stream-offset": n, Header.ACCEPTED_AT_MS: at_ms}))
+        headers = {"x-stream-offset": n, Header.ACCEPTED_AT_MS: at_ms}
+        log.events.apply(
+            Record(orjson.dumps(event), headers, routing_key=f"{event['tenant']}.{event['type']}")
+        )
         if log.events.pending >= 20_000:
             await log.events.flush()
     await log.events.flush()

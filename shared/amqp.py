@@ -20,7 +20,7 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from types import TracebackType
 from typing import Self
-from urllib.parse import parse_qsl, urlsplit
+from urllib.parse import parse_qsl, unquote, urlsplit
 
 import aio_pika
 import aiormq
@@ -233,6 +233,8 @@ class Broker:
         self._blocked_since_s: float | None = None
         self._pulse: asyncio.Task[None] | None = None
         self.vhost = urlsplit(urls[0]).path.lstrip("/") or "/"
+        # Who this session connects as: set as the user_id of what it writes, which RabbitMQ checks.
+        self.user = unquote(urlsplit(urls[0]).username or "guest")
 
     async def __aenter__(self) -> Self:
         deadline = time.monotonic() + self._connect_timeout_s

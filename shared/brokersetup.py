@@ -39,6 +39,7 @@ _TAGS: dict[Role, tuple[str, ...]] = {
     Role.DISPATCHER: (),
 }
 _PASSWORD_BYTES = 24
+_SHA256 = "rabbit_password_hashing_sha256"  # how password_hash() hashes
 #: What a given password must have at least (deploy/kubernetes' placeholders are shorter on purpose).
 MIN_PASSWORD_LENGTH = 16
 
@@ -49,8 +50,13 @@ class Upstream(Model):
 
     @classmethod
     def parse(cls, text: str) -> Upstream:
-        """``NAME`` or ``NAME:TENANT``."""
-        user, _, tenant = text.partition(":")
+        """``NAME`` or ``NAME:TENANT`` (``NAME:`` is refused: an empty tenant, an unset variable perhaps,
+        must not mean every tenant)."""
+        user, colon, tenant = text.partition(":")
+        if colon and not tenant:
+            raise ValueError(f"--upstream {text!r}: the tenant after ':' is empty")
+        if user in USERS.values():
+            raise ValueError(f"--upstream {user!r} is one of hookline's own users")
         return cls(user=user, tenant=tenant or None)
 
 
@@ -191,17 +197,23 @@ def plan(
     }
     users, passwords, clear = [], {}, []
     for want in wanted:
+        tags = existing.get(want.user, {}).get("tags") or []
+        if want.role == "upstream" and tags:
+            # An operator's user (an administrator, say) would lose its tags and permissions here.
+            raise SetupError(f"{want.user!r} exists with tags {tags}: not a user for an upstream")
         password = given.get(want.user) or (new_password() if rotate or want.user not in existing else None)
         if password is not None:
             passwords[want.user] = password
-            hashed = password_hash(password, new_salt())
+            hashed, algorithm = password_hash(password, new_salt()), _SHA256
         else:
+            # Kept as it is, with the algorithm it was hashed with (a broker may use SHA-512).
             hashed = existing[want.user]["password_hash"]
+            algorithm = existing[want.user].get("hashing_algorithm", _SHA256)
         users.append(
             {
                 "name": want.user,
                 "password_hash": hashed,
-                "hashing_algorithm": "rabbit_password_hashing_sha256",
+                "hashing_algorithm": algorithm,
                 "tags": list(want.tags),
             }
         )

@@ -69,8 +69,9 @@ def _broker_setup(args: argparse.Namespace) -> int:
         users = brokersetup.setup(
             admin, vhost=vhost, amqp_url=amqp_url, upstreams=upstreams, rotate=args.rotate
         )
-    except ValidationError as exc:
-        print(f"hookline: --upstream takes NAME or NAME:TENANT: {exc.errors()[0]['msg']}", file=sys.stderr)
+    except ValueError as exc:  # a ValidationError too
+        why = exc.errors()[0]["msg"] if isinstance(exc, ValidationError) else str(exc)
+        print(f"hookline: --upstream takes NAME or NAME:TENANT: {why}", file=sys.stderr)
         return 2
     # 2, like a bad argument: what was given is wrong, and a retry (a Kubernetes Job's) cannot help.
     except brokersetup.PasswordError as exc:

@@ -118,6 +118,9 @@ class BatchItem(Model):
     error: str | None = None
     message: str | None = None
     details: list[ErrorDetail] = Field(default_factory=list)
+    retry_after_s: int | None = Field(
+        None, description="over a quota or the broker refusing: when to send it again"
+    )
 
 
 class BatchAccepted(Model):

@@ -71,30 +71,12 @@ def names(exact: Iterable[str] = (), prefixes: Iterable[str] = ()) -> str:
 
 _ENDPOINT_PREFIXES = (topology.ENDPOINT_QUEUE_PREFIX, topology.ROUTE_EXCHANGE_PREFIX)
 _DELAY_LEVELS = tuple(topology.delay_level(level) for level in range(topology.DELAY_BITS))
-_STREAMS = (
-    topology.EVENT_LOG,
-    topology.DEAD_LETTER_STREAM,
-    topology.ENDPOINT_LOG,
-    topology.TELEMETRY_LOG,
-    topology.BREAKER_LOG,
-)
-_CORE_EXCHANGES = (
-    topology.EVENTS_EXCHANGE,
-    topology.UNROUTED,
-    topology.DEAD_LETTER_EXCHANGE,
-    topology.TELEMETRY_EXCHANGE,
-    topology.CONTROL_EXCHANGE,
-    topology.ALERTS_EXCHANGE,
-    topology.DELAY_DELIVERY,
-    topology.DELAY_UNROUTABLE,
-    *_DELAY_LEVELS,
-)
 # The sources an endpoint's provisioning binds from (events, retries).
 _ENDPOINT_BINDING_SOURCES = (topology.EVENTS_EXCHANGE, topology.DELAY_DELIVERY)
 
 
 def _core() -> tuple[str, ...]:
-    return tuple(dict.fromkeys((*_CORE_EXCHANGES, *topology.core_queues())))
+    return tuple(dict.fromkeys((*topology.core_exchanges(), *topology.core_queues())))
 
 
 GRANTS: dict[Role, Grant] = {
@@ -129,6 +111,7 @@ GRANTS: dict[Role, Grant] = {
         write=names(
             (
                 DEFAULT_EXCHANGE,  # change-log records (disabling an endpoint)
+                topology.DEAD_LETTER_EXCHANGE,  # declaring an endpoint queue names it (its repair)
                 topology.CONTROL_EXCHANGE,
                 topology.ALERTS_EXCHANGE,
                 topology.EVENTS_EXCHANGE,  # endpoint notifications are events
@@ -149,6 +132,13 @@ GRANTS: dict[Role, Grant] = {
         ),
     ),
 }
+
+
+def may_write_tenants(user_id: str | None) -> bool:
+    """Whether a change-log record of tokens or quotas (or an audit record) may come from this user:
+    RabbitMQ vouches for a message's user_id, and only the ingest writes those records. A deployment
+    with one user for everything (no broker-setup) is one trust domain anyway."""
+    return user_id is not None and user_id not in (USERS[Role.DISPATCHER], USERS[Role.MONITOR])
 
 
 def upstream_grant(tenant: str | None) -> tuple[Grant, TopicGrant | None]:

@@ -23,7 +23,7 @@ import structlog
 from aio_pika.abc import AbstractIncomingMessage
 from pydantic import TypeAdapter, ValidationError
 
-from hookline.shared import catalog, topology
+from hookline.shared import catalog, permissions, topology
 from hookline.shared.amqp import Broker, Publisher
 from hookline.shared.ids import new_id
 from hookline.shared.models import (
@@ -142,6 +142,7 @@ class ChangeLog:
         self.catalog = event_types if event_types is not None else catalog.Catalog()
         self.tenants = Tenants()
         self._follower = StreamFollower(broker, topology.ENDPOINT_LOG, self._on_record, publisher=publisher)
+        self._user = broker.user
 
     async def write(
         self, record: EndpointUpserted | EndpointDeleted, *, timeout_s: float
@@ -183,6 +184,7 @@ class ChangeLog:
             content_type="application/json",
             delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
             message_id=record.change_id,
+            user_id=self._user,  # RabbitMQ refuses a user_id that is not the connection's user
         )
         return await self._follower.append(message, timeout_s=timeout_s)
 
@@ -236,6 +238,11 @@ class ChangeLog:
             log.error("endpoint_log_record_unreadable", offset=offset_of(message), error=error_summary(exc))
             return None
         if isinstance(record, TokenUpserted | QuotaSet):
+            if not permissions.may_write_tenants(message.user_id):
+                # The dispatchers and monitors may append to this log (to disable an endpoint), never
+                # a token or a quota: such a record is forged.
+                log.error("tenant_record_refused", offset=offset_of(message), user=message.user_id)
+                return None
             return self.tenants.apply(record)
         if isinstance(record, EventTypeUpserted | EventTypeDeleted):
             applied = self.catalog.apply(record)

@@ -44,9 +44,17 @@ class Tenants:
         if isinstance(record, QuotaSet):
             self._quotas[record.tenant] = record.quota
             return record.quota
-        self._tokens[record.token.id] = record.token
-        self._by_digest[record.token.digest] = record.token.id
-        return record.token
+        token = record.token
+        earlier = self._tokens.get(token.id)
+        if earlier is not None and earlier.revoked_at is not None:
+            # Revoked for good: a later write based on a copy from before the revocation (another
+            # replica's PATCH of the expiry) cannot bring it back.
+            token = token.model_copy(
+                update={"revoked_at": min(earlier.revoked_at, token.revoked_at or earlier.revoked_at)}
+            )
+        self._tokens[token.id] = token
+        self._by_digest[token.digest] = token.id
+        return token
 
     def authenticate(self, presented: str, now: datetime) -> StoredToken | None:
         """The active token ``presented`` is, if any."""

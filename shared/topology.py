@@ -156,6 +156,17 @@ def event_routing_key(tenant: str, event_type: str) -> str:
     return f"{tenant}.{event_type}"
 
 
+def published_as(routing_key: str | None, event: dict[str, object]) -> bool:
+    """Whether a record of the event log was published under its body's own tenant and type: an
+    upstream limited to its tenant's routing keys could otherwise claim another tenant in the body."""
+    tenant, event_type = event.get("tenant"), event.get("type")
+    return (
+        isinstance(tenant, str)
+        and isinstance(event_type, str)
+        and routing_key == event_routing_key(tenant, event_type)
+    )
+
+
 def endpoint_queue_arguments(*, single_consumer: bool) -> dict[str, Any]:
     arguments: dict[str, Any] = {
         "x-queue-type": "quorum",
@@ -272,8 +283,7 @@ async def _missing_core(broker: Broker) -> str | None:
     """The first core exchange or queue that does not exist (None when all do), asked passively: a
     passive declare needs no permission."""
     async with broker.channel() as channel:
-        for exchange in (EVENTS_EXCHANGE, DEAD_LETTER_EXCHANGE, TELEMETRY_EXCHANGE, CONTROL_EXCHANGE,
-                         ALERTS_EXCHANGE, DELAY_DELIVERY, *(delay_level(n) for n in range(DELAY_BITS))):  # fmt: skip
+        for exchange in core_exchanges():
             try:
                 await channel.declare_exchange(exchange, passive=True, timeout=CALL_TIMEOUT_S)
             except aio_pika.exceptions.ChannelNotFoundEntity:
@@ -458,6 +468,21 @@ async def unroute(channel: AbstractChannel, endpoint: StoredEndpoint) -> None:
         for key in sorted(binding_keys(endpoint.tenant, endpoint.event_types)):
             await queue.unbind(EVENTS_EXCHANGE, routing_key=key)
         await queue.unbind(DELAY_DELIVERY, routing_key=delay_delivery_binding(queue.name))
+
+
+def core_exchanges() -> list[str]:
+    """The exchanges every service relies on (what :func:`declare` creates)."""
+    return [
+        EVENTS_EXCHANGE,
+        UNROUTED,
+        DEAD_LETTER_EXCHANGE,
+        TELEMETRY_EXCHANGE,
+        CONTROL_EXCHANGE,
+        ALERTS_EXCHANGE,
+        DELAY_DELIVERY,
+        DELAY_UNROUTABLE,
+        *(delay_level(level) for level in range(DELAY_BITS)),
+    ]
 
 
 def core_queues() -> list[str]:

@@ -58,6 +58,9 @@ from hookline.shared.views import follow_view
 
 log = structlog.get_logger(__name__)
 
+#: How long a repair waits for core names it may not declare itself (the ingest declares them).
+REPAIR_WAIT_S = 5.0
+
 SNAPSHOT_INTERVAL_S = 5.0
 UNSENT_MAX = 1_000
 EVALUATION_INTERVAL_S = 2.0
@@ -364,7 +367,12 @@ class Monitor:
         for name, endpoint_id in sorted(missing.items(), key=lambda item: item[0]):
             log.error("queue_missing", queue=name, endpoint_id=endpoint_id, alert=True)
         if any(endpoint_id is None for endpoint_id in missing.values()):
-            await topology.declare(self._broker, self.settings.retention)
+            try:
+                await topology.declare(self._broker, self.settings.retention, timeout_s=REPAIR_WAIT_S)
+            except topology.TopologyMissingError as exc:
+                # A monitor with least privilege may not declare the core topology (only the ingest
+                # does, at its start): the alert above stands; endpoint queues are still repaired.
+                log.error("topology_not_repairable", detail=str(exc))
         for endpoint_id in {endpoint_id for endpoint_id in missing.values() if endpoint_id}:
             endpoint = self.registry.get(endpoint_id)
             if endpoint is not None:

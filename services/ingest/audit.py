@@ -16,15 +16,18 @@ from __future__ import annotations
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Annotated, Any, Literal
+from urllib.parse import parse_qsl, urlsplit, urlunsplit
 
 import aio_pika
 import structlog
 from fastapi import APIRouter, Depends, Query
+from pydantic import AwareDatetime
 
 from hookline.ingest.auth import Caller, Principal
 from hookline.ingest.state import IngestState, ingest_state
-from hookline.shared import topology
+from hookline.shared import permissions, topology
 from hookline.shared.amqp import BROKER_ERRORS
+from hookline.shared.api import ApiError
 from hookline.shared.ids import new_id
 from hookline.shared.models import Model
 from hookline.shared.views import RowView, StreamMessage, ViewSchema
@@ -33,6 +36,7 @@ log = structlog.get_logger(__name__)
 
 #: Fields of an endpoint whose values are never shown in the trail (their names are).
 SECRET_FIELDS = frozenset({"secrets", "sealed_headers", "sealed_auth", "headers", "auth"})
+_URL_FIELDS = frozenset({"url", "notify_url"})
 # Fields that change with every write: not a change anyone made.
 _BOOKKEEPING = frozenset(
     {"id", "created_at", "version", "updated_at", "queue_generation", "retired_queues", "routed"}
@@ -50,6 +54,7 @@ SCHEMA = ViewSchema(
         )""",
         "CREATE INDEX audit_by_tenant ON audit (tenant, offset)",
         "CREATE INDEX audit_by_time ON audit (at_s)",
+        "CREATE INDEX audit_by_id ON audit (id)",
     ],
 )
 
@@ -71,8 +76,8 @@ class AuditList(Model):
 
 def changes_between(before: Model | None, after: Model | None) -> dict[str, Any]:
     """Each field that differs, ``{"from", "to"}``; a secret field only as ``"changed"``."""
-    old = before.model_dump(mode="json") if before is not None else {}
-    new = after.model_dump(mode="json") if after is not None else {}
+    old = _shown(before.model_dump(mode="json")) if before is not None else {}
+    new = _shown(after.model_dump(mode="json")) if after is not None else {}
     changed: dict[str, Any] = {}
     for field in sorted(set(old) | set(new)):
         if field in _BOOKKEEPING or old.get(field) == new.get(field):
@@ -81,6 +86,25 @@ def changes_between(before: Model | None, after: Model | None) -> dict[str, Any]
             "changed" if field in SECRET_FIELDS else {"from": old.get(field), "to": new.get(field)}
         )
     return changed
+
+
+def redact_url(url: str) -> str:
+    """A URL as the trail keeps it: scheme, host and path; credentials and query values (a webhook URL's
+    secret often lives there) replaced by ``…``."""
+    parts = urlsplit(url)
+    host = parts.hostname or ""
+    netloc = (
+        ("…@" if parts.username or parts.password else "") + host + (f":{parts.port}" if parts.port else "")
+    )
+    query = "&".join(f"{name}=…" for name, _ in parse_qsl(parts.query, keep_blank_values=True))
+    return urlunsplit((parts.scheme, netloc, parts.path, query, ""))
+
+
+def _shown(fields: dict[str, Any]) -> dict[str, Any]:
+    return {
+        name: redact_url(value) if name in _URL_FIELDS and isinstance(value, str) else value
+        for name, value in fields.items()
+    }
 
 
 async def record(
@@ -106,6 +130,7 @@ async def record(
         content_type="application/json",
         delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
         message_id=entry.id,
+        user_id=state.broker.user,
     )
     try:
         await state.publisher.publish(message, exchange="", routing_key=topology.AUDIT_LOG)
@@ -114,6 +139,9 @@ async def record(
 
 
 def _rows(offset: int, message: StreamMessage) -> list[tuple[Any, ...]]:
+    if not permissions.may_write_tenants(message.user_id):
+        log.error("audit_record_refused", offset=offset, user=message.user_id)
+        return []
     try:
         entry = AuditRecord.model_validate_json(message.body)
     except ValueError:
@@ -140,7 +168,7 @@ async def list_audit(
     state: Annotated[IngestState, Depends(ingest_state)],
     caller: Caller,
     tenant: str | None = None,
-    since: datetime | None = None,
+    since: AwareDatetime | None = None,
     limit: Annotated[int, Query(ge=1, le=1000)] = 100,
     after: Annotated[str | None, Query(description="the page after this record id")] = None,
     order: Annotated[Literal["asc", "desc"], Query(description="asc: oldest first (follow it)")] = "asc",
@@ -152,9 +180,13 @@ async def list_audit(
         conditions.append("tenant = ?")
         values.append(scope)
     if after is not None:
-        beyond = ">" if order == "asc" else "<"
-        conditions.append(f"offset {beyond} coalesce((SELECT offset FROM audit WHERE id = ?), -1)")  # noqa: S608
-        values.append(after)
+        found = await state.audit.read(
+            lambda db: db.execute("SELECT offset FROM audit WHERE id = ?", (after,)).fetchone()
+        )
+        if found is None:
+            raise ApiError(422, "invalid_fields", "invalid value for: after (no such audit record)")
+        conditions.append("offset > ?" if order == "asc" else "offset < ?")
+        values.append(found[0])
     # Only the fixed conditions above are joined in; every value is a placeholder.
     sql = f"SELECT record FROM audit WHERE {' AND '.join(conditions)} ORDER BY offset {order} LIMIT ?"  # noqa: S608
     rows = await state.audit.read(lambda db: db.execute(sql, (*values, limit + 1)).fetchall())

@@ -63,6 +63,12 @@ class RedriveResult(Model):
     skipped: int = Field(description="invalid events, and those whose endpoint no longer exists")
 
 
+def _tenant_of(state: IngestState, endpoint_id: str | None) -> str | None:
+    """The tenant an admin's redrive of one endpoint is about (its trail is the tenant's too)."""
+    endpoint = state.registry.last_known(endpoint_id) if endpoint_id else None
+    return endpoint.tenant if endpoint is not None else None
+
+
 @router.get("", response_model=DeadLetterList)
 async def list_dead_letters(
     state: State,
@@ -143,7 +149,8 @@ async def redrive(request: RedriveRequest, state: State, caller: Caller) -> Redr
     )
     log.info("dead_letters_redriven", count=sent, skipped=len(chosen) - sent, endpoint_id=request.endpoint_id)
     await audit.record(
-        state, caller, "dead_letters.redriven", tenant=caller.scope(request.tenant),
+        state, caller, "dead_letters.redriven",
+        tenant=caller.scope(request.tenant) or _tenant_of(state, request.endpoint_id),
         target=request.endpoint_id,
         changes={"filter": request.model_dump(mode="json", exclude_none=True), "redriven": sent},
     )  # fmt: skip

@@ -116,6 +116,8 @@ def _event_rows(offset: int, message: StreamMessage) -> list[tuple[Any, ...]]:
         isinstance(body.get(key), str) for key in ("id", "tenant", "type")
     ):
         return []
+    if not topology.published_as(message.routing_key, body):
+        return []  # an upstream's event claiming another tenant: the dispatchers dead-letter it too
     headers = message.headers or {}
     accepted_ms = headers.get(Header.ACCEPTED_AT_MS)
     if isinstance(accepted_ms, int):
@@ -174,9 +176,13 @@ class DeliveryLog:
             schema=EVENTS_SCHEMA,
             identity=f"{vhost}/{topology.EVENT_LOG}",
             # A record read twice (a consumer re-attached) is skipped before this: each is counted once.
-            insert="INSERT OR REPLACE INTO events VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-            derive=_event_rows,
+            # IGNORE, not REPLACE: rows written again after a failed flush must not count twice in
+            # tenant_days (its trigger fires on every insert).
+            insert="INSERT OR IGNORE INTO events VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+            derive=self._event_rows,
         )
+        # The acceptance time of the newest event applied: what a quota check knows the view counts.
+        self.latest_accepted_s = 0.0
         self.attempts = RowView(
             path.with_suffix(".attempts.sqlite") if path else None,
             schema=ATTEMPTS_SCHEMA,
@@ -184,6 +190,12 @@ class DeliveryLog:
             insert="INSERT OR REPLACE INTO attempts VALUES (?, ?, ?, ?, ?, ?, ?)",
             derive=_attempt_rows,
         )
+
+    def _event_rows(self, offset: int, message: StreamMessage) -> list[tuple[Any, ...]]:
+        rows = _event_rows(offset, message)
+        for row in rows:
+            self.latest_accepted_s = max(self.latest_accepted_s, row[5])
+        return rows
 
     async def __aenter__(self) -> Self:
         await self.events.__aenter__()

@@ -562,7 +562,7 @@ async def delete_endpoint(
     )
     await audit.record(
         state, caller, "endpoint.deleted", tenant=endpoint.tenant, target=endpoint_id,
-        changes={"url": endpoint.url, "force": force, "events_dead_lettered": ready + unacked if force else 0},
+        changes={"url": audit.redact_url(endpoint.url), "force": force, "events_dead_lettered": ready + unacked if force else 0},
     )  # fmt: skip
     return Response(status_code=204)
 

@@ -4,12 +4,10 @@
 from __future__ import annotations
 
 import asyncio
-import time
 from datetime import UTC, datetime
 from typing import Annotated, Any
 
 import aio_pika
-import orjson
 import structlog
 from aio_pika.abc import FieldValue
 from fastapi import APIRouter, Depends, Header, Request, Response
@@ -142,12 +140,14 @@ async def publish_batch(
         try:
             accepted = await _accept(state, caller, event_in, idempotency_key=None, trace=trace)
         except ApiError as error:
+            retry_after = error.headers.get("Retry-After")
             return BatchItem(
                 index=index,
                 status=error.status,
                 error=error.code,
                 message=error.message,
                 details=error.details,
+                retry_after_s=int(retry_after) if retry_after else None,
             )
         return BatchItem(index=index, status=200 if accepted.duplicate else 202, event=accepted)
 
@@ -176,9 +176,6 @@ async def _accept(
         raise ApiError(
             422, "invalid_fields", f"tenant {OPERATOR_TENANT!r} is reserved for hookline's own notifications"
         )
-    await state.quotas.check_event(
-        event_in.tenant, size_bytes=lambda: len(orjson.dumps(event_in.data)), now_s=time.time()
-    )
     warnings = _catalog_warnings(state, event_in)
     digest = None
     if idempotency_key is not None:
@@ -218,6 +215,10 @@ async def _accept(
             )
         now = _to_ms(datetime.now(UTC))  # what the event log's header keeps, and a duplicate is told
         event = event_in.complete(event_id=event_id, now=now)
+        # After the duplicate check: a retried request is answered, not counted again.
+        await state.quotas.check_event(
+            event.tenant, size_bytes=lambda: len(event.model_dump_json()), now_s=now.timestamp()
+        )
         attributes = {
             "hookline.event_id": event.id,
             "hookline.event_type": event.type,

@@ -14,6 +14,7 @@ API; an upstream publishing over AMQP is limited by its broker permissions inste
 from __future__ import annotations
 
 import math
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -32,6 +33,10 @@ from hookline.shared.tenants import NO_QUOTA, Tenants
 
 #: What Retry-After says when only a deletion (or the admin) makes room.
 ENDPOINTS_RETRY_AFTER_S = 60
+#: Bytes this replica admitted are counted on top of the delivery log's tally until the log has read past
+#: their acceptance time (it follows the event log about a second behind: a burst of requests must not all
+#: pass on one reading), and for this long at most (a publish that failed after its check).
+PENDING_WINDOW_S = 60.0
 
 
 @dataclass(frozen=True)
@@ -40,17 +45,13 @@ class Bucket:
     at_s: float
 
 
-def take(
-    bucket: Bucket | None, *, rate_per_s: float, burst: int, count: int, now_s: float
-) -> tuple[Bucket, float]:
-    """Take ``count`` tokens: the bucket after, and 0.0 when admitted, else the seconds until they are
-    there (the bucket then unchanged but refilled to now). A full bucket holds ``burst`` tokens."""
+def take(bucket: Bucket | None, *, rate_per_s: float, burst: int, now_s: float) -> tuple[Bucket, float]:
+    """Take one token: the bucket after, and 0.0 when admitted, else the seconds until one is there (the
+    bucket then refilled to now). A full bucket holds ``burst`` tokens; a new one starts full."""
     held = burst if bucket is None else min(burst, bucket.tokens + (now_s - bucket.at_s) * rate_per_s)
-    if count <= held:
-        return Bucket(held - count, now_s), 0.0
-    if count > burst:
-        return Bucket(held, now_s), math.inf  # never fits: as many events at once as the burst allows
-    return Bucket(held, now_s), (count - held) / rate_per_s
+    if held >= 1:
+        return Bucket(held - 1, now_s), 0.0
+    return Bucket(held, now_s), (1 - held) / rate_per_s
 
 
 def over_quota(message: str, retry_after_s: float) -> ApiError:
@@ -77,6 +78,7 @@ class Quotas:
         self._registry = registry
         self._delivery_log = delivery_log
         self._buckets: dict[str, Bucket] = {}
+        self._admitted: dict[str, deque[tuple[float, int]]] = {}  # tenant -> (when, bytes), recent
 
     def _endpoint_count(self, tenant: str) -> int:
         return sum(1 for endpoint in self._registry.all() if endpoint.tenant == tenant)
@@ -92,27 +94,37 @@ class Quotas:
         """Admit one event of ``size_bytes()`` bytes (measured only when a bytes quota is set), or raise
         429. A batch is admitted event by event: each item gets its own answer."""
         quota = self._tenants.quota(tenant)
-        if quota is NO_QUOTA:
+        if quota == NO_QUOTA:
             return
+        day_start_s = now_s - now_s % DAY_S
+        used = 0
         if quota.bytes_per_day is not None:
-            day_start_s = now_s - now_s % DAY_S
             _, used = await self._delivery_log.day_of(tenant, day_start_s=day_start_s)
-            if used + size_bytes() > quota.bytes_per_day:
+        # From here to the end no await: concurrent requests (a batch's items) see each other's bytes.
+        recent = self._admitted.setdefault(tenant, deque())
+        while recent and recent[0][0] < now_s - PENDING_WINDOW_S:
+            recent.popleft()
+        size = size_bytes() if quota.bytes_per_day is not None else 0
+        if quota.bytes_per_day is not None:
+            counted_until_s = self._delivery_log.latest_accepted_s
+            pending = sum(admitted for at_s, admitted in recent if at_s > counted_until_s)
+            if used + pending + size > quota.bytes_per_day:
                 raise over_quota(
-                    f"tenant {tenant!r} has published {used} of its {quota.bytes_per_day} bytes today "
-                    "(bytes_per_day, UTC)",
+                    f"tenant {tenant!r} has published {used + pending} of its {quota.bytes_per_day} "
+                    "bytes today (bytes_per_day, UTC)",
                     day_start_s + DAY_S - now_s,
                 )
         if quota.events_per_s is not None:
             burst = quota.burst or max(1, math.ceil(quota.events_per_s))
             bucket, wait_s = take(
-                self._buckets.get(tenant), rate_per_s=quota.events_per_s, burst=burst, count=1, now_s=now_s
+                self._buckets.get(tenant), rate_per_s=quota.events_per_s, burst=burst, now_s=now_s
             )
             self._buckets[tenant] = bucket
             if wait_s > 0:
                 raise over_quota(
                     f"tenant {tenant!r} may publish {quota.events_per_s:g} events/s (burst {burst})", wait_s
                 )
+        recent.append((now_s, size))
 
     async def view(self, tenant: str, now_s: float) -> QuotaView:
         day = await self._delivery_log.day_of(tenant, day_start_s=now_s - now_s % DAY_S)

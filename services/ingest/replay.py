@@ -92,6 +92,8 @@ async def replay(endpoint_id: str, request: ReplayRequest, state: State, caller:
             event = orjson.loads(message.body)
         except orjson.JSONDecodeError:
             return  # invalid events are in the log too; they were dead-lettered, not delivered
+        if not isinstance(event, dict) or not topology.published_as(message.routing_key, event):
+            return  # claims a tenant its routing key does not: never delivered, never replayed
         if selects(endpoint, event, accepted_time(message, event), request.since, until):
             found.setdefault(event["id"], message.body)  # the same event published twice is replayed once
 

@@ -17,6 +17,7 @@ from hookline.shared import tenants
 from hookline.shared.api import ApiError
 from hookline.shared.ids import new_id
 from hookline.shared.models import Model, StoredToken, Tenant
+from hookline.shared.notifications import OPERATOR_TENANT
 
 State = Annotated[IngestState, Depends(ingest_state)]
 
@@ -69,6 +70,9 @@ def _stored(state: IngestState, token_id: str) -> StoredToken:
 @router.post("", status_code=201, response_model=TokenCreated)
 async def create_token(spec: TokenCreate, state: State, caller: Caller) -> TokenCreated:
     caller.require_admin("create tokens")
+    if spec.tenant == OPERATOR_TENANT:
+        # Its endpoints are the notifiers, which hold every tenant's notify_url.
+        raise ApiError(422, "invalid_fields", f"tenant {OPERATOR_TENANT!r} is hookline's own")
     now = datetime.now(UTC)
     secret, prefix, digest = tenants.new_token()
     stored = await state.change_log.write_token(

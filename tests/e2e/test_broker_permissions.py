@@ -9,6 +9,7 @@ import subprocess
 import uuid
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -22,8 +23,9 @@ from support.broker import Broker
 from support.receiver import Received, Receiver, Reply
 from support.waiting import eventually
 
-from hookline.shared import topology
+from hookline.shared import ids, tenants, topology
 from hookline.shared.amqp import Broker as AmqpBroker
+from hookline.shared.models import StoredToken, TokenUpserted
 from hookline.shared.permissions import USERS, Role
 from hookline.shared.topology import Retention
 
@@ -75,7 +77,8 @@ def setup(rabbitmq: Broker) -> Iterator[Setup]:
         try:
             yield Setup(vhost_url, urls, acme, acme_upstream, any_upstream, output)
         finally:
-            for user in (acme_upstream, any_upstream):
+            # The role users too: their password is in this file, so none is left on a broker.
+            for user in (acme_upstream, any_upstream, *USERS.values()):
                 rabbitmq.ctl(["delete_user", user])
 
 
@@ -256,7 +259,7 @@ def least_privilege_system(
 
 
 async def test_every_service_works_as_its_own_least_privileged_user(
-    setup: Setup, least_privilege_system: dict[str, services.Service], receiver: Receiver
+    setup: Setup, least_privilege_system: dict[str, services.Service], receiver: Receiver, rabbitmq: Broker
 ) -> None:
     ingest, monitor = least_privilege_system["ingest"], least_privilege_system["health-monitor"]
     acme = setup.acme
@@ -287,7 +290,7 @@ async def test_every_service_works_as_its_own_least_privileged_user(
     def endpoint(path: str, patterns: list[str]) -> dict[str, Any]:
         return {"tenant": acme, "url": receiver.url(path), "event_types": patterns, "verify": False}
 
-    await api("POST", "/v1/endpoints", json=endpoint("/ok", ["order.*"]))
+    ok = (await api("POST", "/v1/endpoints", json=endpoint("/ok", ["order.*"]))).json()
     flaky = (await api("POST", "/v1/endpoints", json=endpoint("/flaky", ["invoice.*"]))).json()
     refusing = (await api("POST", "/v1/endpoints", json=endpoint("/refusing", ["refund.*"]))).json()
     gone = (await api("POST", "/v1/endpoints", json=endpoint("/gone", ["order.*"]))).json()
@@ -369,5 +372,120 @@ async def test_every_service_works_as_its_own_least_privileged_user(
     assert (await api("DELETE", f"/v1/endpoints/{gone['id']}")).status_code == 204
     await eventually(lambda: asyncio.to_thread(lambda: "queue_removed" in monitor.log()), timeout_s=60)
 
+    # An endpoint queue deleted by hand is declared again (a dispatcher or the monitor, as themselves).
+    vhost = setup.vhost_url.rsplit("/", 1)[1]
+    queue = topology.endpoint_queue(ok["id"])
+    await rabbitmq.ctl_async(["delete_queue", "-p", vhost, queue])
+    await eventually(lambda: _queue_exists(setup.vhost_url, queue), timeout_s=60)
+    await api(
+        "POST",
+        "/v1/events",
+        json={"id": "evt_after_repair", "tenant": acme, "type": "order.paid", "data": {}},
+    )
+    await eventually(lambda: arrived("/ok", "evt_after_repair"), timeout_s=60)
+
     logs = "\n".join(service.log() for service in least_privilege_system.values())
     assert "access_refused" not in logs.lower(), logs[-3000:]
+
+
+async def _publish_as(url: str, exchange: str, routing_key: str, body: bytes, **properties: Any) -> None:
+    connection = await aio_pika.connect(url)
+    async with connection:
+        channel = await connection.channel(publisher_confirms=True)
+        target = (
+            channel.default_exchange if exchange == "" else await channel.get_exchange(exchange, ensure=False)
+        )
+        await target.publish(
+            aio_pika.Message(body, delivery_mode=aio_pika.DeliveryMode.PERSISTENT, **properties),
+            routing_key=routing_key,
+        )
+
+
+async def test_a_token_forged_into_the_change_log_by_a_dispatchers_user_is_refused(
+    setup: Setup, least_privilege_system: dict[str, services.Service]
+) -> None:
+    """A dispatcher's user may append to the change log (to disable an endpoint), never a token."""
+    ingest = least_privilege_system["ingest"]
+    forged, prefix, digest = tenants.new_token()
+    record = TokenUpserted(
+        change_id="chg_forged",
+        at=datetime.now(UTC),
+        token=StoredToken(
+            id=ids.new_id("tok"),
+            tenant=setup.acme,
+            prefix=prefix,
+            digest=digest,
+            created_at=datetime.now(UTC),
+        ),
+    )
+    dispatcher_url = setup.urls[USERS[Role.DISPATCHER]]
+    await _publish_as(
+        dispatcher_url,
+        "",
+        topology.ENDPOINT_LOG,
+        record.model_dump_json().encode(),
+        user_id=USERS[Role.DISPATCHER],
+    )
+    # A real token, created after it, is the sentinel: once it works, the forged record was read.
+    auth = {"authorization": f"Bearer {services.TOKEN}"}
+    async with httpx.AsyncClient(base_url=ingest.base_url, timeout=30) as api:
+        real = (await api.post("/v1/tokens", json={"tenant": setup.acme}, headers=auth)).json()["token"]
+
+        async def works(token: str) -> bool:
+            return (
+                await api.get("/v1/whoami", headers={"authorization": f"Bearer {token}"})
+            ).status_code == 200
+
+        await eventually(lambda: works(real))
+        assert not await works(forged)
+    assert "tenant_record_refused" in ingest.log()
+
+
+async def test_an_event_whose_body_claims_another_tenant_is_not_that_tenants(
+    setup: Setup, least_privilege_system: dict[str, services.Service]
+) -> None:
+    """The acme upstream may publish acme.* keys only; a body naming another tenant is not logged,
+    listed, counted or replayed as that tenant's."""
+    ingest = least_privilege_system["ingest"]
+    victim = tenant()
+    claim = {
+        "id": "evt_claims_another",
+        "tenant": victim,
+        "type": "order.created",
+        "occurred_at": "2026-12-01T00:00:00Z",
+        "data": {},
+    }
+    own = {**claim, "id": "evt_sentinel_own", "tenant": setup.acme}
+    upstream = setup.urls[setup.acme_upstream]
+    await _publish_as(
+        upstream, "events", f"{setup.acme}.order.created", json.dumps(claim).encode(), message_id=claim["id"]
+    )
+    await _publish_as(
+        upstream, "events", f"{setup.acme}.order.created", json.dumps(own).encode(), message_id=own["id"]
+    )
+    auth = {"authorization": f"Bearer {services.TOKEN}"}
+    async with httpx.AsyncClient(base_url=ingest.base_url, headers=auth, timeout=30) as api:
+
+        async def logged(tenant_name: str) -> list[str]:
+            listed = (await api.get("/v1/events", params={"tenant": tenant_name})).json()["data"]
+            return [event["id"] for event in listed]
+
+        await eventually(lambda: _contains(logged(setup.acme), "evt_sentinel_own"))
+        assert await logged(victim) == []
+        assert "evt_claims_another" not in await logged(setup.acme)
+        usage = (await api.get(f"/v1/tenants/{victim}/quota")).json()["usage"]
+        assert usage["events_today"] == 0
+
+
+async def _contains(found: Awaitable[list[str]], wanted: str) -> bool:
+    return wanted in await found
+
+
+async def _queue_exists(url: str, queue: str) -> bool:
+    connection = await aio_pika.connect(url)
+    async with connection:
+        try:
+            await (await connection.channel()).declare_queue(queue, passive=True)
+        except aiormq.exceptions.ChannelNotFoundEntity:
+            return False
+    return True

@@ -45,6 +45,8 @@ class FakeMessage:
     headers: dict[str, Any] = field(default_factory=dict)
     message_id: str | None = None
     timestamp: datetime | None = None
+    routing_key: str | None = None
+    user_id: str | None = None
 
 
 def dead(

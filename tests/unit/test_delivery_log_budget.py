@@ -25,6 +25,8 @@ class Record:
     headers: Mapping[str, Any] = field(default_factory=dict)
     message_id: str | None = None
     timestamp: datetime | None = None
+    routing_key: str | None = None
+    user_id: str | None = None
 
 
 def attempt(n: int) -> AttemptRecord:
@@ -53,7 +55,9 @@ async def fill(log: DeliveryLog, count: int) -> None:
         log.attempts.apply(Record(batch.dump_json(records), {"x-stream-offset": offset}))
         event = {"id": f"evt_{offset:026d}", "tenant": "acme", "type": "order.created", "data": {}}
         headers = {"x-stream-offset": offset, Header.ACCEPTED_AT_MS: int((NOW_S - 3600 + offset) * 1000)}
-        log.events.apply(Record(orjson.dumps(event), headers))
+        log.events.apply(
+            Record(orjson.dumps(event), headers, routing_key=f"{event['tenant']}.{event['type']}")
+        )
     await log.attempts.flush()
     await log.events.flush()
 

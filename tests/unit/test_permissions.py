@@ -14,6 +14,7 @@ from hookline.shared import topology
 from hookline.shared.brokersetup import (
     MIN_PASSWORD_LENGTH,
     PasswordError,
+    SetupError,
     Upstream,
     password_hash,
     password_variable,
@@ -182,3 +183,28 @@ def test_the_cli_exits_2_on_a_refused_password(
     args = build_parser().parse_args(["broker-setup", "--management-url", "http://admin:pw@127.0.0.1:9"])
     assert args.run(args) == 2
     assert "HOOKLINE_BROKER_PASSWORD_HOOKLINE_INGEST is shorter than 16" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("text", "problem"),
+    [("orders:", "empty"), ("hookline-ingest", "hookline's own"), ("bad name!", "pattern")],
+)
+def test_an_upstream_that_would_fail_open_or_take_a_role_is_refused(text: str, problem: str) -> None:
+    with pytest.raises(ValueError, match=problem):
+        Upstream.parse(text)
+
+
+def test_an_operators_user_is_not_turned_into_an_upstream() -> None:
+    with pytest.raises(SetupError, match="tags"):
+        _plan({"users": [{"name": "anything", "password_hash": "X", "tags": ["administrator"]}]})
+
+
+def test_a_kept_password_keeps_its_hashing_algorithm() -> None:
+    existing = {
+        "name": "orders",
+        "password_hash": "H",
+        "hashing_algorithm": "rabbit_password_hashing_sha512",
+        "tags": [],
+    }
+    [kept] = [u for u in _plan({"users": [existing]}).definitions["users"] if u["name"] == "orders"]
+    assert kept["hashing_algorithm"] == "rabbit_password_hashing_sha512"

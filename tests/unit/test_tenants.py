@@ -1,0 +1,54 @@
+"""Tokens and quotas as the change log applies them (pure)."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+
+from hookline.shared.models import QuotaSet, StoredToken, TenantQuota, TokenUpserted
+from hookline.shared.tenants import NO_QUOTA, Tenants, digest, new_token
+
+NOW = datetime(2026, 12, 1, tzinfo=UTC)
+
+
+def stored(token: str, **fields: object) -> StoredToken:
+    return StoredToken.model_validate(
+        {"id": "tok_01JD0000000000000000000000", "tenant": "acme", "prefix": token[:12], "digest": digest(token),
+         "created_at": NOW, **fields}
+    )  # fmt: skip
+
+
+def upserted(token: StoredToken) -> TokenUpserted:
+    return TokenUpserted(change_id="chg_1", at=NOW, token=token)
+
+
+def test_a_token_authenticates_until_it_expires_or_is_revoked() -> None:
+    secret, prefix, _ = new_token()
+    assert secret.startswith(prefix)
+    tenants = Tenants()
+    tenants.apply(upserted(stored(secret, expires_at=NOW + timedelta(hours=1))))
+    assert tenants.authenticate(secret, NOW) is not None
+    assert tenants.authenticate(secret + "x", NOW) is None
+    assert tenants.authenticate(secret, NOW + timedelta(hours=1)) is None, "expired"
+    tenants.apply(upserted(stored(secret, revoked_at=NOW)))
+    assert tenants.authenticate(secret, NOW) is None, "revoked"
+
+
+def test_a_revocation_is_not_undone_by_a_write_from_an_older_copy() -> None:
+    secret, _, _ = new_token()
+    tenants = Tenants()
+    tenants.apply(upserted(stored(secret)))
+    tenants.apply(upserted(stored(secret, revoked_at=NOW)))
+    # Another replica, which had not applied the revocation yet, sets an expiry on its old copy.
+    after = tenants.apply(upserted(stored(secret, expires_at=NOW + timedelta(days=30))))
+    assert isinstance(after, StoredToken)
+    assert after.revoked_at == NOW
+    assert after.expires_at == NOW + timedelta(days=30)
+    assert tenants.authenticate(secret, NOW + timedelta(seconds=1)) is None
+
+
+def test_quotas_default_to_none() -> None:
+    tenants = Tenants()
+    assert tenants.quota("acme") == NO_QUOTA
+    tenants.apply(QuotaSet(change_id="chg_2", at=NOW, tenant="acme", quota=TenantQuota(max_endpoints=3)))
+    assert tenants.quota("acme").max_endpoints == 3
+    assert tenants.quota("beta") == NO_QUOTA
