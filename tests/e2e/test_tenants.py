@@ -175,6 +175,8 @@ async def test_every_change_is_in_the_audit_trail_with_who_made_it(system: Syste
         )
         assert api.post(f"/v1/endpoints/{endpoint['id']}/pause").status_code == 200
         assert api.post(f"/v1/endpoints/{endpoint['id']}/rotate-secret").status_code == 200
+        replayed = api.post(f"/v1/endpoints/{endpoint['id']}/replay", json={"since": since})
+        assert replayed.status_code == 200, replayed.text
         assert api.delete(f"/v1/endpoints/{endpoint['id']}").status_code == 204
     with system.api() as admin:
         assert admin.delete(f"/v1/tokens/{token['id']}").status_code == 204
@@ -193,14 +195,16 @@ async def test_every_change_is_in_the_audit_trail_with_who_made_it(system: Syste
         "endpoint.updated",
         "endpoint.paused",
         "endpoint.secret_rotated",
+        "endpoint.replayed",
         "endpoint.deleted",
         "token.revoked",
     ]
     by_token = f"token:{token['id']}"
-    assert [r["actor"] for r in records] == ["admin", *[by_token] * 5, "admin"]
+    assert [r["actor"] for r in records] == ["admin", *[by_token] * 6, "admin"]
     assert records[2]["changes"] == {"description": {"from": "", "to": "renamed"}}
     assert records[4]["changes"] == {"secrets": "changed"}
-    assert all(r["target"] == endpoint["id"] for r in records[1:6])
+    assert all(r["target"] == endpoint["id"] for r in records[1:7])
+    assert records[5]["changes"]["replayed"] == 0
     everything = str(records)
     assert "not-for-the-trail" not in everything
     assert "whsec_" not in everything
@@ -210,7 +214,7 @@ async def test_every_change_is_in_the_audit_trail_with_who_made_it(system: Syste
     other = tenant()
     with system.api() as admin:
         other_token = admin.post("/v1/tokens", json={"tenant": other}).json()["token"]
-        first = admin.get("/v1/audit", params={"tenant": acme, "since": since, "limit": 4}).json()
+        first = admin.get("/v1/audit", params={"tenant": acme, "since": since, "limit": 5}).json()
         rest = admin.get(
             "/v1/audit", params={"tenant": acme, "since": since, "after": first["next_after"]}
         ).json()
