@@ -29,7 +29,7 @@ from hookline.shared import permissions, topology
 from hookline.shared.amqp import BROKER_ERRORS
 from hookline.shared.api import ApiError
 from hookline.shared.ids import new_id
-from hookline.shared.models import Model
+from hookline.shared.models import ErrorDetail, Model
 from hookline.shared.views import RowView, StreamMessage, ViewSchema
 
 log = structlog.get_logger(__name__)
@@ -184,7 +184,12 @@ async def list_audit(
             lambda db: db.execute("SELECT offset FROM audit WHERE id = ?", (after,)).fetchone()
         )
         if found is None:
-            raise ApiError(422, "invalid_fields", "invalid value for: after (no such audit record)")
+            raise ApiError(
+                422,
+                "invalid_fields",
+                "invalid value for: after",
+                [ErrorDetail(field="after", message="no such audit record")],
+            )
         conditions.append("offset > ?" if order == "asc" else "offset < ?")
         values.append(found[0])
     # Only the fixed conditions above are joined in; every value is a placeholder.
