@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import os
 import signal
 import socket
@@ -17,11 +18,27 @@ HOOKLINE = str(Path(sys.executable).with_name("hookline"))
 TOKEN = "test-token-0123456789abcdef"
 
 
+# Ports for the services tests start: below the kernel's ephemeral range (where receivers and client
+# sockets get theirs), in a block of their own per pytest-xdist worker, taken in turn. A port picked by
+# one worker (or a moment ago by this one, for a service still starting) is then never picked by another
+# before it is bound.
+_PORT_BLOCK = 1000
+_FIRST_PORT = 20000
+_next_port = itertools.count()
+
+
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
+    worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw") or 0)
+    low = _FIRST_PORT + worker * _PORT_BLOCK
+    for _ in range(_PORT_BLOCK):
+        port = low + next(_next_port) % _PORT_BLOCK
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue  # in use (a service of an earlier test still stopping)
         return port
+    raise RuntimeError(f"no free port in {low}-{low + _PORT_BLOCK - 1}")
 
 
 def base_env(amqp_url: str, **overrides: str) -> dict[str, str]:
