@@ -97,6 +97,9 @@ class Quotas:
         if quota == NO_QUOTA:
             return
         day_start_s = now_s - now_s % DAY_S
+        # Taken before the read: every event applied by then is in what the read counts (it writes the
+        # view first); one applied while the read runs may be counted twice below, never missed.
+        counted_until_s = self._delivery_log.latest_accepted_s
         used = 0
         if quota.bytes_per_day is not None:
             _, used = await self._delivery_log.day_of(tenant, day_start_s=day_start_s)
@@ -106,7 +109,6 @@ class Quotas:
             recent.popleft()
         size = size_bytes() if quota.bytes_per_day is not None else 0
         if quota.bytes_per_day is not None:
-            counted_until_s = self._delivery_log.latest_accepted_s
             pending = sum(admitted for at_s, admitted in recent if at_s > counted_until_s)
             if used + pending + size > quota.bytes_per_day:
                 raise over_quota(
