@@ -49,7 +49,9 @@ async def test_a_429_slows_the_endpoint_down(system: System, receiver: Receiver)
     acme = tenant()
     replies = [Reply(status=429, headers={"Retry-After": "2"})]
     receiver.responder = lambda _: replies.pop(0) if replies else Reply(status=204)
-    system.add_endpoint(acme, receiver.url("/throttled"), ["#"], rate_limit_per_s=50)
+    # 1/s: the second request is due a second after the first, long after its 429 is known (at 50/s it
+    # was due 20 ms later, and on a loaded machine it left before the 429 came back).
+    system.add_endpoint(acme, receiver.url("/throttled"), ["#"], rate_limit_per_s=1)
     for n in range(5):
         await publish_event(system.amqp_url, event(acme, "a.b", f"evt_throttle_{n}"), f"{acme}.a.b")
     arrivals = await receiver.wait_for(6, path="/throttled", timeout_s=30)
