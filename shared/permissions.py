@@ -134,10 +134,10 @@ GRANTS: dict[Role, Grant] = {
 }
 
 
-def may_write_tenants(user_id: str | None) -> bool:
-    """Whether a change-log record of tokens or quotas (or an audit record) may come from this user:
-    RabbitMQ vouches for a message's user_id, and only the ingest writes those records. A deployment
-    with one user for everything (no broker-setup) is one trust domain anyway."""
+def trusted_writer(user_id: str | None) -> bool:
+    """Whether a record of tokens or quotas in the change log, or one of the audit trail, may come from
+    this user: RabbitMQ vouches for a message's user_id, and only the ingest writes those records. A
+    deployment with one user for everything (no broker-setup) is one trust domain anyway."""
     return user_id is not None and user_id not in (USERS[Role.DISPATCHER], USERS[Role.MONITOR])
 
 

@@ -39,11 +39,6 @@ class Imported(Model):
     imported: list[str]
 
 
-def _admin(caller: Caller) -> None:
-    if caller.tenant is not None:
-        raise ApiError(403, "forbidden", "only the admin token changes the event-type catalog")
-
-
 def _checked(spec: EventTypeCreate | EventTypeInfo) -> None:
     for version, schema in spec.schemas.items():
         try:
@@ -101,7 +96,7 @@ async def _write(
 async def create_event_type(
     spec: EventTypeCreate, state: State, caller: Caller, response: Response
 ) -> EventTypeInfo:
-    _admin(caller)
+    caller.require_admin("change the event-type catalog")
     _checked(spec)
     if state.change_log.catalog.get(spec.name) is not None:
         raise ApiError(409, "event_type_exists", f"{spec.name} is in the catalog already; PATCH it")
@@ -131,7 +126,7 @@ async def update_event_type(
     response: Response,
     if_match: IfMatch = None,
 ) -> EventTypeInfo:
-    _admin(caller)
+    caller.require_admin("change the event-type catalog")
     current = _found(state, name)
     base_version = _base_version(current, if_match)
     changes = {
@@ -144,7 +139,7 @@ async def update_event_type(
 
 @router.delete("/v1/event-types/{name}", status_code=204)
 async def delete_event_type(name: str, state: State, caller: Caller, if_match: IfMatch = None) -> Response:
-    _admin(caller)
+    caller.require_admin("change the event-type catalog")
     current = _found(state, name)
     record = EventTypeDeleted(
         change_id=new_id("chg"),
@@ -173,7 +168,7 @@ async def import_openapi(
 ) -> Imported:
     """Create or replace the types an OpenAPI 3.1 document's ``webhooks`` describe (all checked first:
     one bad type and nothing is imported)."""
-    _admin(caller)
+    caller.require_admin("change the event-type catalog")
     try:
         bodies = catalog.from_openapi(document)
     except (ValueError, AttributeError) as exc:
