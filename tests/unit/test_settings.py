@@ -82,6 +82,19 @@ def test_the_ingest_needs_a_token(
     assert "HOOKLINE_API_TOKEN: Field required" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("settings_class", [IngestSettings, MonitorSettings])
+def test_the_token_published_in_compose_is_refused_outside_development(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], settings_class: type[BaseSettings]
+) -> None:
+    monkeypatch.setenv("HOOKLINE_API_TOKEN", "local-dev-token-change-me")
+    monkeypatch.delenv("HOOKLINE_DEVELOPMENT", raising=False)
+    with pytest.raises(SystemExit):
+        load(settings_class)
+    assert "HOOKLINE_API_TOKEN" in capsys.readouterr().err
+    monkeypatch.setenv("HOOKLINE_DEVELOPMENT", "true")
+    assert load(settings_class).api_token.get_secret_value() == "local-dev-token-change-me"  # type: ignore[attr-defined]
+
+
 def test_metrics_take_the_api_token_and_the_metrics_token_when_set(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("HOOKLINE_API_TOKEN", "a" * 20)
     monkeypatch.delenv("HOOKLINE_METRICS_TOKEN", raising=False)
