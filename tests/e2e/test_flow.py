@@ -12,7 +12,8 @@ from support.amqp import publish_event
 from support.receiver import Received, Receiver, Reply
 from test_delivery_path import event
 
-pytestmark = pytest.mark.e2e
+# Rates, concurrency caps and Retry-After pauses measured in wall time: alone, not beside another module.
+pytestmark = [pytest.mark.e2e, pytest.mark.serial]
 
 # Ordering retries quickly; no breaker interferes with the deliberate failures.
 SYSTEM_ENV = {"HOOKLINE_RETRY_SCHEDULE_S": "1", "HOOKLINE_BREAKER_FAILURE_THRESHOLD": "1000"}
