@@ -85,10 +85,26 @@ class Receiver:
         self, count: int, *, timeout_s: float = 20.0, path: str | None = None
     ) -> list[Received]:
         """Wait until ``count`` requests (to ``path``, if given) have arrived; return them."""
+        return await self._wait_until(lambda got: len(got) >= count, timeout_s, path)
 
+    async def wait_for_ids(
+        self, ids: set[str], *, timeout_s: float = 20.0, path: str | None = None
+    ) -> list[Received]:
+        """Wait until every ``webhook-id`` in ``ids`` has arrived (to ``path``, if given).
+
+        Counting requests is not enough where redeliveries are expected (after a broker restart,
+        an unacked message comes again and would stand in for one not yet delivered).
+        """
+        return await self._wait_until(
+            lambda got: ids <= {r.headers.get("webhook-id") for r in got}, timeout_s, path
+        )
+
+    async def _wait_until(
+        self, done: Callable[[list[Received]], bool], timeout_s: float, path: str | None
+    ) -> list[Received]:
         def matching() -> list[Received]:
             return [r for r in self.requests if path is None or r.path == path]
 
         async with asyncio.timeout(timeout_s), self._arrived:
-            await self._arrived.wait_for(lambda: len(matching()) >= count)
+            await self._arrived.wait_for(lambda: done(matching()))
         return matching()
