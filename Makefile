@@ -25,7 +25,7 @@ run: $(STAMP)
 lint: $(STAMP)
 	$(BIN)/ruff check shared services receiver tests bench
 	$(BIN)/ruff format --check shared services receiver tests bench
-	$(BIN)/mypy -p hookline.shared -p hookline.ingest -p hookline.dispatcher -p hookline.health_monitor -p hookline.receiver
+	$(BIN)/mypy -p hookline.shared -p hookline.ingest -p hookline.dispatcher -p hookline.health_monitor -p hookline.receiver -p hookline.outbox_relay
 
 unit: $(STAMP)
 	$(BIN)/pytest tests/unit -q

@@ -16,6 +16,7 @@ from hookline.receiver.stores import (
     ThreadedStore,
 )
 from hookline.receiver.verify import (
+    BodyEncodingError,
     Delivery,
     InvalidTimestampError,
     MalformedSignatureError,
@@ -30,6 +31,7 @@ from hookline.receiver.verify import (
 __all__ = [
     "AsyncReceiver",
     "AsyncSeenStore",
+    "BodyEncodingError",
     "Claim",
     "Delivery",
     "Handled",

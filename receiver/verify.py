@@ -16,6 +16,7 @@ import binascii
 import hashlib
 import hmac
 import json
+import zlib
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -26,6 +27,11 @@ DEFAULT_TOLERANCE_S = 300
 ID_HEADER = "webhook-id"
 TIMESTAMP_HEADER = "webhook-timestamp"
 SIGNATURE_HEADER = "webhook-signature"
+SEQUENCE_HEADER = "webhook-sequence"
+ENCODING_HEADER = "content-encoding"
+
+#: The most a gzip body may inflate to (hookline's own payload limit is far below): more is a bomb.
+MAX_INFLATED_BYTES = 16 * 1024 * 1024
 
 # Far more than any rotation needs; a longer list is an attempt to make the receiver work for nothing.
 MAX_SIGNATURES = 16
@@ -68,9 +74,16 @@ class NoMatchingSignatureError(VerificationError):
     reason = "no_matching_signature"
 
 
+class BodyEncodingError(VerificationError):
+    """``content-encoding`` names what this library cannot read, or a gzip body that does not inflate."""
+
+    reason = "invalid_body_encoding"
+
+
 @dataclass(frozen=True, slots=True)
 class Delivery:
-    """A verified delivery: its id (the event's id, the same on every retry and resend) and raw body."""
+    """A verified delivery: its id (the event's id, the same on every retry and resend) and its body
+    (inflated, when it came gzip-compressed: the signature covers the inflated body)."""
 
     webhook_id: str
     timestamp_s: int
@@ -111,6 +124,7 @@ def verify(
     """The delivery ``headers`` and ``body`` make, if genuine and signed within ``tolerance_s`` of
     ``now_s`` (either way: clocks drift); else the VerificationError that says why."""
     keys = signing_keys(secrets)
+    body = _inflated(headers, body)
     webhook_id = _header(headers, ID_HEADER)
     timestamp_s = _timestamp_s(_header(headers, TIMESTAMP_HEADER), now_s=now_s, tolerance_s=tolerance_s)
     candidates = _v1_signatures(_header(headers, SIGNATURE_HEADER))
@@ -126,14 +140,37 @@ def verify(
     return Delivery(webhook_id=webhook_id, timestamp_s=timestamp_s, body=body)
 
 
-def _header(headers: Mapping[str, str], name: str) -> str:
+def _inflated(headers: Mapping[str, str], body: bytes) -> bytes:
+    encoding = (_optional_header(headers, ENCODING_HEADER) or "identity").lower()
+    if encoding == "identity":
+        return body
+    if encoding != "gzip":
+        raise BodyEncodingError(f"{ENCODING_HEADER} {encoding!r} is not gzip")
+    inflater = zlib.decompressobj(wbits=16 + zlib.MAX_WBITS)
+    try:
+        inflated = inflater.decompress(body, MAX_INFLATED_BYTES)
+    except zlib.error:
+        raise BodyEncodingError("the gzip body does not inflate") from None
+    if inflater.unconsumed_tail:
+        raise BodyEncodingError(f"the gzip body inflates to more than {MAX_INFLATED_BYTES} bytes")
+    if not inflater.eof:
+        raise BodyEncodingError("the gzip body is truncated")
+    return inflated
+
+
+def _optional_header(headers: Mapping[str, str], name: str) -> str | None:
     # Framework header maps are case-insensitive; a plain dict may not be.
     value = headers.get(name)
     if value is None:
         value = next((v for k, v in headers.items() if k.lower() == name), None)
-    if value is None or not value.strip():
+    return value.strip() if value is not None and value.strip() else None
+
+
+def _header(headers: Mapping[str, str], name: str) -> str:
+    value = _optional_header(headers, name)
+    if value is None:
         raise MissingHeaderError(name)
-    return value.strip()
+    return value
 
 
 def _timestamp_s(value: str, *, now_s: float, tolerance_s: float) -> int:

@@ -161,6 +161,7 @@ def to_openapi(types: list[EventTypeInfo], *, title: str, version: str) -> dict[
                 "tenant": {"type": "string"},
                 "occurred_at": {"type": "string", "format": "date-time"},
                 "subject": {"type": "string"},
+                "sequence": {"type": "integer", "minimum": 0},
                 "schema_version": {"type": "integer", "const": int(versions[-1]) if versions else 1},
                 "data": data_schema,
             },

@@ -144,13 +144,18 @@ def _endpoint_fields(args: argparse.Namespace) -> dict[str, Any]:
         "body_format": args.body_format,
         "notify_url": args.notify_url,
         "notify_format": args.notify_format,
+        "gzip_over_bytes": args.gzip_over_bytes,
     }
     return {name: value for name, value in fields.items() if value is not None}
 
 
 def _endpoint_changes(args: argparse.Namespace) -> dict[str, Any]:
     changes = _endpoint_fields(args)
-    for flag, field in (("no_rate_limit", "rate_limit_per_s"), ("no_max_in_flight", "max_in_flight")):
+    for flag, field in (
+        ("no_rate_limit", "rate_limit_per_s"),
+        ("no_max_in_flight", "max_in_flight"),
+        ("no_gzip", "gzip_over_bytes"),
+    ):
         if getattr(args, flag):
             changes[field] = None  # null removes the limit
     if args.ordered is not None:
@@ -341,6 +346,12 @@ def _add_endpoint_options(parser: argparse.ArgumentParser, *, creating: bool) ->
         "--notify-url", help="where hookline tells you this endpoint is failing, recovered or disabled"
     )
     parser.add_argument("--notify-format", choices=["event", "slack"])
+    parser.add_argument(
+        "--gzip-over-bytes",
+        type=int,
+        metavar="BYTES",
+        help="gzip bodies larger than this (content-encoding: gzip; signed before compression)",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -426,6 +437,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_endpoint_options(update, creating=False)
     update.add_argument("--no-rate-limit", action="store_true", help="remove the rate limit")
     update.add_argument("--no-max-in-flight", action="store_true", help="remove the concurrency cap")
+    update.add_argument("--no-gzip", action="store_true", help="send bodies uncompressed")
     ordering = update.add_mutually_exclusive_group()
     ordering.add_argument("--ordered", dest="ordered", action="store_true", default=None)
     ordering.add_argument("--unordered", dest="ordered", action="store_false")

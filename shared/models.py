@@ -19,6 +19,7 @@ from pydantic import (
     Field,
     StringConstraints,
     ValidationError,
+    model_validator,
 )
 
 EventId = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_.:\-]{1,128}$")]
@@ -29,6 +30,9 @@ TypePattern = Annotated[
     str, StringConstraints(pattern=r"^([a-z0-9_]+|\*|#)(\.([a-z0-9_]+|\*|#))*$", max_length=190)
 ]
 EndpointId = Annotated[str, StringConstraints(pattern=r"^ep_[0-9A-Z]{26}$")]
+#: An event's place among the events of its subject (receivers get it as ``webhook-sequence``); a
+#: PostgreSQL bigint, as the outbox counts them.
+SequenceNumber = Annotated[int, Field(ge=0, le=2**63 - 1, strict=True)]
 
 
 class Model(BaseModel):
@@ -43,6 +47,11 @@ def error_summary(exc: ValidationError, *, limit: int = 3) -> str:
     )
 
 
+def _check_sequence(sequence: int | None, subject: str | None) -> None:
+    if sequence is not None and subject is None:
+        raise ValueError("sequence needs a subject: it counts the events of one subject")
+
+
 # --- events -------------------------------------------------------------------------------------
 
 
@@ -54,8 +63,14 @@ class Event(Model):
     tenant: Tenant
     occurred_at: AwareDatetime
     subject: str | None = Field(None, min_length=1, max_length=256)
+    sequence: SequenceNumber | None = None
     schema_version: int = Field(1, ge=1)
     data: dict[str, Any]
+
+    @model_validator(mode="after")
+    def _sequence_has_subject(self) -> Event:
+        _check_sequence(self.sequence, self.subject)
+        return self
 
 
 class EventIn(Model):
@@ -66,8 +81,14 @@ class EventIn(Model):
     tenant: Tenant
     occurred_at: AwareDatetime | None = None
     subject: str | None = Field(None, min_length=1, max_length=256)
+    sequence: SequenceNumber | None = None
     schema_version: int = Field(1, ge=1)
     data: dict[str, Any]
+
+    @model_validator(mode="after")
+    def _sequence_has_subject(self) -> EventIn:
+        _check_sequence(self.sequence, self.subject)
+        return self
 
     def complete(self, *, event_id: str, now: datetime) -> Event:
         return Event(
@@ -76,6 +97,7 @@ class EventIn(Model):
             tenant=self.tenant,
             occurred_at=self.occurred_at or now,
             subject=self.subject,
+            sequence=self.sequence,
             schema_version=self.schema_version,
             data=self.data,
         )
@@ -161,7 +183,7 @@ BodyFormat = Literal["event", "slack"]
 #: ``authorization`` is set through ``auth``.
 RESERVED_HEADERS = frozenset(
     {
-        "authorization", "connection", "content-length", "content-type", "expect", "host", "keep-alive",
+        "authorization", "connection", "content-encoding", "content-length", "content-type", "expect", "host", "keep-alive",
         "proxy-authorization", "te", "traceparent", "tracestate", "transfer-encoding", "upgrade", "user-agent",
     }
 )  # fmt: skip
@@ -186,6 +208,18 @@ def _unreserved(headers: dict[str, str]) -> dict[str, str]:
 CustomHeaders = Annotated[dict[HeaderName, HeaderValue], Field(max_length=20), AfterValidator(_unreserved)]
 Credential = Annotated[str, StringConstraints(min_length=1, max_length=4096, pattern=r"^[^\r\n\x00]*$")]
 Pem = Annotated[str, StringConstraints(min_length=1, max_length=65536)]
+
+
+#: Bodies larger than this go gzip-compressed (``content-encoding: gzip``); the signature is over the
+#: uncompressed body, so a receiver inflates before it verifies.
+GzipOverBytes = Annotated[
+    int,
+    Field(
+        ge=0,
+        le=16 * 1024 * 1024,
+        description="compress bodies larger than this many bytes with gzip (signed uncompressed)",
+    ),
+]
 
 
 class BasicAuth(Model):
@@ -275,6 +309,7 @@ class EndpointCreate(Model):
     notify_format: BodyFormat = "event"
     headers: CustomHeaders | None = Field(None, description="sent with every delivery (values kept sealed)")
     auth: EndpointAuth | None = None
+    gzip_over_bytes: GzipOverBytes | None = None
     verify: bool = Field(True, description="run the verification handshake (false: for development only)")
 
 
@@ -297,6 +332,7 @@ class EndpointUpdate(Model):
     notify_format: BodyFormat | None = None
     headers: CustomHeaders | None = Field(None, description="replaces them all; null removes them")
     auth: EndpointAuth | None = Field(None, description="replaces it; null removes it")
+    gzip_over_bytes: GzipOverBytes | None = Field(None, description="null: bodies go uncompressed")
     verify: bool = Field(True, description="verify the new url, when it changes, before delivering to it")
 
 
@@ -331,6 +367,7 @@ class Endpoint(Model):
         default_factory=list, description="the names of its headers (values never shown)"
     )
     auth: AuthSummary | None = None
+    gzip_over_bytes: GzipOverBytes | None = None
     status: EndpointStatus = EndpointStatus.ACTIVE
     verified: bool = Field(True, description="deliveries go only to verified endpoints")
     verification: Verification | None = None

@@ -30,18 +30,19 @@ from hookline.dispatcher.ordering import SubjectOrder
 from hookline.dispatcher.outcome import Ack, DeadLetter, Retry, Settlement, classify, settle
 from hookline.dispatcher.pacing import Pacer
 from hookline.dispatcher.telemetry import Telemetry
-from hookline.shared import __version__, notifications, signing, topology
+from hookline.shared import __version__, signing, topology
 from hookline.shared.amqp import BROKER_ERRORS, Publisher
 from hookline.shared.control import BreakerView
 from hookline.shared.credentials import Credentials
 from hookline.shared.deadletters import dead_letter_message
 from hookline.shared.delivery import AttemptResult, DeliveryClient
-from hookline.shared.models import DeadLetterReason, EndpointStatus, StoredEndpoint
+from hookline.shared.models import DeadLetterReason, EndpointStatus, Event, StoredEndpoint
 from hookline.shared.registry import ChangeLog, EndpointRegistry
 from hookline.shared.sealing import Sealer
 from hookline.shared.settings import DispatcherSettings
 from hookline.shared.telemetry import Deferral, DeferralReason, exchange
 from hookline.shared.tracing import Tracing
+from hookline.shared.webhook import webhook_request
 
 log = structlog.get_logger(__name__)
 
@@ -55,6 +56,14 @@ BREAKER_NACK_PAUSE_S = 1.0
 #: A delivery that must wait longer than this for its turn (rate limit, Retry-After) is deferred
 #: through the delay queues instead of holding its message.
 MAX_LOCAL_WAIT_S = 10.0
+
+
+def _order_key(event: Event, parsed: inbound.Inbound) -> int:
+    """Where an ordered endpoint puts the event among those of its subject: the publisher's
+    ``sequence`` when it gave one, else when this dispatcher first saw it (ns, kept across retries)."""
+    if event.sequence is not None:
+        return event.sequence
+    return parsed.sequence or time.time_ns()
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,7 +146,7 @@ class Handler:
             return False
 
         event = parsed.event
-        sequence = (parsed.sequence or time.time_ns()) if endpoint.ordered and event.subject else None
+        sequence = _order_key(event, parsed) if endpoint.ordered and event.subject else None
         deferred = await self._gate(endpoint, parsed, sequence, probe=probe)
         if deferred is not None:
             await self._defer(message, endpoint, parsed, sequence, *deferred)
@@ -337,8 +346,11 @@ class Handler:
 
     async def _attempt(self, endpoint: StoredEndpoint, parsed: inbound.Inbound, body: bytes) -> AttemptResult:
         event = parsed.event
-        body = notifications.render(endpoint.body_format, body)
-        headers = signing.webhook_headers(self._keys(endpoint), event.id, body, timestamp_s=int(time.time()))
+        request = webhook_request(
+            endpoint, self._keys(endpoint), event.id, body,
+            timestamp_s=int(time.time()), sequence=event.sequence,
+        )  # fmt: skip
+        headers = request.headers
         attributes: dict[str, str | int | float] = {
             "hookline.event_id": event.id, "hookline.event_type": event.type, "hookline.endpoint_id": endpoint.id,
             "hookline.tenant": event.tenant, "hookline.attempt": parsed.attempt,
@@ -349,7 +361,7 @@ class Handler:
         ):
             if trace is not None:
                 headers.update(trace.headers())
-            result = await self._credentials.post(endpoint, body, headers)
+            result = await self._credentials.post(endpoint, request.body, headers)
             if span is not None:
                 span.set_attribute("http.response.status_code", result.status or 0)
                 if result.error is not None:

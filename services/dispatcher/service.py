@@ -34,6 +34,7 @@ from hookline.shared.amqp import CALL_TIMEOUT_S, Broker, Publisher, passive_queu
 from hookline.shared.control import BREAKER_LOOKBACK, BreakerView, control_record
 from hookline.shared.delivery import DeliveryClient
 from hookline.shared.models import error_summary
+from hookline.shared.probes import probe_server
 from hookline.shared.registry import ChangeLog, EndpointRegistry
 from hookline.shared.sealing import SealedSecretError, Sealer
 from hookline.shared.settings import DispatcherSettings, load
@@ -203,7 +204,7 @@ async def serve(settings: DispatcherSettings, stopping: asyncio.Event) -> None:
             )
             async with (
                 dispatching(settings, broker, supervisor, change_log, publisher, client) as consumers,
-                metrics.probe_server(
+                probe_server(
                     settings.dispatcher_metrics_host,
                     settings.dispatcher_metrics_port,
                     problems=problems,

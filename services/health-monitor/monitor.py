@@ -46,7 +46,7 @@ from hookline.shared.amqp import BROKER_ERRORS, CALL_TIMEOUT_S, Broker, Publishe
 from hookline.shared.capacity import BrokerCapacity, CapacityReader
 from hookline.shared.control import BreakerCommand, BreakerState, BreakerView, ControlRecord, control_record
 from hookline.shared.deadletters import DeadLetterIndex
-from hookline.shared.headers import Header
+from hookline.shared.envelope import event_message
 from hookline.shared.ids import new_id
 from hookline.shared.models import EndpointStatus, Event, StoredEndpoint, error_summary
 from hookline.shared.registry import ChangeLog
@@ -454,13 +454,8 @@ class Monitor:
     async def _publish_event(self, event: Event) -> None:
         """To ``events``, as an upstream publishes (confirmed): delivered like any other event."""
         await self._publisher.publish(
-            aio_pika.Message(
-                event.model_dump_json(exclude_none=True).encode(),
-                content_type="application/json",
-                delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
-                message_id=event.id,
-                timestamp=event.occurred_at,
-                headers={Header.ACCEPTED_AT_MS: int(event.occurred_at.timestamp() * 1000)},
+            event_message(
+                event, event.model_dump_json(exclude_none=True).encode(), accepted_at=event.occurred_at
             ),
             exchange=topology.EVENTS_EXCHANGE,
             routing_key=topology.event_routing_key(event.tenant, event.type),

@@ -12,11 +12,12 @@ import aio_pika
 import structlog
 
 from hookline.ingest.state import IngestState
-from hookline.shared import notifications, signing, topology
+from hookline.shared import signing, topology
 from hookline.shared.amqp import BROKER_ERRORS
 from hookline.shared.delivery import AttemptResult
 from hookline.shared.models import StoredEndpoint
 from hookline.shared.telemetry import AttemptKind, AttemptRecord, batch, exchange
+from hookline.shared.webhook import webhook_request
 
 log = structlog.get_logger(__name__)
 
@@ -38,14 +39,14 @@ async def attempt(
     body: bytes,
     kind: AttemptKind,
     number: int,
+    sequence: int | None = None,
 ) -> tuple[AttemptResult, AttemptRecord]:
     """POST ``body`` to the endpoint now and record the attempt (a record that cannot be published is
     only missing from the delivery log: the attempt itself happened)."""
     keys = signing_keys(state, endpoint, datetime.now(UTC))
-    body = notifications.render(endpoint.body_format, body)
-    headers = signing.webhook_headers(keys, event_id, body, timestamp_s=int(time.time()))
+    request = webhook_request(endpoint, keys, event_id, body, timestamp_s=int(time.time()), sequence=sequence)
     started_s = time.time()
-    result = await state.credentials.post(endpoint, body, headers)
+    result = await state.credentials.post(endpoint, request.body, request.headers)
     ok = result.status is not None and 200 <= result.status < 300
     record = AttemptRecord(
         at_s=time.time(),

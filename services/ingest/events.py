@@ -7,9 +7,7 @@ import asyncio
 from datetime import UTC, datetime
 from typing import Annotated, Any
 
-import aio_pika
 import structlog
-from aio_pika.abc import FieldValue
 from fastapi import APIRouter, Depends, Header, Request, Response
 from opentelemetry.trace import SpanKind
 from pydantic import ValidationError
@@ -21,7 +19,7 @@ from hookline.ingest.state import IngestState, ingest_state
 from hookline.shared import topology, tracing
 from hookline.shared.amqp import BROKER_ERRORS, BrokerBlockedError
 from hookline.shared.api import ApiError, broker_unavailable, invalid_input
-from hookline.shared.headers import Header as AmqpHeader
+from hookline.shared.envelope import event_message
 from hookline.shared.ids import new_id
 from hookline.shared.models import (
     BatchAccepted,
@@ -39,31 +37,6 @@ log = structlog.get_logger(__name__)
 router = APIRouter(prefix="/v1/events", tags=["events"])
 
 PUBLISH_TIMEOUT_S = 10.0
-
-
-def event_message(
-    event: Event,
-    body: bytes,
-    *,
-    accepted_at: datetime,
-    request_digest: str | None = None,
-    trace: TraceContext | None = None,
-) -> aio_pika.Message:
-    """The AMQP message an upstream should publish for ``event``: the same one the API publishes."""
-    headers: dict[str, FieldValue] = {AmqpHeader.ACCEPTED_AT_MS: int(accepted_at.timestamp() * 1000)}
-    if request_digest is not None:
-        headers[AmqpHeader.REQUEST_DIGEST] = request_digest
-    if trace is not None:
-        headers.update(trace.headers())
-    return aio_pika.Message(
-        body,
-        content_type="application/json",
-        delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
-        message_id=event.id,
-        timestamp=accepted_at,
-        # The AMQP timestamp has whole seconds; replay windows need better.
-        headers=headers,
-    )
 
 
 @router.post(

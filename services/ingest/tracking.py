@@ -9,7 +9,7 @@ from typing import Annotated
 
 import structlog
 from fastapi import APIRouter, Depends, Query
-from pydantic import BaseModel
+from pydantic import BaseModel, ValidationError
 
 from hookline.ingest import audit
 from hookline.ingest.attempts import attempt
@@ -19,7 +19,7 @@ from hookline.ingest.state import IngestState, ingest_state
 from hookline.ingest.timeline import standing
 from hookline.shared import topology
 from hookline.shared.api import ApiError
-from hookline.shared.models import EventState, Model
+from hookline.shared.models import Event, EventState, Model
 from hookline.shared.sealing import RESPONSE_PURPOSE, SealedSecretError
 from hookline.shared.streams import read_at
 from hookline.shared.telemetry import AttemptKind, AttemptRecord
@@ -179,7 +179,7 @@ async def resend_event(
     try:
         _, record = await attempt(
             state, endpoint, event_id=event_id, event_type=logged.type, body=body, kind="manual",
-            number=1 + sum(a.endpoint_id == endpoint.id for a in earlier),
+            number=1 + sum(a.endpoint_id == endpoint.id for a in earlier), sequence=_sequence_of(body),
         )  # fmt: skip
     except SealedSecretError as exc:
         raise ApiError(503, "secret_unavailable", str(exc)) from None
@@ -195,6 +195,14 @@ async def resend_event(
         changes={"endpoint_id": endpoint.id, "status": record.status},
     )  # fmt: skip
     return EndpointAttempt(event_id=event_id, endpoint_id=endpoint.id, **_view(state, record).model_dump())
+
+
+def _sequence_of(body: bytes) -> int | None:
+    """The event's ``sequence``, sent again as ``webhook-sequence``."""
+    try:
+        return Event.model_validate_json(body).sequence
+    except ValidationError:
+        return None  # not an event (the log keeps what upstreams published): no sequence to send
 
 
 async def _story(state: IngestState, logged: LoggedEvent, *, with_attempts: bool = True) -> EventStory:

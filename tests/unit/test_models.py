@@ -5,6 +5,7 @@ from __future__ import annotations
 from datetime import UTC, datetime
 from typing import Any
 
+import orjson
 import pytest
 from pydantic import ValidationError
 
@@ -29,13 +30,16 @@ BASE = {
         ("tenant", "acme-eu_1"),
         ("tenant", "a" * 64),
         ("subject", "order_123"),
+        ("sequence", 0),
+        ("sequence", 2**63 - 1),
         ("schema_version", 3),
         ("data", {"nested": {"list": [1, None, "x"]}}),
         ("occurred_at", "2026-11-29T19:00:00+01:00"),
     ],
 )
 def test_event_accepts(field: str, value: Any) -> None:
-    assert getattr(Event.model_validate({**BASE, field: value}), field) is not None
+    subject = {} if field == "subject" else {"subject": "order_1"}  # a sequence counts a subject's events
+    assert getattr(Event.model_validate({**BASE, **subject, field: value}), field) is not None
 
 
 @pytest.mark.parametrize(
@@ -60,12 +64,31 @@ def test_event_accepts(field: str, value: Any) -> None:
         ("data", None),
         ("occurred_at", "2026-11-29T18:00:00"),
         ("occurred_at", "not a time"),
+        ("sequence", -1),
+        ("sequence", 2**63),
+        ("sequence", "5"),
+        ("sequence", 1.5),
+        ("sequence", True),
     ],
 )
 def test_event_refuses(field: str, value: Any) -> None:
     with pytest.raises(ValidationError) as caught:
-        Event.model_validate({**BASE, field: value})
+        Event.model_validate({**BASE, "subject": "order_1", field: value})
     assert caught.value.errors()[0]["loc"][0] == field
+
+
+@pytest.mark.parametrize("model", [Event, EventIn])
+def test_a_sequence_needs_a_subject(model: type[Event] | type[EventIn]) -> None:
+    with pytest.raises(ValidationError, match="sequence needs a subject"):
+        model.model_validate({**BASE, "sequence": 1})
+
+
+def test_the_sequence_goes_through_the_api_model_and_out_in_the_body() -> None:
+    event = EventIn.model_validate({**BASE, "subject": "order_1", "sequence": 7}).complete(
+        event_id="evt_x", now=datetime.now(UTC)
+    )
+    assert (event.sequence, orjson.loads(event.model_dump_json())["sequence"]) == (7, 7)
+    assert "sequence" not in orjson.loads(Event.model_validate(BASE).model_dump_json(exclude_none=True))
 
 
 def test_event_in_fills_id_and_time_only_when_absent() -> None:

@@ -5,6 +5,7 @@ FastAPI and Flask integrations. Redis is the real one on 127.0.0.1:6379: unreach
 from __future__ import annotations
 
 import asyncio
+import gzip
 import subprocess
 import sys
 import threading
@@ -25,6 +26,7 @@ from support.receiver_apps import fastapi_app
 
 from hookline.receiver import (
     AsyncReceiver,
+    BodyEncodingError,
     Delivery,
     InvalidTimestampError,
     MalformedSignatureError,
@@ -43,7 +45,7 @@ from hookline.receiver import (
 )
 from hookline.receiver.flask import webhook
 from hookline.receiver.redis import AsyncRedisStore, RedisStore
-from hookline.receiver.verify import signing_keys
+from hookline.receiver.verify import MAX_INFLATED_BYTES, signing_keys
 from hookline.shared import signing
 
 SECRET = signing.generate_secret()
@@ -167,6 +169,33 @@ def test_refused_deliveries_name_the_problem(
     signatures = [entry.partition(",")[2] for entry in headers.get("webhook-signature", "").split()]
     assert not [s for s in signatures if len(s) > 8 and s in text]
     assert "order.created" not in text
+
+
+def _gzipped(data: bytes) -> bytes:
+    return gzip.compress(data)
+
+
+@pytest.mark.parametrize(
+    ("encoding", "body", "detail"),
+    [
+        ("br", BODY, "is not gzip"),
+        ("gzip", BODY, "does not inflate"),
+        ("gzip", _gzipped(BODY)[:-9], "truncated"),
+        ("gzip", _gzipped(b" " * (MAX_INFLATED_BYTES + 1)), "more than"),
+    ],
+)
+def test_a_body_that_does_not_inflate_is_refused(encoding: str, body: bytes, detail: str) -> None:
+    with pytest.raises(BodyEncodingError, match=detail) as raised:
+        verify({**signed([SECRET]), "Content-Encoding": encoding}, body, SECRET, now_s=NOW_S)
+    assert raised.value.reason == "invalid_body_encoding"
+
+
+def test_a_gzip_body_is_verified_and_handed_over_inflated() -> None:
+    headers = {**signed([SECRET]), "content-encoding": "gzip"}
+    assert verify(headers, _gzipped(BODY), SECRET, now_s=NOW_S).body == BODY
+    # Compressed bytes that were not what was signed are refused as any tampered body.
+    with pytest.raises(NoMatchingSignatureError):
+        verify(headers, _gzipped(BODY + b" "), SECRET, now_s=NOW_S)
 
 
 def test_a_missing_header_is_named() -> None:
