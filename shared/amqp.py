@@ -224,8 +224,11 @@ class Broker:
     for as long as the service runs, with a backoff, by whichever loop needs the connection first.
     """
 
-    def __init__(self, url: str, *, name: str, connect_timeout_s: float) -> None:
+    def __init__(self, url: str, *, name: str, connect_timeout_s: float, pulse: bool = True) -> None:
         self._connect_timeout_s = connect_timeout_s
+        # Without it (an upstream's user may write to events only, not to the default exchange), an
+        # alarm is known at the next publish, which then fails after its deadline.
+        self._pulsing = pulse
         urls = [_with_heartbeat(address) for address in broker_urls(url)]
         self._consuming = _Link(urls, f"{name}:{os.getpid()}")
         self._publishing = _Link(urls, f"{name}:{os.getpid()}:publish")
@@ -254,7 +257,8 @@ class Broker:
                     await asyncio.sleep(min(1.0, remaining_s))
         CONNECTED.set_function(lambda: int(self.connected))
         BLOCKED.set_function(lambda: int(self.blocked))
-        self._pulse = asyncio.create_task(self._keep_pulse(), name="broker-pulse")
+        if self._pulsing:
+            self._pulse = asyncio.create_task(self._keep_pulse(), name="broker-pulse")
         return self
 
     async def __aexit__(

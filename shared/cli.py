@@ -49,6 +49,13 @@ def _start_monitor(_: argparse.Namespace) -> int:
     return 0
 
 
+def _start_outbox_relay(args: argparse.Namespace) -> int:
+    from hookline.outbox_relay.service import main
+
+    main(dsn=args.dsn, migrate_only=args.migrate)
+    return 0
+
+
 def _broker_setup(args: argparse.Namespace) -> int:
     import os
     from urllib.parse import unquote, urlsplit
@@ -362,6 +369,17 @@ def build_parser() -> argparse.ArgumentParser:
     commands.add_parser("ingest", help="run the HTTP API").set_defaults(run=_start_ingest)
     commands.add_parser("dispatcher", help="run a dispatcher replica").set_defaults(run=_start_dispatcher)
     commands.add_parser("health-monitor", help="run the health monitor").set_defaults(run=_start_monitor)
+    relay = commands.add_parser(
+        "outbox-relay",
+        help="publish an upstream's outbox table to events (PostgreSQL)",
+        description="Publishes the committed rows of the hookline_outbox table to events with publisher "
+        "confirms, marking each sent once confirmed; run as many as you like.",
+    )
+    relay.add_argument(
+        "--dsn", help="postgresql://user:password@host/db (or HOOKLINE_OUTBOX_DSN, which keeps it out of ps)"
+    )
+    relay.add_argument("--migrate", action="store_true", help="create or update the outbox table, then exit")
+    relay.set_defaults(run=_start_outbox_relay)
 
     setup = commands.add_parser(
         "broker-setup",

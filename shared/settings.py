@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Annotated, Literal, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 from urllib.parse import urlsplit
 
 from pydantic import AfterValidator, Field, SecretStr, ValidationError, ValidationInfo, field_validator
@@ -281,6 +281,46 @@ class DispatcherSettings(DeliveryPolicySettings):
         return value
 
 
+class OutboxRelaySettings(CommonSettings):
+    """``hookline outbox-relay``: publishes an upstream's outbox table (services/outbox-relay)."""
+
+    outbox_dsn: SecretStr | None = Field(
+        None,
+        validate_default=True,
+        description="The upstream's PostgreSQL (postgresql://user:password@host/db); or --dsn.",
+    )
+    outbox_batch_size: int = Field(
+        500, ge=1, le=10_000, description="Rows one relay claims, publishes and marks sent at a time."
+    )
+    outbox_poll_s: float = Field(
+        5.0,
+        gt=0,
+        description="Longest wait between looks at the table: NOTIFY wakes the relay at once, this is "
+        "the safety net.",
+    )
+    outbox_retention_s: float = Field(
+        86_400.0, ge=0, description="How long sent rows are kept before they are deleted (0: at once)."
+    )
+    outbox_lag_alert_s: float = Field(
+        60.0, gt=0, description="The oldest unsent row older than this: the outbox_lagging alert."
+    )
+    outbox_metrics_host: str = "127.0.0.1"
+    outbox_metrics_port: int = Field(8003, ge=0, le=65535, description="0 picks a free port.")
+    metrics_token: MetricsToken = Field(
+        None, description="A bearer token the metrics port's /metrics then requires (at least 16 characters)."
+    )
+    max_payload_bytes: int = Field(262_144, ge=1024, le=16 * 1024 * 1024)
+
+    @field_validator("outbox_dsn")
+    @classmethod
+    def _postgres_url(cls, value: SecretStr | None) -> SecretStr | None:
+        if value is None:
+            raise ValueError("name the outbox's database: --dsn postgresql://user:password@host/db")
+        if not value.get_secret_value().startswith(("postgresql://", "postgres://")):
+            raise ValueError("must be a postgresql:// URL")
+        return value
+
+
 class MonitorSettings(CommonSettings):
     api_token: SecretStr = Field(description="Bearer token for the status API (the same as the ingest's).")
     metrics_token: MetricsToken = Field(None, description=_METRICS_READER_DESCRIPTION)
@@ -383,10 +423,11 @@ class ClientSettings(BaseSettings):
 SettingsT = TypeVar("SettingsT", bound=BaseSettings)
 
 
-def load(cls: type[SettingsT]) -> SettingsT:
-    """Build settings from the environment, or exit with one line naming each bad variable."""
+def load(cls: type[SettingsT], **given: Any) -> SettingsT:
+    """Build settings from the environment (``given``: command-line values, which win), or exit with one
+    line naming each bad variable."""
     try:
-        return cls()
+        return cls(**given)
     except ValidationError as exc:
         prefix = cls.model_config.get("env_prefix", "")
         for error in exc.errors():

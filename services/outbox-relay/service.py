@@ -1,0 +1,88 @@
+"""The outbox relay process: ``hookline outbox-relay --dsn postgresql://…`` (any number of replicas).
+
+Three supervised loops (:mod:`hookline.shared.supervision`), each with its own PostgreSQL connection,
+started over after a lost database or broker: ``relay`` publishes, ``listen`` wakes it on NOTIFY,
+``watch`` reads the lag and deletes sent rows past their retention. ``/readyz`` answers 503 while one
+is down.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import structlog
+
+from hookline.outbox_relay import schema
+from hookline.outbox_relay.relay import Relay
+from hookline.shared import lifecycle
+from hookline.shared import logging as hookline_logging
+from hookline.shared.amqp import Broker, Publisher
+from hookline.shared.probes import probe_server
+from hookline.shared.settings import OutboxRelaySettings, load
+from hookline.shared.supervision import Supervisor
+
+log = structlog.get_logger(__name__)
+
+
+def main(*, dsn: str | None, migrate_only: bool) -> None:
+    settings = load(OutboxRelaySettings, **({"outbox_dsn": dsn} if dsn else {}))
+    hookline_logging.configure(service="outbox-relay", level=settings.log_level)
+
+    async def run() -> None:
+        if migrate_only:
+            await migrate(settings)
+        else:
+            await serve(settings, lifecycle.stop_event())
+
+    lifecycle.run(run)
+
+
+def _dsn(settings: OutboxRelaySettings) -> str:
+    assert settings.outbox_dsn is not None  # the setting's validator refuses none
+    return settings.outbox_dsn.get_secret_value()
+
+
+async def migrate(settings: OutboxRelaySettings) -> None:
+    async with await schema.connect(_dsn(settings)) as conn:
+        applied = await schema.migrate(conn)
+    print(f"hookline: outbox schema {'applied: ' + ', '.join(applied) if applied else 'already up to date'}")
+
+
+async def serve(settings: OutboxRelaySettings, stopping: asyncio.Event) -> None:
+    """Run until ``stopping`` is set, then shut down in order."""
+    supervisor = Supervisor()
+
+    def problems() -> list[str]:
+        return ([] if broker.connected else ["broker: not connected"]) + supervisor.problems()
+
+    # No pulse: an upstream's broker user (all a relay needs) may publish to events only.
+    async with Broker(
+        settings.amqp_url,
+        name="hookline-outbox-relay",
+        connect_timeout_s=settings.connect_timeout_s,
+        pulse=False,
+    ) as broker:
+        publisher = Publisher(broker)
+        relay = Relay(settings, _dsn(settings), publisher)
+        supervisor.spawn("relay", relay.relay, stall_s=120)
+        supervisor.spawn("listen", relay.listen)
+        supervisor.spawn("watch", relay.watch, stall_s=120)
+        try:
+            async with probe_server(
+                settings.outbox_metrics_host,
+                settings.outbox_metrics_port,
+                problems=problems,
+                metrics_token=settings.metrics_token,
+            ):
+                log.info("outbox_relay_ready")
+                await stopping.wait()
+                log.info("outbox_relay_stopping")
+        finally:
+            # Shutdown, in order:
+            # 1. start no batch, and let the one in flight commit (within the grace period);
+            await relay.finish_batch(settings.shutdown_grace_s)
+            # 2. stop the loops (a batch cut short here rolls back: its rows go out again later);
+            await supervisor.stop()
+            # 3. close the publishing channel (the connections close as the broker session ends).
+            await publisher.close()
+    log.info("outbox_relay_stopped")
