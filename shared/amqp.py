@@ -277,6 +277,11 @@ class Broker:
         return self._consuming.connected
 
     @property
+    def publishing_connected(self) -> bool:
+        """The publishing connection is up (a process that only publishes never opens the other again)."""
+        return self._publishing.connected
+
+    @property
     def blocked(self) -> bool:
         """True while the broker refuses this process's publishes (a memory or disk alarm)."""
         return self._publishing.blocked
@@ -498,6 +503,11 @@ class Publisher:
                 raise  # our own cancellation (a shutdown): not the broker's doing
             # aiormq cancels the confirm it waits for when it drops a connection (missed heartbeats).
             raise ChannelLostError("the connection was lost before the broker confirmed") from None
+
+    async def open(self, exchange: str) -> None:
+        """Open the channel (and the connection under it) now rather than at the next publish: a
+        process that publishes seldom then notices a lost broker, and comes back, while idle."""
+        await self._exchange(exchange)
 
     async def _discard(self, channel: AbstractChannel) -> None:
         """A nack: the next publish gets a channel of its own. (RabbitMQ 3.10 measured: after a cluster

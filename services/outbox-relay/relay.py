@@ -31,7 +31,7 @@ from hookline.outbox_relay.rows import (
     publish_order,
 )
 from hookline.shared import topology, tracing
-from hookline.shared.amqp import Publisher
+from hookline.shared.amqp import BROKER_ERRORS, CALL_TIMEOUT_S, Publisher
 from hookline.shared.envelope import event_message
 from hookline.shared.settings import OutboxRelaySettings
 from hookline.shared.supervision import Loop
@@ -248,6 +248,7 @@ class Relay:
             loop.mark_up()
             next_retention_s = 0.0
             while True:
+                await self._reconnect_broker()
                 await self._measure(conn)
                 if time.monotonic() >= next_retention_s:
                     await self._expire(conn)
@@ -255,11 +256,22 @@ class Relay:
                 loop.beat()
                 await asyncio.sleep(WATCH_INTERVAL_S)
 
+    async def _reconnect_broker(self) -> None:
+        """An idle relay publishes nothing that would bring a lost broker connection back (and /readyz
+        with it): open it here."""
+        with contextlib.suppress(*BROKER_ERRORS):
+            async with asyncio.timeout(CALL_TIMEOUT_S):
+                await self._publisher.open(topology.EVENTS_EXCHANGE)
+
     async def _measure(self, conn: schema.Connection) -> None:
         row = await (await conn.execute(_LAG)).fetchone()
         lag_s = float(row[0]) if row else 0.0
         counts = await (await conn.execute(_COUNTS)).fetchone()
         pending, failed = counts if counts else (0, 0)
+        if pending:
+            # Rows another transaction held when they were last claimed (a relay that died, a lock) are
+            # not announced again: look for them now rather than at the next poll.
+            self._wake.set()
         metrics.LAG_SECONDS.set(lag_s)
         metrics.PENDING_ROWS.set(pending)
         metrics.FAILED_ROWS.set(failed)

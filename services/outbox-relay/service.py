@@ -9,7 +9,9 @@ is down.
 from __future__ import annotations
 
 import asyncio
+import time
 
+import psycopg
 import structlog
 
 from hookline.outbox_relay import schema
@@ -48,12 +50,33 @@ async def migrate(settings: OutboxRelaySettings) -> None:
     print(f"hookline: outbox schema {'applied: ' + ', '.join(applied) if applied else 'already up to date'}")
 
 
+async def _check_schema(settings: OutboxRelaySettings) -> None:
+    """At start, like the broker: a database that does not answer within HOOKLINE_CONNECT_TIMEOUT_S, or
+    one without the outbox table, stops the relay with one line saying so."""
+    deadline_s = time.monotonic() + settings.connect_timeout_s
+    while True:
+        try:
+            async with await schema.connect(_dsn(settings)) as conn:
+                await schema.check(conn)
+            return
+        except schema.SchemaMissingError as exc:
+            log.error("outbox_schema_missing", detail=str(exc))
+            raise SystemExit(2) from None
+        except psycopg.OperationalError as exc:
+            if time.monotonic() >= deadline_s:
+                log.error("outbox_database_unreachable", detail=str(exc)[:300])
+                raise SystemExit(1) from None
+            log.warning("outbox_database_connect_retry", detail=str(exc)[:300])
+            await asyncio.sleep(1.0)
+
+
 async def serve(settings: OutboxRelaySettings, stopping: asyncio.Event) -> None:
     """Run until ``stopping`` is set, then shut down in order."""
+    await _check_schema(settings)
     supervisor = Supervisor()
 
     def problems() -> list[str]:
-        return ([] if broker.connected else ["broker: not connected"]) + supervisor.problems()
+        return ([] if broker.publishing_connected else ["broker: not connected"]) + supervisor.problems()
 
     # No pulse: an upstream's broker user (all a relay needs) may publish to events only.
     async with Broker(

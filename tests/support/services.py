@@ -123,5 +123,6 @@ def start(command: str, env: Mapping[str, str], log_dir: Path, *, name: str | No
         "ingest": "HOOKLINE_INGEST_PORT",
         "dispatcher": "HOOKLINE_DISPATCHER_METRICS_PORT",
         "health-monitor": "HOOKLINE_MONITOR_PORT",
+        "outbox-relay": "HOOKLINE_OUTBOX_METRICS_PORT",
     }[command]
     return Service(command, {**env, port_variable: str(port)}, log_dir, port=port, name=name or command)
