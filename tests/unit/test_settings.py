@@ -14,6 +14,7 @@ from hookline.shared.settings import (
     DispatcherSettings,
     IngestSettings,
     MonitorSettings,
+    OutboxRelaySettings,
     load,
     metrics_tokens,
 )
@@ -50,12 +51,16 @@ def test_retry_schedule_is_comma_separated_seconds(monkeypatch: pytest.MonkeyPat
         ("HOOKLINE_METRICS_TOKEN", "short", DispatcherSettings),
         ("HOOKLINE_INGEST_PORT", "eighty", IngestSettings),
         ("HOOKLINE_DEDUPE_WINDOW_S", "1000000", IngestSettings),  # longer than the delivery log keeps
+        ("HOOKLINE_OUTBOX_DSN", "mysql://db/x", OutboxRelaySettings),
+        ("HOOKLINE_OUTBOX_BATCH_SIZE", "0", OutboxRelaySettings),
+        ("HOOKLINE_OUTBOX_RETENTION_S", "-1", OutboxRelaySettings),
     ],
 )
 def test_a_bad_setting_exits_with_one_line_naming_it(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], variable: str, value: str, cls: type
 ) -> None:
     monkeypatch.setenv("HOOKLINE_API_TOKEN", "x" * 20)
+    monkeypatch.setenv("HOOKLINE_OUTBOX_DSN", "postgresql://db/x")
     monkeypatch.setenv(variable, value)
     with pytest.raises(SystemExit) as exited:
         load(cls)
@@ -63,6 +68,20 @@ def test_a_bad_setting_exits_with_one_line_naming_it(
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1
     assert lines[0].startswith(f"hookline: invalid setting {variable}: ")
+
+
+def test_the_outbox_relay_needs_its_database_and_the_flag_wins(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.delenv("HOOKLINE_OUTBOX_DSN", raising=False)
+    with pytest.raises(SystemExit):
+        load(OutboxRelaySettings)
+    assert "HOOKLINE_OUTBOX_DSN: Value error, name the outbox's database: --dsn" in capsys.readouterr().err
+    monkeypatch.setenv("HOOKLINE_OUTBOX_DSN", "postgresql://from-env/db")
+    settings = load(OutboxRelaySettings, outbox_dsn="postgresql://from-flag/db")
+    assert settings.outbox_dsn is not None
+    assert settings.outbox_dsn.get_secret_value() == "postgresql://from-flag/db"
+    assert "from-flag" not in repr(settings)  # the password a DSN carries stays out of logs
 
 
 def test_a_cluster_is_its_nodes_addresses(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -126,7 +145,7 @@ def _documented_settings() -> set[str]:
 
 @pytest.mark.parametrize(
     "settings_class",
-    [IngestSettings, DispatcherSettings, MonitorSettings, ClientSettings],
+    [IngestSettings, DispatcherSettings, MonitorSettings, OutboxRelaySettings, ClientSettings],
     ids=lambda c: c.__name__,
 )
 def test_every_setting_is_in_the_readme_configuration_table(settings_class: type[BaseSettings]) -> None:
