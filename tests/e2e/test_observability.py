@@ -14,8 +14,9 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import subprocess
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -24,11 +25,11 @@ import pytest
 import yaml
 from conftest import System, tenant
 from prometheus_client.parser import text_string_to_metric_families
-from support import services
+from support import postgres, services
 from support.receiver import Received, Receiver, Reply
 from support.waiting import eventually
 
-from hookline.shared.settings import DispatcherSettings, IngestSettings, MonitorSettings
+from hookline.shared.settings import DispatcherSettings, IngestSettings, MonitorSettings, OutboxRelaySettings
 
 pytestmark = pytest.mark.e2e
 
@@ -336,6 +337,7 @@ def test_prometheus_scrapes_each_service_on_its_port_and_loads_the_rules() -> No
         "ingest": IngestSettings.model_fields["ingest_port"].default,
         "health-monitor": MonitorSettings.model_fields["monitor_port"].default,
         "dispatcher": DispatcherSettings.model_fields["dispatcher_metrics_port"].default,
+        "outbox-relay": OutboxRelaySettings.model_fields["outbox_metrics_port"].default,
     }
     targets: dict[str, set[str]] = {}
     for job in config["scrape_configs"]:
@@ -451,9 +453,24 @@ def client(base_url: str) -> httpx.AsyncClient:
     )
 
 
-async def scrape(system: System) -> str:
+@pytest.fixture(scope="module")
+def outbox_relay(system: System) -> Iterator[services.Service]:
+    """An outbox relay beside the system, on a database of its own (its metrics are alerted on)."""
+    with postgres.database("observability") as dsn:
+        migrated = subprocess.run(
+            [services.HOOKLINE, "outbox-relay", "--dsn", dsn, "--migrate"],
+            env=system.env, capture_output=True, text=True, timeout=60, check=False,
+        )  # fmt: skip
+        assert migrated.returncode == 0, migrated.stderr
+        relay = services.start("outbox-relay", {**system.env, "HOOKLINE_OUTBOX_DSN": dsn}, system.log_dir)
+        relay.wait_ready()
+        yield relay
+        assert relay.stop() == 0, relay.log()
+
+
+async def scrape(system: System, *more: services.Service) -> str:
     """Every service's /metrics, concatenated: which service exports a name does not matter here."""
-    every = [system.ingest, *system.dispatchers, system.monitor]
+    every = [system.ingest, *system.dispatchers, system.monitor, *more]
     texts = []
     for service in every:
         # With the metrics token, as Prometheus scrapes (deploy/prometheus/prometheus.yml).
@@ -485,7 +502,7 @@ class Script:
 
 
 async def test_every_metric_the_dashboard_and_alerts_use_is_exported(
-    system: System, receiver: Receiver
+    system: System, receiver: Receiver, outbox_relay: services.Service
 ) -> None:
     script = Script()
     receiver.responder = script
@@ -515,7 +532,7 @@ async def test_every_metric_the_dashboard_and_alerts_use_is_exported(
 
     async def all_exported() -> bool:
         nonlocal sampled, declared
-        sampled, declared = declared_names(await scrape(system))
+        sampled, declared = declared_names(await scrape(system, outbox_relay))
         return not unexported(names, sampled, declared)
 
     # The monitor's series (breakers, queue depths, latency, alerts) follow within a few of its ticks.

@@ -11,7 +11,7 @@ import yaml
 from hookline.shared.brokersetup import password_variable
 from hookline.shared.cli import build_parser
 from hookline.shared.permissions import USERS, Role
-from hookline.shared.settings import DispatcherSettings, IngestSettings, MonitorSettings
+from hookline.shared.settings import DispatcherSettings, IngestSettings, MonitorSettings, OutboxRelaySettings
 
 ROOT = Path(__file__).resolve().parents[2]
 HOOKLINE = str(Path(sys.executable).with_name("hookline"))
@@ -80,7 +80,7 @@ def test_every_compose_command_is_a_real_cli_command() -> None:
 def test_every_compose_setting_is_a_real_setting() -> None:
     known = {
         f"HOOKLINE_{field.upper()}"
-        for cls in (IngestSettings, DispatcherSettings, MonitorSettings)
+        for cls in (IngestSettings, DispatcherSettings, MonitorSettings, OutboxRelaySettings)
         for field in cls.model_fields
     }
     for name, service in _compose()["services"].items():
