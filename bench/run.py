@@ -10,7 +10,9 @@
    it: rebuilt from the streams, restarted from its checkpoint, restarted after SIGKILL
    (bench/monitor_restart.py);
 7. the ingest's delivery log with 1,000,000 attempts stored: query latencies and disk
-   (bench/delivery_log.py).
+   (bench/delivery_log.py);
+8. the outbox relay: 10,000 rows from PostgreSQL to ``events``, beside an upstream publishing the same
+   directly (bench/outbox.py).
 
 Everything runs in a vhost of its own, deleted afterwards. Results: bench/results/latest.{json,md}.
 Numbers drift on a shared 2-core machine: compare ratios within one run.
@@ -643,6 +645,16 @@ async def main(arguments: argparse.Namespace) -> dict[str, Any]:
 
     print(f"delivery log with {arguments.delivery_log_attempts:,} attempts…", flush=True)
     report["delivery_log"] = await delivery_log.main(arguments.delivery_log_attempts, runs=300)
+    from bench import outbox
+
+    print(f"outbox relay with {arguments.outbox_rows:,} rows, beside the direct publish path…", flush=True)
+    try:
+        with vhost(arguments.amqp_url) as outbox_url:
+            report["outbox"] = await outbox.measure(
+                outbox_url, arguments.postgres_url, arguments.outbox_rows, work
+            )
+    except outbox.psycopg.OperationalError as exc:
+        report["outbox"] = {"skipped": f"no PostgreSQL at --postgres-url ({str(exc).strip()[:200]})"}
     return report
 
 
@@ -747,6 +759,13 @@ def markdown(report: dict[str, Any]) -> str:
             f"{queries['endpoint_attempts_first_page']['p99_ms']} ms; a tenant's latest 50 events "
             f"{queries['tenant_recent_events']['p50_ms']} / {queries['tenant_recent_events']['p99_ms']} ms | |"
         )
+    relayed = report.get("outbox")
+    if relayed and "skipped" in relayed:
+        lines.append(f"| outbox relay | skipped: {relayed['skipped']} | |")
+    elif relayed:
+        from bench import outbox
+
+        lines += outbox.markdown(relayed)
     if "clients" not in report:
         return "\n".join(lines) + "\n"
     lines += [
@@ -778,6 +797,14 @@ if __name__ == "__main__":
     parser.add_argument("--monitor-records", type=int, default=1_000_000)
     parser.add_argument("--monitor-dead-letters", type=int, default=100_000)
     parser.add_argument("--delivery-log-attempts", type=int, default=1_000_000)
+    parser.add_argument("--outbox-rows", type=int, default=10_000)
+    parser.add_argument(
+        "--postgres-url",
+        default=os.environ.get(
+            "HOOKLINE_BENCH_POSTGRES_URL", "postgresql://postgres@127.0.0.1:5432/postgres"
+        ),
+        help="a PostgreSQL user that may create databases (the outbox relay's benchmark)",
+    )
     parser.add_argument(
         "--quick",
         action="store_true",
