@@ -6,6 +6,7 @@ when they are imported.
 """
 
 from hookline.receiver.once import AsyncReceiver, Handled, Outcome, Receiver
+from hookline.receiver.sequences import Sequences
 from hookline.receiver.stores import (
     AsyncSeenStore,
     Claim,
@@ -44,6 +45,7 @@ __all__ = [
     "Receiver",
     "SQLiteStore",
     "SeenStore",
+    "Sequences",
     "Status",
     "ThreadedStore",
     "TimestampTooNewError",
