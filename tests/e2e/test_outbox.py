@@ -17,6 +17,7 @@ from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import unquote, urlsplit
 
 import aio_pika
 import httpx
@@ -27,6 +28,8 @@ from support import postgres, services
 from support.broker import Broker
 from support.receiver import Receiver
 from support.waiting import eventually
+
+from hookline.shared.permissions import upstream_grant
 
 pytestmark = pytest.mark.e2e
 
@@ -329,6 +332,40 @@ async def test_the_lag_is_exported_and_alerted_and_the_relay_outlives_its_connec
     assert remaining == [(0,)], "retention 0: rows deleted once confirmed"
     ready = await asyncio.to_thread(httpx.get, f"{relay.base_url}/readyz", timeout=5)
     assert ready.status_code == 200
+
+
+async def test_a_relay_needs_no_more_than_an_upstreams_broker_user(
+    system: System, relays: Relays, rabbitmq: Broker
+) -> None:
+    """Write on events and nothing else (permissions.upstream_grant): the relay publishes, is ready and
+    stops cleanly as that user, with no refusal logged."""
+    grant, _ = upstream_grant(None)
+    user, password = f"outbox-{uuid.uuid4().hex[:8]}", uuid.uuid4().hex
+    vhost = unquote(urlsplit(system.amqp_url).path.lstrip("/"))
+    await rabbitmq.ctl_async(["add_user", user, password])
+    try:
+        await rabbitmq.ctl_async(
+            ["set_permissions", "-p", vhost, user, grant.configure, grant.write, grant.read]
+        )
+        url = system.amqp_url.replace("guest:guest@", f"{user}:{password}@")
+        relay = relays.start("relay-upstream-user", HOOKLINE_AMQP_URL=url)
+        acme = tenant()
+        [(_, event_id, _)] = insert(relays.dsn, [{"tenant": acme, "type": "a.b", "data": {}}])
+        await eventually(
+            lambda: asyncio.to_thread(
+                lambda: (
+                    query(
+                        relays.dsn, "SELECT sent_at IS NOT NULL FROM hookline_outbox WHERE id = %s", event_id
+                    )
+                    == [(True,)]
+                )
+            ),
+            explain=relay.log,
+        )
+        assert relay.stop() == 0
+        assert "ACCESS_REFUSED" not in relay.log()
+    finally:
+        await rabbitmq.ctl_async(["delete_user", user])
 
 
 def test_a_relay_without_the_outbox_table_stops_and_says_how_to_create_it(system: System) -> None:
