@@ -26,6 +26,7 @@ import httpx
 from hookline.shared import __version__
 from hookline.shared.models import DeadLetterReason
 from hookline.shared.settings import ClientSettings
+from hookline.shared.telemetry import Outcome
 
 
 def _start_ingest(_: argparse.Namespace) -> int:
@@ -442,7 +443,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     endpoints.choices["rotate-secret"].add_argument("--overlap-s", type=int, help="default 24 h")
     attempts = endpoints.choices["attempts"]
-    attempts.add_argument("--outcome", choices=["success", "retry", "permanent", "disable", "failed"])
+    attempts.add_argument("--outcome", choices=[outcome.value for outcome in Outcome])
     attempts.add_argument("--since", help="RFC 3339 time")
     attempts.add_argument("--limit", type=int)
     attempts.add_argument("--after", help="next_after of the previous page")

@@ -8,6 +8,7 @@ statistics, never a lost event.
 
 from __future__ import annotations
 
+import enum
 from typing import Annotated, Literal, TypedDict
 
 from pydantic import Field, TypeAdapter
@@ -15,6 +16,19 @@ from pydantic import Field, TypeAdapter
 from hookline.shared.delivery import AttemptResult
 from hookline.shared.models import Model
 from hookline.shared.sealing import RESPONSE_PURPOSE, Sealer
+
+
+class Outcome(enum.StrEnum):
+    """An attempt's outcome: the dispatcher decides it (outcome.classify), the monitor counts it, the
+    delivery log shows it. One definition, so that a renamed member cannot leave a reader comparing with
+    a name nobody sends."""
+
+    SUCCESS = "success"
+    RETRY = "retry"  # failed, to be tried again (5xx, 408, 429, a timeout, a network error)
+    PERMANENT = "permanent"  # failed, not worth trying again (another 4xx, a refused target)
+    DISABLE = "disable"  # 410 Gone: the endpoint is disabled
+    FAILED = "failed"  # an attempt made by hand (a resend, a verification) that did not succeed
+
 
 #: Why an attempt was made: the first delivery of an event, a retry, a half-open breaker's probe, one
 #: asked for by hand, an event replayed or redriven (a fresh budget), or an endpoint's verification.
@@ -33,7 +47,7 @@ class AttemptRecord(Model):
     tenant: str
     type: str
     attempt: int
-    outcome: str  # success | retry | permanent | disable
+    outcome: Outcome
     status: int | None
     error: str | None
     duration_ms: float

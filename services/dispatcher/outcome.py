@@ -9,21 +9,13 @@ refused target, invalid URL            permanent -> dead letter now
 
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass
 from datetime import datetime
 
 from hookline.dispatcher.backoff import RETRY_AFTER_STATUSES, GiveUp, RetryPolicy, decide, parse_retry_after
 from hookline.shared.delivery import ErrorKind
 from hookline.shared.models import DeadLetterReason
-
-
-class Outcome(enum.StrEnum):
-    SUCCESS = "success"
-    RETRY = "retry"
-    PERMANENT = "permanent"
-    DISABLE = "disable"
-
+from hookline.shared.telemetry import Outcome
 
 _PERMANENT_ERRORS = frozenset({ErrorKind.REFUSED_TARGET, ErrorKind.INVALID_URL})
 _RETRIED_4XX = frozenset({408, 429})

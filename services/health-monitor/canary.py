@@ -15,7 +15,7 @@ from collections.abc import Iterable
 
 from hookline.health_monitor.alerts import Alert
 from hookline.shared.ids import id_time_s
-from hookline.shared.telemetry import AttemptRecord
+from hookline.shared.telemetry import AttemptRecord, Outcome
 
 CANARY_TYPE = "hookline.canary"
 KEEP = 100  # canaries remembered: enough for the late alert, bounded whatever the interval
@@ -42,7 +42,7 @@ class CanaryBook:
         sent_at_s = id_time_s(record.event_id)
         if sent_at_s is None:
             return
-        if record.outcome == "success":
+        if record.outcome is Outcome.SUCCESS:
             self._failing.pop(record.endpoint_id, None)
             if sent_at_s >= self._arrived.get(record.endpoint_id, 0.0):
                 self._arrived[record.endpoint_id] = sent_at_s

@@ -8,13 +8,21 @@ breaker states come back from the monitor's own breaker log.
 
 from __future__ import annotations
 
+import zlib
 from dataclasses import dataclass, field
 
 from hookline.health_monitor import breaker as breakers
 from hookline.health_monitor.breaker import Breaker, BreakerPolicy
 from hookline.health_monitor.stats import RollingStats, Stats
 from hookline.shared.control import BreakerCommand, BreakerSnapshot, BreakerState
-from hookline.shared.telemetry import ASIDE_KINDS, AttemptRecord, Deferral, Heartbeat, TelemetryRecord
+from hookline.shared.telemetry import (
+    ASIDE_KINDS,
+    AttemptRecord,
+    Deferral,
+    Heartbeat,
+    Outcome,
+    TelemetryRecord,
+)
 
 DAY_S, HOUR_S = 86_400, 3_600
 RECENT_S, MINUTE_S = 300, 60
@@ -31,6 +39,14 @@ DISPATCHER_FORGET_S = 3_600.0
 PROBE_TIMEOUT_S = 120.0
 #: Fewer samples than this in the short window say nothing about p95.
 MIN_SAMPLES = 5
+
+
+def prober_for(endpoint_id: str, live: list[str], *, now_s: float) -> str:
+    """The dispatcher (of ``live``, sorted) that probes a half-open endpoint: spread over the replicas by
+    endpoint, and moved on to the next one every PROBE_TIMEOUT_S, so a probe that keeps failing to report
+    is tried elsewhere. Stable (CRC-32, not the process-salted ``hash()``): a monitor that takes over
+    the lead picks the same one."""
+    return live[(zlib.crc32(endpoint_id.encode()) + int(now_s // PROBE_TIMEOUT_S)) % len(live)]
 
 
 @dataclass(frozen=True)
@@ -105,7 +121,7 @@ class Health:
         types.recent.add(record, now_s=now_s)
         types.last_attempt_at_s = max(types.last_attempt_at_s or 0, record.at_s)
         health.last_attempt_at_s = max(health.last_attempt_at_s or 0, record.at_s)
-        if record.outcome == "retry" and record.dead_letter_reason is None:
+        if record.outcome is Outcome.RETRY and record.dead_letter_reason is None:
             known = health.retrying.pop(record.event_id, None)
             if known is not None or len(health.retrying) < MAX_TRACKED_RETRIES:
                 # Re-inserted at the end, so that the oldest news comes first for prune().
@@ -123,7 +139,7 @@ class Health:
         if health.breaker.state is BreakerState.HALF_OPEN and not record.probe:
             return []  # only the probe decides a half-open breaker
         # A 4xx or 410 is an answer from a live endpoint: for the breaker, that is not a failure.
-        success = record.outcome != "retry"
+        success = record.outcome is not Outcome.RETRY
         before = health.breaker
         health.breaker = breakers.record(
             before,
@@ -159,7 +175,7 @@ class Health:
                 continue  # nobody to probe: try again next tick
             # A new prober when the cooldown has just ended, when the last one went silent, or when
             # its probe has not reported back in time (it found nothing to deliver, or lost it).
-            probe_by = live[(hash(endpoint_id) + int(now_s // PROBE_TIMEOUT_S)) % len(live)]
+            probe_by = prober_for(endpoint_id, live, now_s=now_s)
             health.probe_asked_at_s = now_s
             commands += self._command_if_changed(endpoint_id, health, before, probe_by=probe_by, now_s=now_s)
         return commands

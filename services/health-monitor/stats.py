@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from hookline.health_monitor.sketch import LatencySketch
-from hookline.shared.telemetry import AttemptRecord
+from hookline.shared.telemetry import AttemptRecord, Outcome
 
 AUTH_STATUSES = frozenset({401, 403})
 
@@ -34,10 +34,10 @@ class Stats:
         self.sketch.add(record.duration_ms)
         self.duration_sum_ms += record.duration_ms
         self.attempts += 1
-        self.successes += record.outcome == "success"
-        self.failures += record.outcome == "retry"
+        self.successes += record.outcome is Outcome.SUCCESS
+        self.failures += record.outcome is Outcome.RETRY
         self.timeouts += record.error == "timeout"
-        self.permanent += record.outcome in ("permanent", "disable")
+        self.permanent += record.outcome in (Outcome.PERMANENT, Outcome.DISABLE)
         self.dead_letters += record.dead_letter_reason is not None
         self.auth_rejected += record.status in AUTH_STATUSES
         self.rate_limited += record.status == 429

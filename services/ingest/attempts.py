@@ -16,7 +16,7 @@ from hookline.shared import signing, topology
 from hookline.shared.amqp import BROKER_ERRORS
 from hookline.shared.delivery import AttemptResult
 from hookline.shared.models import StoredEndpoint
-from hookline.shared.telemetry import AttemptKind, AttemptRecord, batch, exchange
+from hookline.shared.telemetry import AttemptKind, AttemptRecord, Outcome, batch, exchange
 from hookline.shared.webhook import webhook_request
 
 log = structlog.get_logger(__name__)
@@ -56,7 +56,7 @@ async def attempt(
         tenant=endpoint.tenant,
         type=event_type,
         attempt=number,
-        outcome="success" if ok else "failed",
+        outcome=Outcome.SUCCESS if ok else Outcome.FAILED,
         first_attempt_at_s=started_s,
         attempt_kind=kind,
         **exchange(result, state.sealer),

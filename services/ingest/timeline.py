@@ -14,7 +14,7 @@ from datetime import UTC, datetime
 from hookline.shared.control import BreakerCommand, BreakerState
 from hookline.shared.deadletters import DeadLetterItem
 from hookline.shared.models import EndpointStatus, EventState, Model, StoredEndpoint
-from hookline.shared.telemetry import ASIDE_KINDS, AttemptRecord, Deferral
+from hookline.shared.telemetry import ASIDE_KINDS, AttemptRecord, Deferral, Outcome
 
 
 class Standing(Model):
@@ -35,7 +35,7 @@ def standing(
     """The event's state at the endpoint. ``attempts`` in the order they were made; ``dead_letters``
     those of this event at this endpoint not redriven since; ``deferral`` the last time it was put back
     without an attempt (not its turn yet)."""
-    if any(attempt.outcome == "success" for attempt in attempts):
+    if any(attempt.outcome == Outcome.SUCCESS for attempt in attempts):
         return Standing(state="delivered", next_attempt_at=None, waiting_reason=None)
     course = [attempt for attempt in attempts if attempt.attempt_kind not in ASIDE_KINDS]
     last = course[-1] if course else None

@@ -2,20 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Any
+from support.factories import attempt_record as record
 
 from hookline.health_monitor.stats import RollingStats
-from hookline.shared.telemetry import AttemptRecord
-
-
-def record(at_s: float, **fields: Any) -> AttemptRecord:
-    values: dict[str, Any] = {
-        "at_s": at_s, "dispatcher_id": "d", "event_id": "e", "endpoint_id": "ep", "tenant": "t", "type": "a.b",
-        "attempt": 1, "outcome": "success", "status": 204, "error": None, "duration_ms": 10.0,
-        "first_attempt_at_s": at_s,
-    }  # fmt: skip
-    values.update(fields)
-    return AttemptRecord(**values)
 
 
 def test_counts_and_rates() -> None:

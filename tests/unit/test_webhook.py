@@ -6,6 +6,7 @@ import gzip
 from datetime import UTC, datetime
 
 import pytest
+from support.factories import stored_endpoint
 
 from hookline.receiver import verify
 from hookline.shared import signing
@@ -19,11 +20,9 @@ BODY = b'{"id":"evt_1","type":"order.created","tenant":"acme","subject":"o_1","s
 
 
 def endpoint(gzip_over_bytes: int | None = None) -> StoredEndpoint:
-    return StoredEndpoint(
-        id="ep_01JD0000000000000000000000", tenant="acme", url="https://example.com/hook",
-        event_types=["#"], created_at=NOW, updated_at=NOW, gzip_over_bytes=gzip_over_bytes,
-        secrets=[SigningSecret(value=SECRET, created_at=NOW)],
-    )  # fmt: skip
+    return stored_endpoint(
+        gzip_over_bytes=gzip_over_bytes, secrets=[SigningSecret(value=SECRET, created_at=NOW)]
+    )
 
 
 @pytest.mark.parametrize(
