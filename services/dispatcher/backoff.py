@@ -77,6 +77,18 @@ def decide(
     return RetryIn(wait_s)
 
 
+def honoured_retry_after_s(
+    value: str | None, *, status: int | None, now: datetime, cap_s: float
+) -> float | None:
+    """What a ``Retry-After`` asks for, in seconds, when hookline honours it (on a 429 or a 503),
+    capped at ``cap_s``; None otherwise. The one place both rules live: the retry's delay and the
+    endpoint's pause after a 429 come from it."""
+    if status not in RETRY_AFTER_STATUSES:
+        return None
+    asked_s = parse_retry_after(value, now=now)
+    return None if asked_s is None else min(asked_s, cap_s)
+
+
 def parse_retry_after(value: str | None, *, now: datetime) -> float | None:
     """``Retry-After`` as seconds from ``now``: delta-seconds or an HTTP date; None if absent or garbled.
 

@@ -13,9 +13,10 @@ import contextlib
 import math
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from typing import cast
 
 import aio_pika
 import structlog
@@ -23,7 +24,7 @@ from opentelemetry.trace import SpanKind
 
 from hookline.dispatcher import inbound, metrics
 from hookline.dispatcher.acks import Acks
-from hookline.dispatcher.backoff import Jitter, RetryPolicy, parse_retry_after
+from hookline.dispatcher.backoff import Jitter, RetryPolicy, honoured_retry_after_s
 from hookline.dispatcher.delays import Delays
 from hookline.dispatcher.incoming import Incoming
 from hookline.dispatcher.ordering import SubjectOrder
@@ -40,7 +41,7 @@ from hookline.shared.models import DeadLetterReason, EndpointStatus, Event, Stor
 from hookline.shared.registry import ChangeLog, EndpointRegistry
 from hookline.shared.sealing import Sealer
 from hookline.shared.settings import DispatcherSettings
-from hookline.shared.telemetry import Deferral, DeferralReason, exchange
+from hookline.shared.telemetry import AttemptFields, Deferral, DeferralReason, Outcome, exchange
 from hookline.shared.tracing import Tracing
 from hookline.shared.webhook import webhook_request
 
@@ -53,6 +54,11 @@ USER_AGENT = f"hookline/{__version__}"
 CRASH_PAUSE_S = 1.0
 #: A message that arrives for an endpoint whose breaker is open is handed back after this pause.
 BREAKER_NACK_PAUSE_S = 1.0
+#: The attempt record's fields that its log line repeats (never the response: it may hold customer data).
+_LOGGED_FIELDS = (
+    "event_id", "endpoint_id", "tenant", "type", "attempt", "status", "outcome", "error", "duration_ms",
+    "dns_ms", "connect_ms", "first_byte_ms", "dead_letter_reason",
+)  # fmt: skip
 #: A delivery that must wait longer than this for its turn (rate limit, Retry-After) is deferred
 #: through the delay queues instead of holding its message.
 MAX_LOCAL_WAIT_S = 10.0
@@ -183,7 +189,6 @@ class Handler:
         *,
         probe: bool,
     ) -> None:
-        event = parsed.event
         started_s = time.time()
         result = await self._attempt(endpoint, parsed, message.body)
         outcome = classify(result.status, result.error)
@@ -200,65 +205,67 @@ class Handler:
             now=datetime.now(UTC),
         )
         ended_s = time.time()
-        next_attempt_in_s = settlement.delay_s if isinstance(settlement, Retry) else None
-        dead_letter_reason = settlement.reason.value if isinstance(settlement, DeadLetter) else None
         metrics.attempts(outcome.value).inc()
         metrics.ATTEMPT_SECONDS.observe(result.timings.total_ms / 1000)
-        # The record as it goes on the wire (AttemptFields; the monitor and the ingest validate it as an
-        # AttemptRecord): a model built here would cost the delivery path as much as the rest.
-        self._telemetry.attempt(
-            {
-                "kind": "attempt",
-                "at_s": ended_s,
-                "dispatcher_id": self._telemetry.dispatcher_id,
-                "event_id": event.id,
-                "endpoint_id": endpoint.id,
-                "tenant": event.tenant,
-                "type": event.type,
-                "attempt": parsed.attempt,
-                "outcome": outcome.value,
-                "first_attempt_at_s": first_attempt_at_s,
-                "next_attempt_at_s": ended_s + next_attempt_in_s if next_attempt_in_s is not None else None,
-                "dead_letter_reason": dead_letter_reason,
-                "probe": probe,
-                "attempt_kind": "probe"
-                if probe
-                else "retry"
-                if parsed.attempt > 1
-                else parsed.origin or "delivery",
-                **exchange(result, self._sealer),
-            }
+        self._report(endpoint, parsed, outcome, settlement, result, first_attempt_at_s, ended_s, probe=probe)
+        # A 429's Retry-After also pauses the endpoint (a 503's delays this event only).
+        pause_s = (
+            honoured_retry_after_s(
+                result.retry_after, status=429, now=datetime.now(UTC), cap_s=self._settings.retry_after_cap_s
+            )
+            if result.status == 429
+            else None
         )
+        self._pacer.record(endpoint.id, status=result.status, retry_after_s=pause_s, now_s=ended_s)
+        await self._apply(settlement, message, endpoint, parsed, first_attempt_at_s, result, sequence)
+
+    def _report(
+        self,
+        endpoint: StoredEndpoint,
+        parsed: inbound.Inbound,
+        outcome: Outcome,
+        settlement: Settlement,
+        result: AttemptResult,
+        first_attempt_at_s: float,
+        ended_s: float,
+        *,
+        probe: bool,
+    ) -> None:
+        """The attempt's telemetry record and its canonical log line (the record's fields, without the
+        receiver's answer: it may hold a customer's data)."""
+        event = parsed.event
+        next_attempt_in_s = settlement.delay_s if isinstance(settlement, Retry) else None
+        # As it goes on the wire (AttemptFields; the monitor and the ingest validate it as an
+        # AttemptRecord): a model built here would cost the delivery path as much as the rest.
+        record: AttemptFields = {
+            "kind": "attempt",
+            "at_s": ended_s,
+            "dispatcher_id": self._telemetry.dispatcher_id,
+            "event_id": event.id,
+            "endpoint_id": endpoint.id,
+            "tenant": event.tenant,
+            "type": event.type,
+            "attempt": parsed.attempt,
+            "outcome": outcome.value,
+            "first_attempt_at_s": first_attempt_at_s,
+            "next_attempt_at_s": ended_s + next_attempt_in_s if next_attempt_in_s is not None else None,
+            "dead_letter_reason": settlement.reason.value if isinstance(settlement, DeadLetter) else None,
+            "probe": probe,
+            "attempt_kind": "probe"
+            if probe
+            else "retry"
+            if parsed.attempt > 1
+            else parsed.origin or "delivery",
+            **exchange(result, self._sealer),
+        }
+        self._telemetry.attempt(record)
+        fields = cast("Mapping[str, object]", record)
         log.info(
             "delivery_attempt",
-            event_id=event.id,
-            endpoint_id=endpoint.id,
-            tenant=event.tenant,
-            type=event.type,
-            attempt=parsed.attempt,
-            status=result.status,
-            outcome=outcome.value,
-            error=result.error,
-            duration_ms=result.timings.total_ms,
-            dns_ms=result.timings.dns_ms,
-            connect_ms=result.timings.connect_ms,
-            first_byte_ms=result.timings.first_byte_ms,
+            **{name: fields[name] for name in _LOGGED_FIELDS},
             next_attempt_in_s=next_attempt_in_s,
-            dead_letter_reason=dead_letter_reason,
             probe=probe or None,
         )
-        retry_after_s = (
-            parse_retry_after(result.retry_after, now=datetime.now(UTC)) if result.status == 429 else None
-        )
-        self._pacer.record(
-            endpoint.id,
-            status=result.status,
-            retry_after_s=min(retry_after_s, self._settings.retry_after_cap_s)
-            if retry_after_s is not None
-            else None,
-            now_s=ended_s,
-        )
-        await self._apply(settlement, message, endpoint, parsed, first_attempt_at_s, result, sequence)
 
     async def _gate(
         self, endpoint: StoredEndpoint, parsed: inbound.Inbound, sequence: int | None, *, probe: bool

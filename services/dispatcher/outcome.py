@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from datetime import datetime
 
-from hookline.dispatcher.backoff import RETRY_AFTER_STATUSES, GiveUp, RetryPolicy, decide, parse_retry_after
+from hookline.dispatcher.backoff import GiveUp, RetryPolicy, decide, honoured_retry_after_s
 from hookline.shared.delivery import ErrorKind
 from hookline.shared.models import DeadLetterReason
 from hookline.shared.telemetry import Outcome
@@ -78,7 +78,9 @@ def settle(
         return DeadLetter(DeadLetterReason.ENDPOINT_GONE, disable=True)
     if outcome is Outcome.PERMANENT:
         return DeadLetter(DeadLetterReason.PERMANENT_STATUS)
-    retry_after_s = parse_retry_after(retry_after, now=now) if status in RETRY_AFTER_STATUSES else None
+    retry_after_s = honoured_retry_after_s(
+        retry_after, status=status, now=now, cap_s=policy.retry_after_cap_s
+    )
     decision = decide(
         attempt,
         first_attempt_at_s=first_attempt_at_s,

@@ -8,10 +8,10 @@ import json
 from typing import Any
 
 import pytest
-from conftest import System, tenant
+from support.monitoring import publish, wait_leader
 from support.receiver import Received, Receiver, Reply
+from support.system import System, tenant
 from support.waiting import eventually
-from test_monitors_and_repair import publish, wait_leader
 
 from hookline.shared import signing
 

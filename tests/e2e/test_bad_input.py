@@ -9,11 +9,10 @@ from pathlib import Path
 
 import httpx
 import pytest
-from conftest import System, tenant
 from support import services
-from support.amqp import publish_event, read_stream
+from support.amqp import event, publish_event, read_stream
 from support.receiver import Receiver
-from test_delivery_path import event
+from support.system import System, tenant
 
 pytestmark = pytest.mark.e2e
 

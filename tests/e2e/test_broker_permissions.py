@@ -17,10 +17,10 @@ import aio_pika
 import aiormq
 import httpx
 import pytest
-from conftest import tenant
 from support import services
 from support.broker import Broker
 from support.receiver import Received, Receiver, Reply
+from support.system import tenant
 from support.waiting import eventually
 
 from hookline.shared import ids, tenants, topology

@@ -19,12 +19,12 @@ import aio_pika
 import httpx
 import pytest
 from aio_pika.abc import AbstractIncomingMessage
-from conftest import System, tenant
 from support import services
 from support.broker import Broker
+from support.monitoring import AUTH, get_json, publish
 from support.receiver import Received, Receiver, Reply
+from support.system import System, tenant
 from support.waiting import eventually
-from test_monitors_and_repair import AUTH, get_json, publish
 
 pytestmark = [pytest.mark.e2e, pytest.mark.serial, pytest.mark.timeout(240)]
 

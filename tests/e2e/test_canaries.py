@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import httpx
 import pytest
-from conftest import System
+from support.monitoring import AUTH, get_json
 from support.receiver import Receiver, Reply
+from support.system import System
 from support.waiting import eventually
-from test_monitors_and_repair import AUTH, get_json
 
 pytestmark = pytest.mark.e2e
 

@@ -25,14 +25,13 @@ from urllib.parse import urlsplit
 
 import httpx
 import pytest
-from conftest import System, tenant
 from standardwebhooks.webhooks import Webhook, WebhookVerificationError
 from support import services
-from support.amqp import publish_event
+from support.amqp import event, publish_event
 from support.proxy import TcpProxy
 from support.receiver import Received, Receiver, Reply
+from support.system import System, tenant
 from support.waiting import eventually
-from test_delivery_path import event
 
 pytestmark = pytest.mark.e2e
 

@@ -7,12 +7,11 @@ from typing import Any
 
 import httpx
 import pytest
-from conftest import System, tenant
-from support.amqp import publish_event
+from support.amqp import event, publish_event
 from support.broker import Broker
 from support.receiver import Receiver, Reply
+from support.system import System, tenant
 from support.waiting import eventually
-from test_delivery_path import event
 
 pytestmark = [pytest.mark.e2e, pytest.mark.serial]
 

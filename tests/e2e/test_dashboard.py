@@ -15,11 +15,11 @@ from typing import Any
 
 import httpx
 import pytest
-from conftest import System
 from playwright.async_api import Page, expect
 from support import services
 from support.browser import chromium
 from support.receiver import Received, Receiver, Reply
+from support.system import System
 from support.waiting import eventually
 
 pytestmark = pytest.mark.e2e

@@ -15,12 +15,12 @@ from typing import Any
 
 import httpx
 import pytest
-from conftest import System, tenant
 from support import services
 from support.amqp import read_stream
+from support.monitoring import set_status
 from support.receiver import Received, Receiver, Reply
+from support.system import System, tenant
 from support.waiting import eventually
-from test_monitors_and_repair import set_status
 
 pytestmark = pytest.mark.e2e
 

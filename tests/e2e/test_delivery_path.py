@@ -4,25 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import json
-from datetime import UTC, datetime
 
 import pytest
-from conftest import System, tenant
 from standardwebhooks.webhooks import Webhook
-from support.amqp import publish_event
+from support.amqp import event, publish_event
 from support.receiver import Receiver
+from support.system import System, tenant
 
 pytestmark = pytest.mark.e2e
-
-
-def event(tenant_name: str, event_type: str, event_id: str, **data: object) -> dict[str, object]:
-    return {
-        "id": event_id,
-        "type": event_type,
-        "tenant": tenant_name,
-        "occurred_at": datetime.now(UTC).isoformat().replace("+00:00", "Z"),
-        "data": data,
-    }
 
 
 async def test_events_reach_exactly_the_subscribed_endpoints_signed(

@@ -14,9 +14,9 @@ from urllib.parse import parse_qs
 
 import httpx
 import pytest
-from conftest import System, tenant
 from support import services
 from support.receiver import Received, Receiver, Reply
+from support.system import System, tenant
 from support.waiting import eventually
 
 pytestmark = pytest.mark.e2e

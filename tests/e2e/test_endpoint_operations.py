@@ -16,12 +16,11 @@ import aio_pika
 import httpx
 import pytest
 from aiohttp import web
-from conftest import System, tenant
 from support import services
-from support.amqp import publish_event
+from support.amqp import event, publish_event
 from support.receiver import Received, Receiver, Reply
+from support.system import System, tenant
 from support.waiting import eventually
-from test_delivery_path import event
 
 pytestmark = pytest.mark.e2e
 

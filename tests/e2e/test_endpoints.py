@@ -3,28 +3,17 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import subprocess
-from typing import Any
 
 import pytest
-from conftest import System, tenant
 from support import services
-from support.amqp import publish_event, read_stream
+from support.amqp import event, publish_event, read_stream
 from support.receiver import Receiver, Reply
+from support.system import System, tenant
+from support.system import cli as hookline
 from support.waiting import eventually
-from test_delivery_path import event
 
 pytestmark = pytest.mark.e2e
-
-
-def hookline(system: System, *arguments: str) -> Any:
-    env = {**system.env, "HOOKLINE_INGEST_URL": system.ingest.base_url}
-    done = subprocess.run(
-        [services.HOOKLINE, *arguments], env=env, capture_output=True, text=True, timeout=60
-    )
-    assert done.returncode == 0, done.stderr
-    return json.loads(done.stdout)
 
 
 def test_the_cli_manages_endpoints(system: System) -> None:

@@ -10,10 +10,10 @@ from typing import Any
 
 import httpx
 import pytest
-from conftest import System, tenant
 from support import services
 from support.amqp import publish_event
 from support.receiver import Receiver
+from support.system import System, tenant
 from support.waiting import eventually
 
 pytestmark = pytest.mark.e2e

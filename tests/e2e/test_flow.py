@@ -6,11 +6,10 @@ import asyncio
 import json
 
 import pytest
-from conftest import System, tenant
 from support import services
-from support.amqp import publish_event
+from support.amqp import event, publish_event
 from support.receiver import Received, Receiver, Reply
-from test_delivery_path import event
+from support.system import System, tenant
 
 # Rates, concurrency caps and Retry-After pauses measured in wall time: alone, not beside another module.
 pytestmark = [pytest.mark.e2e, pytest.mark.serial]

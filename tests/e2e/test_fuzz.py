@@ -10,8 +10,8 @@ from pathlib import Path
 
 import httpx
 import pytest
-from conftest import System
 from support import services
+from support.system import System
 
 pytestmark = pytest.mark.e2e
 

@@ -18,13 +18,12 @@ from urllib.parse import unquote, urlsplit
 
 import httpx
 import pytest
-from conftest import System, tenant
 from support import services
-from support.amqp import publish_event
 from support.broker import Broker
+from support.monitoring import get_json, publish, set_status, wait_leader
 from support.receiver import Received, Receiver, Reply
+from support.system import System, tenant
 from support.waiting import eventually
-from test_delivery_path import event
 
 pytestmark = pytest.mark.e2e
 
@@ -37,9 +36,6 @@ SYSTEM_ENV = {
     "HOOKLINE_RETRY_SCHEDULE_S": "1",
     "HOOKLINE_BREAKER_LEASE_S": str(int(LEASE_S)),
 }
-AUTH = {"authorization": f"Bearer {services.TOKEN}"}
-
-
 # --- the receiver's side -------------------------------------------------------------------------------
 
 
@@ -74,30 +70,12 @@ class Paths:
         return time.monotonic()
 
 
-async def publish(system: System, who: str, event_type: str, ids: Iterable[str]) -> list[str]:
-    published = []
-    for event_id in ids:
-        await publish_event(system.amqp_url, event(who, event_type, event_id), f"{who}.{event_type}")
-        published.append(event_id)
-    return published
-
-
 # --- the services' side --------------------------------------------------------------------------------
 
 
 def running_monitors(system: System) -> list[services.Service]:
     every = [system.monitor, *system.extra]
     return [s for s in every if s.command == "health-monitor" and not s.killed and s.process.poll() is None]
-
-
-async def get_json(service: services.Service, path: str, **params: str) -> Any:
-    """The JSON a service answers to GET ``path``; None while it does not answer 200."""
-    async with httpx.AsyncClient(base_url=service.base_url, headers=AUTH, timeout=10) as client:
-        try:
-            response = await client.get(path, params=params)
-        except httpx.HTTPError:
-            return None
-    return response.json() if response.status_code == 200 else None
 
 
 async def breaker_state(monitor: services.Service, endpoint_id: str) -> str | None:
@@ -112,17 +90,6 @@ async def wait_breaker(
         return await breaker_state(monitor, endpoint_id) == state
 
     await eventually(reached, timeout_s=timeout_s)
-
-
-async def wait_leader(monitor: services.Service, timeout_s: float = 20) -> float:
-    """Wait until ``monitor`` says it leads; returns when (time.monotonic())."""
-
-    async def leading() -> bool:
-        summary = await get_json(monitor, "/v1/status")
-        return summary is not None and summary["leader"] is True
-
-    await eventually(leading, timeout_s=timeout_s, every_s=0.05)
-    return time.monotonic()
 
 
 def records(*every: services.Service) -> list[dict[str, Any]]:
@@ -148,12 +115,6 @@ def logged(every: Iterable[services.Service], name: str, **fields: Any) -> list[
 
 def vhost_of(system: System) -> str:
     return unquote(urlsplit(system.amqp_url).path.lstrip("/"))
-
-
-async def set_status(system: System, endpoint_id: str, action: str) -> None:
-    async with httpx.AsyncClient(base_url=system.ingest.base_url, headers=AUTH, timeout=30) as client:
-        response = await client.post(f"/v1/endpoints/{endpoint_id}/{action}")
-    assert response.status_code == 200, response.text
 
 
 async def start_monitor(system: System, name: str) -> services.Service:

@@ -14,10 +14,10 @@ import json
 
 import httpx
 import pytest
-from conftest import System
 from standardwebhooks.webhooks import Webhook
 from support import services
 from support.receiver import Received, Receiver, Reply
+from support.system import System
 from support.waiting import eventually
 
 pytestmark = pytest.mark.e2e

@@ -23,10 +23,10 @@ from typing import Any
 import httpx
 import pytest
 import yaml
-from conftest import System, tenant
 from prometheus_client.parser import text_string_to_metric_families
 from support import postgres, services
 from support.receiver import Received, Receiver, Reply
+from support.system import System, tenant
 from support.waiting import eventually
 
 from hookline.shared.settings import DispatcherSettings, IngestSettings, MonitorSettings, OutboxRelaySettings

@@ -23,10 +23,10 @@ import aio_pika
 import httpx
 import psycopg
 import pytest
-from conftest import System, tenant
 from support import postgres, services
 from support.broker import Broker
 from support.receiver import Receiver
+from support.system import System, tenant
 from support.waiting import eventually
 
 from hookline.shared.permissions import upstream_grant
@@ -133,6 +133,20 @@ def query(dsn: str, sql: str, *params: Any) -> list[tuple[Any, ...]]:
         return conn.execute(sql, params).fetchall()  # type: ignore[arg-type]
 
 
+def unsent(dsn: str, tenant_: str) -> int:
+    [(count,)] = query(
+        dsn, "SELECT count(*) FROM hookline_outbox WHERE tenant = %s AND sent_at IS NULL", tenant_
+    )
+    return int(count)
+
+
+async def all_sent(dsn: str, tenant_: str) -> None:
+    await eventually(
+        lambda: asyncio.to_thread(lambda: unsent(dsn, tenant_) == 0),
+        explain=lambda: f"{unsent(dsn, tenant_)} rows of {tenant_} not marked sent",
+    )
+
+
 def metric(relay: services.Service, name: str) -> float:
     text = httpx.get(f"{relay.base_url}/metrics", timeout=5).text
     found = re.search(rf"^{name} ([0-9.e+-]+)$", text, re.MULTILINE)
@@ -162,19 +176,7 @@ async def test_numbered_rows_reach_an_ordered_endpoint_in_order_with_their_seque
         by_subject[body["subject"]].append((request.headers["webhook-sequence"], body["data"]["n"]))
     assert by_subject == {s: [("1", 0), ("2", 1), ("3", 2)] for s in ("order_1", "order_2")}
     assert {r.headers["webhook-id"] for r in delivered} == {event_id for _, event_id, _ in inserted}
-    await eventually(
-        lambda: asyncio.to_thread(
-            lambda: (
-                query(
-                    relays.dsn,
-                    "SELECT count(*) FROM hookline_outbox WHERE tenant = %s AND sent_at IS NULL",
-                    acme,
-                )
-                == [(0,)]
-            )
-        ),
-        explain=lambda: "rows not marked sent",
-    )
+    await all_sent(relays.dsn, acme)
 
 
 async def test_a_relay_killed_after_publishing_before_marking_sent_sends_again_and_loses_nothing(
@@ -198,28 +200,14 @@ async def test_a_relay_killed_after_publishing_before_marking_sent_sends_again_a
             )
             first.kill()
             blocker.rollback()
-        unsent = query(
-            relays.dsn, "SELECT count(*) FROM hookline_outbox WHERE tenant = %s AND sent_at IS NULL", acme
-        )
-        assert unsent == [(50,)], "the kill came after the commit: nothing was tested"
+        assert unsent(relays.dsn, acme) == 50, "the kill came after the commit: nothing was tested"
         relays.start("relay-after")
         await eventually(
             lambda: asyncio.sleep(0, all(tapped.ids()[i] >= 2 for i in ids)),
             timeout_s=30,
             explain=lambda: f"ids seen twice: {sum(tapped.ids()[i] >= 2 for i in ids)} of 50",
         )
-    await eventually(
-        lambda: asyncio.to_thread(
-            lambda: (
-                query(
-                    relays.dsn,
-                    "SELECT count(*) FROM hookline_outbox WHERE tenant = %s AND sent_at IS NULL",
-                    acme,
-                )
-                == [(0,)]
-            )
-        )
-    )
+    await all_sent(relays.dsn, acme)
 
 
 async def test_two_relays_share_the_rows_publish_each_once_and_keep_every_subject_in_order(
@@ -350,18 +338,8 @@ async def test_a_relay_needs_no_more_than_an_upstreams_broker_user(
         url = system.amqp_url.replace("guest:guest@", f"{user}:{password}@")
         relay = relays.start("relay-upstream-user", HOOKLINE_AMQP_URL=url)
         acme = tenant()
-        [(_, event_id, _)] = insert(relays.dsn, [{"tenant": acme, "type": "a.b", "data": {}}])
-        await eventually(
-            lambda: asyncio.to_thread(
-                lambda: (
-                    query(
-                        relays.dsn, "SELECT sent_at IS NOT NULL FROM hookline_outbox WHERE id = %s", event_id
-                    )
-                    == [(True,)]
-                )
-            ),
-            explain=relay.log,
-        )
+        insert(relays.dsn, [{"tenant": acme, "type": "a.b", "data": {}}])
+        await all_sent(relays.dsn, acme)
         assert relay.stop() == 0
         assert "ACCESS_REFUSED" not in relay.log()
     finally:

@@ -13,9 +13,9 @@ from typing import Any
 
 import httpx
 import pytest
-from conftest import System, tenant
 from support import services
 from support.receiver import Receiver
+from support.system import System, tenant
 from support.waiting import eventually
 
 from hookline.shared.ids import id_time_s

@@ -17,10 +17,10 @@ from typing import Any
 import httpx
 import pytest
 import uvicorn
-from conftest import System, tenant
 from fastapi import FastAPI
 from support import services
 from support.receiver_apps import fastapi_app
+from support.system import System, tenant
 from support.waiting import eventually
 
 from hookline.receiver import Delivery, SQLiteStore

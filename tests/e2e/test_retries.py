@@ -13,12 +13,11 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
-from conftest import System, tenant
 from standardwebhooks.webhooks import Webhook
-from support.amqp import publish_event
+from support.amqp import event, publish_event
 from support.receiver import Received, Receiver, Reply
+from support.system import System, tenant
 from support.waiting import eventually
-from test_delivery_path import event
 
 pytestmark = pytest.mark.e2e
 
@@ -216,7 +215,7 @@ def _is_path(path: str) -> Any:
 
 
 async def test_the_cli_lists_and_redrives_dead_letters(system: System, receiver: Receiver) -> None:
-    from test_endpoints import hookline
+    from support.system import cli as hookline
 
     acme = tenant()
     refusing = True

@@ -10,12 +10,11 @@ from typing import Any
 
 import httpx
 import pytest
-from conftest import System, tenant
 from standardwebhooks.webhooks import Webhook, WebhookVerificationError
 from support import services
-from support.amqp import publish_event, read_stream
+from support.amqp import event, publish_event, read_stream
 from support.receiver import Received, Receiver, Reply
-from test_delivery_path import event
+from support.system import System, tenant
 
 pytestmark = pytest.mark.e2e
 

@@ -9,12 +9,11 @@ from pathlib import Path
 
 import httpx
 import pytest
-from conftest import System, tenant
 from support import services
-from support.amqp import publish_event
+from support.amqp import event, publish_event
 from support.receiver import Receiver
+from support.system import System, tenant
 from support.waiting import eventually
-from test_delivery_path import event
 
 pytestmark = pytest.mark.e2e
 

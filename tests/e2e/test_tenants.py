@@ -10,8 +10,8 @@ from typing import Any
 
 import httpx
 import pytest
-from conftest import System, tenant
 from support import services
+from support.system import System, tenant
 from support.waiting import eventually
 
 pytestmark = pytest.mark.e2e

@@ -16,11 +16,11 @@ from typing import Any
 
 import httpx
 import pytest
-from conftest import System, tenant
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from support import services
 from support.amqp import publish_event
 from support.receiver import Received, Receiver, Reply
+from support.system import System, tenant
 from support.waiting import eventually
 
 pytestmark = pytest.mark.e2e

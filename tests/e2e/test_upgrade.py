@@ -21,10 +21,9 @@ import httpx
 import pytest
 from support import broker as test_broker
 from support import services
-from support.amqp import publish_event
+from support.amqp import event, publish_event
 from support.receiver import Received, Receiver, Reply
 from support.waiting import eventually
-from test_delivery_path import event
 
 from hookline.shared import topology
 from hookline.shared.amqp import Broker

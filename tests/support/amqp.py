@@ -4,9 +4,21 @@ from __future__ import annotations
 
 import asyncio
 import json
+from datetime import UTC, datetime
 from typing import Any
 
 import aio_pika
+
+
+def event(tenant_name: str, event_type: str, event_id: str, **data: object) -> dict[str, object]:
+    """An event as an upstream publishes it (DESIGN.md, "The event")."""
+    return {
+        "id": event_id,
+        "type": event_type,
+        "tenant": tenant_name,
+        "occurred_at": datetime.now(UTC).isoformat().replace("+00:00", "Z"),
+        "data": data,
+    }
 
 
 async def publish_event(

@@ -15,6 +15,7 @@ from hookline.dispatcher.backoff import (
     RetryPolicy,
     decide,
     delay_s,
+    honoured_retry_after_s,
     parse_retry_after,
 )
 
@@ -106,3 +107,21 @@ def test_parse_retry_after_never_raises(header: str) -> None:
     if parsed is not None:
         # and the delay it leads to is bounded by the cap, never an overflow
         assert delay_s(1, DEFAULT, random=0.5, retry_after_s=parsed) <= DEFAULT.retry_after_cap_s
+
+
+@pytest.mark.parametrize(
+    ("status", "header", "expected"),
+    [
+        (429, "90", 90.0),
+        (503, "90", 90.0),
+        (500, "90", None),  # honoured on 429 and 503 only
+        (None, "90", None),  # a timeout has no header to honour
+        (429, "7200", 3600.0),  # capped
+        (429, "soon", None),
+        (429, None, None),
+    ],
+)
+def test_a_retry_after_is_honoured_on_429_and_503_and_capped(
+    status: int | None, header: str | None, expected: float | None
+) -> None:
+    assert honoured_retry_after_s(header, status=status, now=NOW, cap_s=3600.0) == expected

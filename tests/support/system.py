@@ -1,0 +1,77 @@
+"""The whole system as the end-to-end tests run it (the ``system`` fixture of tests/e2e/conftest.py
+starts one per module), and what tests do with it."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from support import services
+
+
+@dataclass
+class System:
+    amqp_url: str
+    env: dict[str, str]
+    log_dir: Path
+    ingest: services.Service
+    dispatchers: list[services.Service]
+    monitor: services.Service
+    extra: list[services.Service] = field(default_factory=list)
+
+    def api(self) -> httpx.Client:
+        return httpx.Client(
+            base_url=self.ingest.base_url, headers={"authorization": f"Bearer {services.TOKEN}"}, timeout=30
+        )
+
+    def add_endpoint(self, tenant: str, url: str, patterns: list[str], **fields: Any) -> dict[str, Any]:
+        """Register an endpoint; without ``verify=True`` it skips the handshake (most tests' receivers
+        answer what the test scripts, not a 2xx to a verification)."""
+        fields.setdefault("verify", False)
+        with self.api() as api:
+            response = api.post(
+                "/v1/endpoints", json={"tenant": tenant, "url": url, "event_types": patterns, **fields}
+            )
+        assert response.status_code == 201, response.text
+        endpoint: dict[str, Any] = response.json()
+        return endpoint
+
+    def logs(self) -> str:
+        every = [self.ingest, *self.dispatchers, self.monitor, *self.extra]
+        return "\n".join(service.log() for service in every)
+
+    def monitor_api(self) -> httpx.Client:
+        return httpx.Client(
+            base_url=self.monitor.base_url, headers={"authorization": f"Bearer {services.TOKEN}"}, timeout=30
+        )
+
+    def restart_monitor(self) -> None:
+        assert self.monitor.stop() == 0
+        self.monitor = services.start("health-monitor", self.env, self.log_dir, name="health-monitor-2")
+        self.monitor.wait_ready(timeout_s=60)
+
+    def start_dispatcher(self, name: str) -> services.Service:
+        dispatcher = services.start("dispatcher", self.env, self.log_dir, name=name)
+        dispatcher.wait_ready()
+        self.extra.append(dispatcher)
+        return dispatcher
+
+
+def tenant() -> str:
+    return f"t{uuid.uuid4().hex[:10]}"
+
+
+def cli(system: System, *arguments: str) -> Any:
+    """Run ``hookline ARGUMENTS`` against the system as an operator would; its JSON output."""
+    env = {**system.env, "HOOKLINE_INGEST_URL": system.ingest.base_url}
+    done = subprocess.run(
+        [services.HOOKLINE, *arguments], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout)
