@@ -7,6 +7,7 @@ COPY pyproject.toml constraints.txt README.md ./
 COPY shared ./shared
 COPY services ./services
 COPY receiver ./receiver
+COPY cli ./cli
 # Local views (SQLite: dead letters, the monitor's statistics) live in a volume; lost, they are rebuilt.
 RUN pip install -c constraints.txt . && useradd --system --uid 10001 hookline \
     && mkdir -p /var/lib/hookline && chown hookline /var/lib/hookline

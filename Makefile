@@ -11,7 +11,7 @@ install: $(STAMP)
 
 # Reinstall when the dependencies change, or when a module is added or removed (the editable install
 # links each file, so a directory's mtime is what tells).
-$(STAMP): pyproject.toml constraints.txt $(shell find shared services receiver -type d -not -name __pycache__)
+$(STAMP): pyproject.toml constraints.txt $(shell find shared services receiver cli -type d -not -name __pycache__)
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	@echo "installing into $(VENV) (log: $(VENV)/install.log)"
 	@$(BIN)/python -m pip install --upgrade pip > $(VENV)/install.log 2>&1 || { cat $(VENV)/install.log; exit 1; }
@@ -23,9 +23,9 @@ run: $(STAMP)
 	@scripts/run-local.sh
 
 lint: $(STAMP)
-	$(BIN)/ruff check shared services receiver tests bench
-	$(BIN)/ruff format --check shared services receiver tests bench
-	$(BIN)/mypy -p hookline.shared -p hookline.ingest -p hookline.dispatcher -p hookline.health_monitor -p hookline.receiver -p hookline.outbox_relay
+	$(BIN)/ruff check shared services receiver cli tests bench
+	$(BIN)/ruff format --check shared services receiver cli tests bench
+	$(BIN)/mypy -p hookline.shared -p hookline.ingest -p hookline.dispatcher -p hookline.health_monitor -p hookline.receiver -p hookline.outbox_relay -p hookline.cli
 
 unit: $(STAMP)
 	$(BIN)/pytest tests/unit -q

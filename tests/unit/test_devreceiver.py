@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import time
 
+from hookline.cli.devreceiver import _verdict
 from hookline.shared import signing
-from hookline.shared.devreceiver import _verdict
 
 
 def test_verdicts() -> None:

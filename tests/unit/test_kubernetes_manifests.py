@@ -31,8 +31,8 @@ import yaml
 from pydantic import AliasChoices, AliasPath, ValidationError
 from pydantic_settings import BaseSettings
 
+from hookline.cli.main import build_parser
 from hookline.shared.brokersetup import MIN_PASSWORD_LENGTH, Upstream, password_variable, wanted_users
-from hookline.shared.cli import build_parser
 from hookline.shared.permissions import USERS, Role
 from hookline.shared.settings import DispatcherSettings, IngestSettings, MonitorSettings
 

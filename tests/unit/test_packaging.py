@@ -8,8 +8,8 @@ from pathlib import Path
 
 import yaml
 
+from hookline.cli.main import build_parser
 from hookline.shared.brokersetup import password_variable
-from hookline.shared.cli import build_parser
 from hookline.shared.permissions import USERS, Role
 from hookline.shared.settings import DispatcherSettings, IngestSettings, MonitorSettings, OutboxRelaySettings
 
@@ -93,5 +93,5 @@ def test_every_compose_setting_is_a_real_setting() -> None:
 
 def test_the_image_installs_from_the_repo_files() -> None:
     dockerfile = (ROOT / "Dockerfile").read_text()
-    for copied in ("pyproject.toml", "constraints.txt", "shared", "services", "receiver"):
+    for copied in ("pyproject.toml", "constraints.txt", "shared", "services", "receiver", "cli"):
         assert copied in dockerfile

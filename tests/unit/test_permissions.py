@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 
+from hookline.cli.main import build_parser
 from hookline.shared import topology
 from hookline.shared.brokersetup import (
     MIN_PASSWORD_LENGTH,
@@ -22,7 +23,6 @@ from hookline.shared.brokersetup import (
     setup,
     wanted_users,
 )
-from hookline.shared.cli import build_parser
 from hookline.shared.permissions import GRANTS, NOTHING, USERS, Role, names, upstream_grant
 
 ENDPOINT_QUEUE = topology.endpoint_queue("ep_01JD0000000000000000000000", 3)

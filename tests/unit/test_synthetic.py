@@ -8,7 +8,7 @@ import aiohttp
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
-from hookline.shared.synthetic import HANG_S, Behaviour, behaviour, build_app
+from hookline.cli.synthetic import HANG_S, Behaviour, behaviour, build_app
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,1 @@
+"""The ``hookline`` command: start a service, or administer a running system (:mod:`hookline.cli.main`)."""

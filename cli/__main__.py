@@ -1,0 +1,3 @@
+from hookline.cli.main import main
+
+main()
