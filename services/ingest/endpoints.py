@@ -22,6 +22,15 @@ from pydantic import ValidationError
 
 from hookline.ingest import audit
 from hookline.ingest.auth import Caller
+from hookline.ingest.schemas import (
+    EndpointCreate,
+    EndpointCreated,
+    EndpointList,
+    EndpointSecret,
+    EndpointUpdate,
+    RotatedSecret,
+    RotateSecret,
+)
 from hookline.ingest.state import IngestState, ingest_state
 from hookline.ingest.verification import verify
 from hookline.shared import credentials, notifications, topology
@@ -31,18 +40,11 @@ from hookline.shared.capacity import QUORUM_QUEUE_FILE_HANDLES
 from hookline.shared.ids import new_id
 from hookline.shared.models import (
     Endpoint,
-    EndpointCreate,
-    EndpointCreated,
     EndpointDeleted,
-    EndpointList,
-    EndpointSecret,
     EndpointStatus,
-    EndpointUpdate,
     ErrorDetail,
     MtlsAuth,
     OAuth2ClientCredentials,
-    RotatedSecret,
-    RotateSecret,
     SigningSecret,
     StoredEndpoint,
 )

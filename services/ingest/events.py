@@ -15,21 +15,14 @@ from pydantic import ValidationError
 from hookline.ingest.auth import Caller
 from hookline.ingest.deliverylog import Acceptance
 from hookline.ingest.duplicates import IDEMPOTENCY_KEY_MAX, event_id_for_key, request_digest
+from hookline.ingest.schemas import BatchAccepted, BatchIn, BatchItem, EventAccepted, EventIn
 from hookline.ingest.state import IngestState, ingest_state
 from hookline.shared import topology, tracing
 from hookline.shared.amqp import BROKER_ERRORS, BrokerBlockedError
 from hookline.shared.api import ApiError, broker_unavailable, invalid_input
 from hookline.shared.envelope import event_message
 from hookline.shared.ids import new_id
-from hookline.shared.models import (
-    BatchAccepted,
-    BatchIn,
-    BatchItem,
-    ErrorDetail,
-    Event,
-    EventAccepted,
-    EventIn,
-)
+from hookline.shared.models import ErrorDetail, Event
 from hookline.shared.notifications import OPERATOR_TENANT
 from hookline.shared.tracing import TraceContext
 

@@ -13,6 +13,7 @@ from pydantic import ValidationError
 
 from hookline.ingest import audit
 from hookline.ingest.auth import Caller
+from hookline.ingest.schemas import EventTypeList, EventTypeUpdate
 from hookline.ingest.state import IngestState, ingest_state
 from hookline.shared import __version__, catalog
 from hookline.shared.api import ApiError, invalid_input
@@ -22,8 +23,6 @@ from hookline.shared.models import (
     EventTypeCreate,
     EventTypeDeleted,
     EventTypeInfo,
-    EventTypeList,
-    EventTypeUpdate,
     EventTypeUpserted,
     Model,
 )

@@ -13,6 +13,7 @@ from support import services
 from support.amqp import event, publish_event, read_stream
 from support.receiver import Receiver
 from support.system import System, tenant
+from support.waiting import eventually
 
 pytestmark = pytest.mark.e2e
 
@@ -175,10 +176,13 @@ async def test_garbage_published_to_amqp_is_dead_lettered_with_the_reason(
     # The original bytes are kept for inspection.
     assert any(m.body == b"this is not json" for m in mine)
 
-    await asyncio.sleep(0.3)
-    invalid_lines = [
-        line
-        for line in (json.loads(raw) for raw in system.logs().splitlines() if raw.startswith("{"))
-        if line.get("event") == "event_invalid" and line.get("endpoint_id") == endpoint["id"]
-    ]
-    assert len(invalid_lines) == len(GARBAGE), "each invalid message is logged once"
+    def invalid_lines() -> list[dict[str, object]]:
+        return [
+            line
+            for line in (json.loads(raw) for raw in system.logs().splitlines() if raw.startswith("{"))
+            if line.get("event") == "event_invalid" and line.get("endpoint_id") == endpoint["id"]
+        ]
+
+    # Logged as each is dead-lettered: all there once the dead letters are.
+    await eventually(lambda: asyncio.to_thread(lambda: len(invalid_lines()) >= len(GARBAGE)))
+    assert len(invalid_lines()) == len(GARBAGE), "each invalid message is logged once"

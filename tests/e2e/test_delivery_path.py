@@ -10,6 +10,7 @@ from standardwebhooks.webhooks import Webhook
 from support.amqp import event, publish_event
 from support.receiver import Receiver
 from support.system import System, tenant
+from support.waiting import eventually
 
 pytestmark = pytest.mark.e2e
 
@@ -37,14 +38,27 @@ async def test_events_reach_exactly_the_subscribed_endpoints_signed(
     # Nobody subscribes to these: another tenant's invoice, and our tenant's shipment.
     await publish_event(system.amqp_url, event(other, "invoice.paid", "evt_x1"), f"{other}.invoice.paid")
     await publish_event(system.amqp_url, event(acme, "shipment.sent", "evt_x2"), f"{acme}.shipment.sent")
-    # Sentinel for the other tenant, published last: once it arrives, anything misrouted would have too.
-    await publish_event(
-        system.amqp_url, event(other, "order.created", "evt_sentinel"), f"{other}.order.created"
-    )
-
-    delivered = await receiver.wait_for(2, path="/orders")
-    await receiver.wait_for(1, path="/foreign")
-    await asyncio.sleep(0.5)
+    # Sentinels, one per endpoint, published last: once each has arrived, anything misrouted to its
+    # queue before it would have too.
+    sentinels = {
+        "/foreign": "evt_sentinel",
+        "/orders": "evt_sentinel_orders",
+        "/invoices": "evt_sentinel_invoices",
+    }
+    for who, event_type, event_id in (
+        (other, "order.created", sentinels["/foreign"]),
+        (acme, "order.sentinel", sentinels["/orders"]),
+        (acme, "invoice.sentinel", sentinels["/invoices"]),
+    ):
+        await publish_event(system.amqp_url, event(who, event_type, event_id), f"{who}.{event_type}")
+    await receiver.wait_for_ids({"evt_direct_1", api_id, sentinels["/orders"]}, path="/orders")
+    for path in ("/foreign", "/invoices"):
+        await receiver.wait_for_ids({sentinels[path]}, path=path)
+    delivered = [
+        r
+        for r in receiver.requests
+        if r.path == "/orders" and r.headers["webhook-id"] != sentinels["/orders"]
+    ]
 
     by_id = {request.headers["webhook-id"]: request for request in delivered}
     assert set(by_id) == {"evt_direct_1", api_id}
@@ -56,8 +70,10 @@ async def test_events_reach_exactly_the_subscribed_endpoints_signed(
         assert request.headers["content-type"] == "application/json"
         assert request.headers["user-agent"].startswith("hookline/")
     assert [r.headers["webhook-id"] for r in receiver.requests if r.path == "/foreign"] == ["evt_sentinel"]
-    assert [r for r in receiver.requests if r.path == "/invoices"] == []
-    assert len(receiver.requests) == 3
+    assert [r.headers["webhook-id"] for r in receiver.requests if r.path == "/invoices"] == [
+        sentinels["/invoices"]
+    ]
+    assert len(receiver.requests) == 2 + len(sentinels)
 
 
 async def test_each_attempt_logs_one_canonical_line_without_payload(
@@ -72,14 +88,17 @@ async def test_each_attempt_logs_one_canonical_line_without_payload(
         f"{acme}.order.created",
     )
     await receiver.wait_for(1, path="/logged")
-    await asyncio.sleep(0.3)  # the log line is written after the response
 
-    lines = [json.loads(line) for line in system.logs().splitlines() if line.startswith("{")]
-    attempts = [
-        line
-        for line in lines
-        if line.get("event") == "delivery_attempt" and line.get("event_id") == "evt_logged_1"
-    ]
+    def logged_attempts() -> list[dict[str, object]]:
+        lines = [json.loads(line) for line in system.logs().splitlines() if line.startswith("{")]
+        return [
+            line
+            for line in lines
+            if line.get("event") == "delivery_attempt" and line.get("event_id") == "evt_logged_1"
+        ]
+
+    # The log line is written after the response.
+    attempts = await eventually(lambda: asyncio.to_thread(logged_attempts))
     assert len(attempts) == 1
     line = attempts[0]
     assert line["endpoint_id"] == endpoint["id"]
@@ -103,7 +122,14 @@ async def test_a_dispatcher_started_later_knows_every_endpoint(system: System, r
     for dispatcher in system.dispatchers:
         assert dispatcher.stop() == 0
     await publish_event(system.amqp_url, event(acme, "a.b", "evt_late_1"), f"{acme}.a.b")
-    await asyncio.sleep(0.5)
+
+    # With no dispatcher, the event waits: the delivery log has it, pending, and nothing arrived.
+    def pending() -> bool:
+        with system.api() as api:
+            answer = api.get("/v1/events/evt_late_1")
+        return answer.status_code == 200 and [e["state"] for e in answer.json()["endpoints"]] == ["pending"]
+
+    await eventually(lambda: asyncio.to_thread(pending))
     assert receiver.requests == []
     # A new replica replays the endpoint log, finds the endpoint and delivers what waited.
     system.start_dispatcher("dispatcher-late")

@@ -103,8 +103,12 @@ async def test_changes_take_effect_on_delivery(system: System, receiver: Receive
     await publish_event(
         system.amqp_url, event(acme, "invoice.paid", "evt_new_pattern"), f"{acme}.invoice.paid"
     )
-    delivered = await receiver.wait_for(1, path="/after")
-    await asyncio.sleep(0.5)
+    # A sentinel of the new pattern, published last: the old pattern's event, had it been routed, came first.
+    await publish_event(
+        system.amqp_url, event(acme, "invoice.sentinel", "evt_sentinel"), f"{acme}.invoice.sentinel"
+    )
+    delivered = await receiver.wait_for_ids({"evt_new_pattern", "evt_sentinel"}, path="/after")
+    delivered = [r for r in delivered if r.headers["webhook-id"] != "evt_sentinel"]
     assert [r.headers["webhook-id"] for r in delivered] == ["evt_new_pattern"]
     assert [r for r in receiver.requests if r.path == "/before"] == []
 

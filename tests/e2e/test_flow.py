@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
 
 import pytest
@@ -77,7 +76,11 @@ async def test_an_ordered_endpoint_keeps_each_subjects_order(system: System, rec
             body = {**event(acme, "a.b", f"evt_{subject}_{n}"), "subject": subject}
             await publish_event(system.amqp_url, body, f"{acme}.a.b")
     await receiver.wait_for(11, path="/ordered", timeout_s=60)
-    await asyncio.sleep(1)
+    # A sentinel of a third subject, published last: a late or repeated delivery came before it.
+    await publish_event(
+        system.amqp_url, {**event(acme, "a.b", "evt_sentinel"), "subject": "s3"}, f"{acme}.a.b"
+    )
+    await receiver.wait_for_ids({"evt_sentinel"}, path="/ordered", timeout_s=30)
 
     def delivered(subject: str) -> list[str]:
         ok = [

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +16,7 @@ from support import services
 from support.amqp import event, publish_event, read_stream
 from support.receiver import Received, Receiver, Reply
 from support.system import System, tenant
+from support.waiting import eventually
 
 pytestmark = pytest.mark.e2e
 
@@ -44,7 +46,13 @@ async def test_an_endpoint_gets_deliveries_only_once_verified(system: System, re
     Webhook(endpoint["secret"]).verify(handshake.body, handshake.headers)  # signed like any delivery
 
     await publish_event(system.amqp_url, event(acme, "a.b", "evt_unverified_1"), f"{acme}.a.b")
-    await asyncio.sleep(1.5)
+
+    def state() -> list[str]:
+        with system.api() as api:
+            answer = api.get("/v1/events/evt_unverified_1")
+        return [e["state"] for e in answer.json()["endpoints"]] if answer.status_code == 200 else []
+
+    await eventually(lambda: asyncio.to_thread(lambda: state() == ["unverified"]))
     assert len(receiver.requests) == 1, "no delivery to an unverified endpoint; the event waits"
 
     healthy = True
@@ -73,7 +81,9 @@ async def test_rotation_signs_with_both_secrets_during_the_overlap(
     Webhook(old_secret).verify(during.body, during.headers)
     Webhook(new_secret).verify(during.body, during.headers)
 
-    await asyncio.sleep(3.5)  # the overlap is over
+    # Until the overlap is over (by this machine's clock, which the dispatchers share).
+    expires_at = datetime.fromisoformat(rotated["previous_expires_at"])
+    await asyncio.sleep(max(0.0, (expires_at - datetime.now(UTC)).total_seconds()) + 0.1)
     await publish_event(system.amqp_url, event(acme, "a.b", "evt_after_overlap"), f"{acme}.a.b")
     after = (await receiver.wait_for(2, path="/rotated"))[1]
     assert len(after.headers["webhook-signature"].split()) == 1

@@ -9,7 +9,8 @@ import orjson
 import pytest
 from pydantic import ValidationError
 
-from hookline.shared.models import EndpointCreate, EndpointUpdate, Event, EventIn
+from hookline.ingest.schemas import EndpointCreate, EndpointUpdate, EventIn
+from hookline.shared.models import Event
 
 BASE = {
     "id": "evt_1",

@@ -1,0 +1,195 @@
+"""The ingest API's request and response bodies (what only the ingest reads or writes); the records the
+services share (an event, an endpoint, the change log's) are in :mod:`hookline.shared.models`."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Annotated, Any
+
+from pydantic import AwareDatetime, Field, StringConstraints, model_validator
+
+from hookline.shared.models import (
+    BodyFormat,
+    CustomHeaders,
+    Endpoint,
+    EndpointAuth,
+    ErrorDetail,
+    Event,
+    EventId,
+    EventType,
+    EventTypeInfo,
+    GzipOverBytes,
+    JsonSchema,
+    MaxAttempts,
+    Model,
+    Patterns,
+    RetentionS,
+    RetrySchedule,
+    SequenceNumber,
+    Tenant,
+    TimeoutS,
+    Url,
+    Validation,
+    check_sequence,
+)
+
+
+class EventIn(Model):
+    """``POST /v1/events``: like :class:`Event`, but the API fills in ``id`` and ``occurred_at`` when absent."""
+
+    id: EventId | None = None
+    type: EventType
+    tenant: Tenant
+    occurred_at: AwareDatetime | None = None
+    subject: str | None = Field(None, min_length=1, max_length=256)
+    sequence: SequenceNumber | None = None
+    schema_version: int = Field(1, ge=1)
+    data: dict[str, Any]
+
+    @model_validator(mode="after")
+    def _sequence_has_subject(self) -> EventIn:
+        check_sequence(self.sequence, self.subject)
+        return self
+
+    def complete(self, *, event_id: str, now: datetime) -> Event:
+        return Event(
+            id=self.id or event_id,
+            type=self.type,
+            tenant=self.tenant,
+            occurred_at=self.occurred_at or now,
+            subject=self.subject,
+            sequence=self.sequence,
+            schema_version=self.schema_version,
+            data=self.data,
+        )
+
+
+class EventAccepted(Model):
+    id: EventId
+    tenant: Tenant
+    type: EventType
+    accepted_at: AwareDatetime
+    # True: accepted before (same tenant and id, or Idempotency-Key) within HOOKLINE_DEDUPE_WINDOW_S;
+    # nothing was published this time.
+    duplicate: bool = False
+    warnings: list[str] = Field(
+        default_factory=list, description="what the event-type catalog says of it (validation: warn)"
+    )
+
+
+#: The most events one ``POST /v1/events/batch`` takes.
+BATCH_MAX = 500
+
+
+class BatchIn(Model):
+    # Items are validated one by one (an invalid one is refused alone, with its index).
+    events: list[dict[str, Any]] = Field(min_length=1, max_length=BATCH_MAX)
+
+
+class BatchItem(Model):
+    """One item's result: ``status`` as the single-event route would have answered it."""
+
+    index: int
+    status: int
+    event: EventAccepted | None = None
+    error: str | None = None
+    message: str | None = None
+    details: list[ErrorDetail] = Field(default_factory=list)
+    retry_after_s: int | None = Field(
+        None, description="over a quota or the broker refusing: when to send it again"
+    )
+
+
+class BatchAccepted(Model):
+    results: list[BatchItem]
+
+
+class EndpointCreate(Model):
+    tenant: Tenant
+    url: Url
+    event_types: Patterns
+    description: str = Field("", max_length=1000)
+    rate_limit_per_s: float | None = Field(None, gt=0, le=100_000)
+    max_in_flight: int | None = Field(None, ge=1, le=1000)
+    timeout_s: TimeoutS = 15.0
+    ordered: bool = False
+    retry_schedule_s: RetrySchedule | None = None
+    max_attempts: MaxAttempts | None = None
+    retention_s: RetentionS | None = None
+    body_format: BodyFormat = "event"
+    notify_url: Url | None = Field(
+        None, description="where hookline tells the tenant of this endpoint's trouble"
+    )
+    notify_format: BodyFormat = "event"
+    headers: CustomHeaders | None = Field(None, description="sent with every delivery (values kept sealed)")
+    auth: EndpointAuth | None = None
+    gzip_over_bytes: GzipOverBytes | None = None
+    verify: bool = Field(True, description="run the verification handshake (false: for development only)")
+
+
+class EndpointUpdate(Model):
+    """``PATCH``: only the fields present change; ``null`` removes a limit. Adding or removing
+    ``rate_limit_per_s``, ``max_in_flight`` or ``ordered`` moves the endpoint to a new queue."""
+
+    url: Url | None = None
+    event_types: Patterns | None = None
+    description: str | None = Field(None, max_length=1000)
+    rate_limit_per_s: float | None = Field(None, gt=0, le=100_000)
+    max_in_flight: int | None = Field(None, ge=1, le=1000)
+    ordered: bool | None = None
+    timeout_s: TimeoutS | None = None
+    retry_schedule_s: RetrySchedule | None = None
+    max_attempts: MaxAttempts | None = None
+    retention_s: RetentionS | None = None
+    body_format: BodyFormat | None = None
+    notify_url: Url | None = None
+    notify_format: BodyFormat | None = None
+    headers: CustomHeaders | None = Field(None, description="replaces them all; null removes them")
+    auth: EndpointAuth | None = Field(None, description="replaces it; null removes it")
+    gzip_over_bytes: GzipOverBytes | None = Field(None, description="null: bodies go uncompressed")
+    verify: bool = Field(True, description="verify the new url, when it changes, before delivering to it")
+
+
+class EndpointCreated(Endpoint):
+    """The answer to ``POST /v1/endpoints``: the only time the secret is shown unasked."""
+
+    secret: str
+    notify_secret: str | None = None  # signs what notify_url receives
+    warnings: list[str] = Field(
+        default_factory=list, description="patterns the event-type catalog does not know"
+    )
+
+
+class EndpointSecret(Model):
+    secret: str
+    notify_secret: str | None = None
+
+
+class RotateSecret(Model):
+    overlap_s: int | None = Field(
+        None, ge=0, le=7 * 86400, description="how long the previous secret keeps signing (default 24 h)"
+    )
+
+
+class RotatedSecret(Model):
+    secret: str
+    previous_expires_at: AwareDatetime
+
+
+class EndpointList(Model):
+    data: list[Endpoint]
+    next_after: str | None = Field(None, description="pass as ?after= for the next page; null on the last")
+
+
+class EventTypeUpdate(Model):
+    description: str | None = Field(None, max_length=4000)
+    schemas: dict[Annotated[str, StringConstraints(pattern=r"^[1-9][0-9]{0,5}$")], JsonSchema] | None = Field(
+        None, max_length=50
+    )
+    examples: list[dict[str, Any]] | None = Field(None, max_length=20)
+    deprecated: bool | None = None
+    validation: Validation | None = None
+
+
+class EventTypeList(Model):
+    data: list[EventTypeInfo]
