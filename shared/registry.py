@@ -29,6 +29,7 @@ from hookline.shared.ids import new_id
 from hookline.shared.models import (
     ChangeRecord,
     EndpointDeleted,
+    EndpointStatus,
     EndpointUpserted,
     EventTypeDeleted,
     EventTypeInfo,
@@ -223,6 +224,22 @@ class ChangeLog:
             except StaleWriteError:
                 log.info("endpoint_change_retried", endpoint_id=endpoint_id)
         raise StaleWriteError(self.registry.get(endpoint_id))
+
+    async def disable(
+        self, endpoint_id: str, *, unless: frozenset[EndpointStatus], timeout_s: float
+    ) -> StoredEndpoint | None:
+        """hookline's own decision to stop delivering to an endpoint (a 410, a breaker open too long):
+        a conditional change of its current definition (an edit made meanwhile survives; a deleted one
+        stays deleted), skipped when its status is in ``unless``; the endpoint as written, or None."""
+
+        def disabled(endpoint: StoredEndpoint) -> StoredEndpoint | None:
+            if endpoint.status in unless or endpoint.status is EndpointStatus.DISABLED:
+                return None
+            return endpoint.model_copy(
+                update={"status": EndpointStatus.DISABLED, "updated_at": datetime.now(UTC)}
+            )
+
+        return await self.update(endpoint_id, disabled, timeout_s=timeout_s)
 
     async def sync(self, *, timeout_s: float) -> None:
         """Return once every record written before this call has been applied."""

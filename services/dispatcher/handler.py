@@ -37,7 +37,7 @@ from hookline.shared.control import BreakerView
 from hookline.shared.credentials import Credentials
 from hookline.shared.deadletters import dead_letter_message
 from hookline.shared.delivery import AttemptResult, DeliveryClient
-from hookline.shared.models import DeadLetterReason, EndpointStatus, Event, StoredEndpoint
+from hookline.shared.models import DeadLetterReason, Event, StoredEndpoint
 from hookline.shared.registry import ChangeLog, EndpointRegistry
 from hookline.shared.sealing import Sealer
 from hookline.shared.settings import DispatcherSettings
@@ -440,18 +440,10 @@ class Handler:
                 self._order.done(endpoint.id, event.subject, event.id)
 
     async def _disable(self, endpoint_id: str, *, status: int | None) -> None:
-        # A conditional change of the current definition, retried if another write wins meanwhile: a
-        # rotation or an edit made while this attempt ran must survive, a deleted endpoint stays deleted.
-        def disabled(endpoint: StoredEndpoint) -> StoredEndpoint | None:
-            if endpoint.status is EndpointStatus.DISABLED:
-                return None
-            return endpoint.model_copy(
-                update={"status": EndpointStatus.DISABLED, "updated_at": datetime.now(UTC)}
-            )
-
+        """A 410: the endpoint is gone, paused or not."""
         try:
-            written = await self._change_log.update(
-                endpoint_id, disabled, timeout_s=self._settings.connect_timeout_s
+            written = await self._change_log.disable(
+                endpoint_id, unless=frozenset(), timeout_s=self._settings.connect_timeout_s
             )
         except Exception as exc:
             # The dead letter is kept already; the message must be acked, not attempted again. The next

@@ -48,7 +48,7 @@ from hookline.shared.control import BreakerCommand, BreakerState, BreakerView, C
 from hookline.shared.deadletters import DeadLetterIndex
 from hookline.shared.envelope import event_message
 from hookline.shared.ids import new_id
-from hookline.shared.models import EndpointStatus, Event, StoredEndpoint, error_summary
+from hookline.shared.models import EndpointStatus, Event, error_summary
 from hookline.shared.registry import ChangeLog
 from hookline.shared.settings import MonitorSettings
 from hookline.shared.streams import StreamFollower, offset_of
@@ -421,18 +421,13 @@ class Monitor:
         """Open longer than the limit: disable the endpoint and tell its tenant with an event."""
         for command in self.health.reset(endpoint_id, now_s=now_s):
             self._outbox.put_nowait(command)
-        now = datetime.now(UTC)
-
-        def disabled(endpoint: StoredEndpoint) -> StoredEndpoint | None:
-            if endpoint.status is not EndpointStatus.ACTIVE:
-                return None
-            return endpoint.model_copy(update={"status": EndpointStatus.DISABLED, "updated_at": now})
-
-        endpoint = await self._change_log.update(
-            endpoint_id, disabled, timeout_s=self.settings.connect_timeout_s
+        # A paused endpoint stays paused: its tenant stopped it, the breaker did not.
+        endpoint = await self._change_log.disable(
+            endpoint_id, unless=frozenset({EndpointStatus.PAUSED}), timeout_s=self.settings.connect_timeout_s
         )
         if endpoint is None:
             return
+        now = endpoint.updated_at
         reason = f"circuit breaker open for more than {self.settings.disable_after_s:.0f} s"
         event = Event(
             id=new_id("evt"),

@@ -15,7 +15,14 @@ from support.waiting import eventually
 
 from hookline.shared import registry, topology
 from hookline.shared.amqp import Broker, Publisher
-from hookline.shared.models import EndpointDeleted, EndpointUpserted, SigningSecret, StoredEndpoint
+from hookline.shared.ids import new_id
+from hookline.shared.models import (
+    EndpointDeleted,
+    EndpointStatus,
+    EndpointUpserted,
+    SigningSecret,
+    StoredEndpoint,
+)
 from hookline.shared.signing import generate_secret
 from hookline.shared.supervision import Supervisor
 
@@ -105,6 +112,41 @@ async def test_of_two_writes_based_on_one_version_exactly_one_wins_everywhere(am
         updated = await two.update(_endpoint(5).id, described, timeout_s=10)
         assert updated is not None
         assert (updated.url, updated.description, updated.version) == ("https://a.example/", "kept", 3)
+
+
+@pytest.mark.parametrize(
+    ("status", "unless", "after"),
+    [
+        (EndpointStatus.ACTIVE, frozenset(), EndpointStatus.DISABLED),
+        (EndpointStatus.PAUSED, frozenset(), EndpointStatus.DISABLED),  # a 410: gone, paused or not
+        (EndpointStatus.PAUSED, frozenset({EndpointStatus.PAUSED}), EndpointStatus.PAUSED),  # the breaker
+        (EndpointStatus.DISABLED, frozenset(), EndpointStatus.DISABLED),
+    ],
+)
+async def test_hookline_disables_an_endpoint_unless_its_status_says_otherwise(
+    amqp_url: str, status: EndpointStatus, unless: frozenset[EndpointStatus], after: EndpointStatus
+) -> None:
+    state = registry.EndpointRegistry()
+    async with follow(amqp_url, state) as log:
+        created = await log.upsert(
+            _endpoint(7).model_copy(update={"status": status}), base_version=0, timeout_s=10
+        )
+        written = await log.disable(created.id, unless=unless, timeout_s=10)
+        current = state.get(created.id)
+        assert current is not None
+        assert current.status is after
+        assert (written is not None) == (status is not after)
+        assert current.version == created.version + (1 if written else 0)
+    # A deleted endpoint stays deleted.
+    async with follow(amqp_url, state) as log:
+        await log.write(
+            EndpointDeleted(
+                change_id=new_id("chg"), at=NOW, endpoint_id=created.id, base_version=current.version
+            ),
+            timeout_s=10,
+        )
+        assert await log.disable(created.id, unless=frozenset(), timeout_s=10) is None
+        assert state.get(created.id) is None
 
 
 async def test_an_unreadable_record_is_skipped_and_the_rest_applied(amqp_url: str) -> None:
