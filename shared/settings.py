@@ -37,6 +37,15 @@ def _api_token(value: SecretStr, *, development: bool) -> SecretStr:
     return value
 
 
+def _checked_api_token(value: SecretStr, info: ValidationInfo) -> SecretStr:
+    # ``development`` is a field of CommonSettings, validated before any service's own fields.
+    return _api_token(value, development=bool(info.data.get("development")))
+
+
+#: The admin token of the ingest and the monitor (one rule for both).
+ApiToken = Annotated[SecretStr, AfterValidator(_checked_api_token)]
+
+
 class CommonSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="HOOKLINE_", extra="ignore", frozen=True)
 
@@ -168,7 +177,7 @@ MetricsToken = Annotated[SecretStr | None, AfterValidator(_metrics_token)]
 
 
 class IngestSettings(DeliveryPolicySettings):
-    api_token: SecretStr = Field(description="Admin bearer token for the HTTP API (at least 16 characters).")
+    api_token: ApiToken = Field(description="Admin bearer token for the HTTP API (at least 16 characters).")
     metrics_token: MetricsToken = Field(None, description=_METRICS_READER_DESCRIPTION)
     tenant_tokens: SecretStr | None = Field(
         None,
@@ -205,11 +214,6 @@ class IngestSettings(DeliveryPolicySettings):
         ge=0,
         description="File handles a new endpoint must leave the broker (each quorum queue takes one), else 503.",
     )
-
-    @field_validator("api_token")
-    @classmethod
-    def _token(cls, value: SecretStr, info: ValidationInfo) -> SecretStr:
-        return _api_token(value, development=bool(info.data.get("development")))
 
     @field_validator("dedupe_window_s")
     @classmethod
@@ -322,7 +326,7 @@ class OutboxRelaySettings(CommonSettings):
 
 
 class MonitorSettings(CommonSettings):
-    api_token: SecretStr = Field(description="Bearer token for the status API (the same as the ingest's).")
+    api_token: ApiToken = Field(description="Bearer token for the status API (the same as the ingest's).")
     metrics_token: MetricsToken = Field(None, description=_METRICS_READER_DESCRIPTION)
     monitor_host: str = "127.0.0.1"
     monitor_port: int = Field(8001, ge=0, le=65535)
@@ -389,11 +393,6 @@ class MonitorSettings(CommonSettings):
         "http://127.0.0.1:8000",
         description="Where the dashboard (/ui/) reaches the ingest API, with the logged-in user's token.",
     )
-
-    @field_validator("api_token")
-    @classmethod
-    def _token(cls, value: SecretStr, info: ValidationInfo) -> SecretStr:
-        return _api_token(value, development=bool(info.data.get("development")))
 
     @field_validator("alert_webhook_secret")
     @classmethod
