@@ -1,4 +1,4 @@
-"""Conventions every hookline HTTP API shares: bearer tokens, error bodies, body limits, probes, metrics.
+"""Conventions every hookline HTTP API shares: bearer tokens, error bodies, probes, metrics, serving.
 
 Errors always have the shape ``{"error": <code>, "message": <text>, "details": [{"field", "message"}]}``,
 so a client can show which field was wrong; no stack trace or secret ever reaches a response.
@@ -21,7 +21,6 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from pydantic_core import ErrorDetails
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from hookline.shared import lifecycle
 from hookline.shared.amqp import BrokerBlockedError, ChannelLostError
@@ -131,41 +130,6 @@ def bearer_token_guard(*tokens: str) -> Callable[[Request], None]:
             raise ApiError(401, "unauthorized", UNAUTHORIZED_MESSAGE)
 
     return guard
-
-
-class BodyLimit:
-    """Answer 413 before reading more than ``max_bytes`` of a request body (declared or streamed); the
-    paths in ``larger`` have limits of their own (path -> (bytes, the setting that sets it))."""
-
-    def __init__(
-        self, app: ASGIApp, *, max_bytes: int, larger: Mapping[str, tuple[int, str]] | None = None
-    ) -> None:
-        self.app = app
-        self.max_bytes = max_bytes
-        self.larger = dict(larger or {})
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        max_bytes, setting = self.larger.get(scope["path"], (self.max_bytes, "HOOKLINE_MAX_PAYLOAD_BYTES"))
-        message = f"the request body exceeds the limit of {max_bytes} bytes ({setting})"
-        declared = dict(scope["headers"]).get(b"content-length")
-        if declared is not None and declared.isdigit() and int(declared) > max_bytes:
-            response = error_response(413, "payload_too_large", message)
-            await response(scope, receive, send)
-            return
-        seen = 0
-
-        async def limited_receive() -> Message:
-            nonlocal seen
-            received = await receive()
-            seen += len(received.get("body", b""))
-            if seen > max_bytes:
-                raise ApiError(413, "payload_too_large", message)
-            return received
-
-        await self.app(scope, limited_receive, send)
 
 
 def probes_router(problems: Callable[[], list[str]], *, metrics_tokens: Sequence[str]) -> APIRouter:

@@ -28,13 +28,14 @@ from hookline.ingest import (
     tracking,
 )
 from hookline.ingest.auth import parse_tenant_tokens, principal
+from hookline.ingest.bodylimit import BodyLimit
 from hookline.ingest.deliverylog import DeliveryLog
 from hookline.ingest.duplicates import Duplicates
 from hookline.ingest.state import IngestState
 from hookline.shared import __version__, lifecycle, registry, topology
 from hookline.shared import logging as hookline_logging
 from hookline.shared.amqp import Broker, Publisher
-from hookline.shared.api import BodyLimit, install_error_handlers, probes_router, serve
+from hookline.shared.api import install_error_handlers, probes_router, serve
 from hookline.shared.capacity import CapacityReader
 from hookline.shared.control import BREAKER_LOOKBACK, BreakerView, control_record
 from hookline.shared.credentials import Credentials
