@@ -38,7 +38,7 @@ from hookline.shared.credentials import Credentials
 from hookline.shared.deadletters import dead_letter_message
 from hookline.shared.delivery import AttemptResult, DeliveryClient
 from hookline.shared.models import DeadLetterReason, Event, StoredEndpoint
-from hookline.shared.registry import ChangeLog, EndpointRegistry
+from hookline.shared.registry import ChangeLog
 from hookline.shared.sealing import Sealer
 from hookline.shared.settings import DispatcherSettings
 from hookline.shared.telemetry import AttemptFields, Deferral, DeferralReason, Outcome, exchange
@@ -83,11 +83,9 @@ class Handler:
     def __init__(
         self,
         settings: DispatcherSettings,
-        registry: EndpointRegistry,
         change_log: ChangeLog,
         client: DeliveryClient,
         publisher: Publisher,
-        delays: Delays,
         telemetry: Telemetry,
         breakers: BreakerView,
         sealer: Sealer,
@@ -97,13 +95,12 @@ class Handler:
     ) -> None:
         self.acks = Acks()
         self._settings = settings
-        self._registry = registry
+        self._registry = change_log.registry
         self._change_log = change_log
-        self._client = client
         self._credentials = Credentials(sealer, client)
         self._tracing = tracing or Tracing("dispatcher", None)
         self._publisher = publisher
-        self._delays = delays
+        self._delays = Delays(publisher)
         self._random_unit = random_unit
         self._telemetry = telemetry
         self._breakers = breakers

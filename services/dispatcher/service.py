@@ -25,7 +25,6 @@ from pydantic import ValidationError
 
 from hookline.dispatcher import incoming, metrics
 from hookline.dispatcher.consumers import Consumers, expire_breakers
-from hookline.dispatcher.delays import Delays
 from hookline.dispatcher.handler import USER_AGENT, Handler
 from hookline.dispatcher.telemetry import Telemetry
 from hookline.shared import lifecycle, registry, topology
@@ -91,13 +90,11 @@ async def dispatching(
     sealer = Sealer(settings.secret_key.get_secret_value() if settings.secret_key else None)
     _check_secrets_open(endpoint_registry, sealer)
     dispatcher_id = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
-    consumers_ref: list[Consumers] = []
     # Telemetry goes out unconfirmed on a channel of its own: never a wait on the delivery path.
     telemetry_publisher = Publisher(broker, confirms=False)
     telemetry = Telemetry(
         telemetry_publisher,
         dispatcher_id,
-        load=lambda: consumers_ref[0].load() if consumers_ref else (0, 0, {}),
     )
     breakers = BreakerView(lease_s=settings.breaker_lease_s)
     # Retries, dead letters and forwards: while the broker refuses publishes (an alarm) they wait, and
@@ -106,11 +103,9 @@ async def dispatching(
     tracing = Tracing("dispatcher", settings.otlp_endpoint)
     handler = Handler(
         settings,
-        endpoint_registry,
         change_log,
         client,
         settlement,
-        Delays(settlement),
         telemetry,
         breakers,
         sealer,
@@ -124,7 +119,7 @@ async def dispatching(
         dispatcher_id,
         default_prefetch=settings.prefetch_per_endpoint,
     )
-    consumers_ref.append(consumers)
+    telemetry.load = consumers.load
     metrics.IN_FLIGHT.set_function(lambda: consumers.in_flight)
     # The breaker states in force: the monitor snapshots them every few seconds, so reading the last
     # minutes of its log gives the current state, then the follower keeps up with changes.

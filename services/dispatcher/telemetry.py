@@ -35,12 +35,12 @@ HEARTBEAT_INTERVAL_S = 5.0
 
 
 class Telemetry:
-    def __init__(
-        self, publisher: Publisher, dispatcher_id: str, *, load: Callable[[], tuple[int, int, dict[str, int]]]
-    ) -> None:
+    def __init__(self, publisher: Publisher, dispatcher_id: str) -> None:
         self._publisher = publisher
         self.dispatcher_id = dispatcher_id
-        self._load = load  # () -> (in flight, consumers, unacked per endpoint), for heartbeats
+        # () -> (in flight, consumers, unacked per endpoint), for heartbeats: what the consumers report,
+        # once they exist (they are built after the handler, which reports here).
+        self.load: Callable[[], tuple[int, int, dict[str, int]]] = lambda: (0, 0, {})
         # Records as they go on the wire (dicts): attempts are built so on the delivery path.
         self._buffer: list[_Wire] = []
         # Deferrals go in batches of their own: a monitor or ingest of an earlier version, which does
@@ -66,7 +66,7 @@ class Telemetry:
             while True:
                 loop.beat()
                 if time.monotonic() >= next_heartbeat_s:
-                    in_flight, consumers, unacked = self._load()
+                    in_flight, consumers, unacked = self.load()
                     self._buffer.append(
                         Heartbeat(
                             at_s=time.time(),
