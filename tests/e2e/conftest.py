@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import re
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from pathlib import Path
 
 import pytest
 from support import services
@@ -10,17 +13,14 @@ from support.broker import Broker
 from support.system import System
 
 
-@pytest.fixture(scope="module")
-def system(
-    rabbitmq: Broker, tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest
+@contextmanager
+def running_system(
+    rabbitmq: Broker, log_dir: Path, label: str, settings: Mapping[str, str]
 ) -> Iterator[System]:
-    log_dir = tmp_path_factory.mktemp("logs")
-    with rabbitmq.vhost(request.module.__name__.rsplit(".", 1)[-1].replace("_", "-")) as amqp_url:
-        # A test module may shrink times through settings: SYSTEM_ENV = {"HOOKLINE_...": "..."}.
+    """Ingest, two dispatchers and the monitor in a vhost of their own, stopped (SIGTERM) afterwards."""
+    with rabbitmq.vhost(label) as amqp_url:
         # Each replica's local views (SQLite) live with the logs, never in the checkout.
-        env = services.base_env(
-            amqp_url, HOOKLINE_STATE_DIR=str(log_dir / "state"), **getattr(request.module, "SYSTEM_ENV", {})
-        )
+        env = services.base_env(amqp_url, HOOKLINE_STATE_DIR=str(log_dir / "state"), **settings)
         ingest = services.start("ingest", env, log_dir)
         env["HOOKLINE_INGEST_URL"] = ingest.base_url  # the monitor's dashboard calls it
         dispatchers = [services.start("dispatcher", env, log_dir, name=f"dispatcher-{n}") for n in (1, 2)]
@@ -35,3 +35,27 @@ def system(
             codes = {s.name: s.stop() for s in every if not s.killed}
         # A clean SIGTERM shutdown is part of the contract: every service exits 0.
         assert set(codes.values()) == {0}, f"exit codes {codes}\n{running.logs()}"
+
+
+@pytest.fixture(scope="module")
+def system(
+    rabbitmq: Broker, tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest
+) -> Iterator[System]:
+    """The module's system, shared by its tests. A test module may shrink times through settings:
+    SYSTEM_ENV = {"HOOKLINE_...": "..."}."""
+    label = request.module.__name__.rsplit(".", 1)[-1].replace("_", "-")
+    settings = getattr(request.module, "SYSTEM_ENV", {})
+    with running_system(rabbitmq, tmp_path_factory.mktemp("logs"), label, settings) as running:
+        yield running
+
+
+@pytest.fixture
+def own_system(
+    rabbitmq: Broker, tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest
+) -> Iterator[System]:
+    """A system for one test: one that kills, stops or restarts a service leaves the module's system
+    whole for the tests after it."""
+    label = re.sub(r"[^a-z0-9]+", "-", request.node.name.lower()).strip("-")[:60]
+    settings = getattr(request.module, "SYSTEM_ENV", {})
+    with running_system(rabbitmq, tmp_path_factory.mktemp("logs"), label, settings) as running:
+        yield running

@@ -461,11 +461,12 @@ async def test_upstream_attempt_headers_do_not_shorten_retries(system: System, r
     assert len(attempts_of(receiver, event_id)) == 3
 
 
-async def test_force_delete_with_deliveries_in_flight_and_a_dispatcher_killed(system: System) -> None:
+async def test_force_delete_with_deliveries_in_flight_and_a_dispatcher_killed(own_system: System) -> None:
     """DELETE without loss: force-deleting an endpoint while events are queued and some are being
     delivered, then SIGKILLing a dispatcher in the middle of its deliveries, loses none: every event
     was delivered (answered 2xx to a dispatcher still there) or is listed as an ``endpoint_gone`` dead
     letter. (Last in the module: it kills a dispatcher.)"""
+    system = own_system  # it kills a service: a system of its own
     acme = tenant()
     async with OwnReceiver(f"/deleted-{acme}") as receiver:
         receiver.responder = lambda _: Reply(delay_s=4.0)

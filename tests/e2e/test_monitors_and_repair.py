@@ -138,11 +138,12 @@ def make_main_monitor(system: System, monitor: services.Service) -> None:
 
 
 async def test_two_monitors_one_leads_and_the_other_takes_over_with_the_breakers(
-    system: System, receiver: Receiver
+    own_system: System, receiver: Receiver
 ) -> None:
     """Two monitors: exactly one leads, both answer the status API and agree on a breaker (the standby
     mirrors the log); SIGKILL the leader and the other leads within seconds, carries the open breaker
     on, and moves breakers itself: a new failure opens one, recoveries close them, nothing is lost."""
+    system = own_system  # it kills a service: a system of its own
     acme = tenant()
     paths = Paths(receiver)
     second = await start_monitor(system, "health-monitor-b")
@@ -207,9 +208,12 @@ async def test_two_monitors_one_leads_and_the_other_takes_over_with_the_breakers
     assert logged([standby], "monitor_leading"), "the survivor says it took over"
 
 
-async def test_dispatchers_are_never_blocked_on_a_silent_monitor(system: System, receiver: Receiver) -> None:
+async def test_dispatchers_are_never_blocked_on_a_silent_monitor(
+    own_system: System, receiver: Receiver
+) -> None:
     """An open breaker whose monitors all died is closed by the dispatchers once its lease (10 s) runs
     out, with an alert in their logs; a monitor started again takes over without losing anything."""
+    system = own_system  # it kills a service: a system of its own
     acme = tenant()
     paths = Paths(receiver)
     endpoint = system.add_endpoint(acme, receiver.url("/silenced"), ["#"])
