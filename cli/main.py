@@ -136,6 +136,15 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"hookline {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
+    _service_commands(commands)
+    _endpoint_commands(commands)
+    _operations_commands(commands)
+    _event_commands(commands)
+    return parser
+
+
+def _service_commands(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """Start a service, set up the broker, or run a receiver for trying hookline out."""
     commands.add_parser("ingest", help="run the HTTP API").set_defaults(run=_start_ingest)
     commands.add_parser("dispatcher", help="run a dispatcher replica").set_defaults(run=_start_dispatcher)
     commands.add_parser("health-monitor", help="run the health monitor").set_defaults(run=_start_monitor)
@@ -182,6 +191,9 @@ def build_parser() -> argparse.ArgumentParser:
     synthetic.add_argument("--port", type=int, default=9100)
     synthetic.set_defaults(run=_synthetic)
 
+
+def _endpoint_commands(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """``hookline endpoints …``."""
     endpoints = commands.add_parser("endpoints", help="manage endpoints").add_subparsers(
         dest="action", required=True, metavar="ACTION"
     )
@@ -235,6 +247,9 @@ def build_parser() -> argparse.ArgumentParser:
     for sub in endpoints.choices.values():
         sub.set_defaults(run=_admin(admin.endpoints))
 
+
+def _operations_commands(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """Dead letters, replay and the status of the system."""
     dead = commands.add_parser("dead-letters", help="list and redrive dead letters").add_subparsers(
         dest="action", required=True, metavar="ACTION"
     )
@@ -266,6 +281,9 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument("--json", action="store_true", help="the API's answers, as JSON")
     status.set_defaults(run=_admin(admin.status))
 
+
+def _event_commands(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """``hookline events …``."""
     events = commands.add_parser("events", help="publish events and follow them").add_subparsers(
         dest="action", required=True, metavar="ACTION"
     )
@@ -308,7 +326,6 @@ def build_parser() -> argparse.ArgumentParser:
     resend.add_argument("id")
     resend.add_argument("--endpoint-id", required=True)
     resend.set_defaults(run=_admin(admin.events))
-    return parser
 
 
 def _admin(command: Callable[[argparse.Namespace], Any]) -> Callable[[argparse.Namespace], int]:
