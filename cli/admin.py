@@ -14,6 +14,7 @@ import httpx
 
 from hookline.shared import __version__
 from hookline.shared.settings import ClientSettings
+from hookline.shared.status import AlertView, BrokerStatus, EndpointHealthView, Summary
 
 
 class ApiClient:
@@ -152,7 +153,13 @@ def status(args: argparse.Namespace) -> Any:
     alerts = api.call("GET", "/v1/alerts")
     if args.json:
         return {"summary": summary, "endpoints": endpoints, "alerts": alerts}
-    print(status_text(summary, endpoints, alerts))
+    print(
+        status_text(
+            Summary.model_validate(summary),
+            [EndpointHealthView.model_validate(e) for e in endpoints],
+            [AlertView.model_validate(a) for a in alerts],
+        )
+    )
     return None
 
 
@@ -163,57 +170,55 @@ def _ms(value: float | None) -> str:
 def _age(value: float | None) -> str:
     if value is None:
         return "-"
-    return (
-        f"{value:.0f}s" if value < 120 else f"{value / 60:.0f}m" if value < 7200 else f"{value / 3600:.1f}h"
-    )
+    if value < 120:
+        return f"{value:.0f}s"
+    if value < 7200:
+        return f"{value / 60:.0f}m"
+    return f"{value / 3600:.1f}h"
 
 
-def _broker_text(broker: dict[str, Any] | None) -> str:
-    if broker is None:
-        return "broker: -"
-    capacity = broker.get("capacity")
-    words = ["broker: REFUSING PUBLISHES" if broker.get("blocked") else "broker: taking publishes"]
+def _broker_text(broker: BrokerStatus) -> str:
+    capacity = broker.capacity
+    words = ["broker: REFUSING PUBLISHES" if broker.blocked else "broker: taking publishes"]
     if capacity is None:
         return words[0] + "  (its numbers are not readable: HOOKLINE_RABBITMQ_MANAGEMENT_URL)"
-    words += [alarm.upper() for alarm in capacity["alarms"]]
-    if capacity["disk_free_bytes"] is not None:
-        words.append(f"disk free {capacity['disk_free_bytes'] / 1e9:.1f} GB")
-    if capacity["fd_used"] is not None and capacity["fd_limit"] is not None:
-        words.append(f"file handles {capacity['fd_used']}/{capacity['fd_limit']}")
-    if capacity["queues"] is not None:
-        words.append(f"queues {capacity['queues']}")
+    words += [alarm.upper() for alarm in capacity.alarms]
+    if capacity.disk_free_bytes is not None:
+        words.append(f"disk free {capacity.disk_free_bytes / 1e9:.1f} GB")
+    if capacity.fd_used is not None and capacity.fd_limit is not None:
+        words.append(f"file handles {capacity.fd_used}/{capacity.fd_limit}")
+    if capacity.queues is not None:
+        words.append(f"queues {capacity.queues}")
     return "  ".join(words)
 
 
-def status_text(
-    summary: dict[str, Any], endpoints: list[dict[str, Any]], alerts: list[dict[str, Any]]
-) -> str:
+def _percent(rate: float | None) -> str:
+    return "-" if rate is None else f"{rate * 100:.1f}"
+
+
+def status_text(summary: Summary, endpoints: list[EndpointHealthView], alerts: list[AlertView]) -> str:
     """The summary line, one row per endpoint (slowest first), then the alerts firing."""
     lines = [
-        f"pending {summary['pending']}  awaiting retry {summary['awaiting_retry']}  in flight {summary['in_flight']}  "
-        f"dead letters {summary['dead_letter']}  delivered/1h {summary['delivered_last_hour']}  "
-        f"failed/1h {summary['failed_last_hour']}  oldest pending {_age(summary['oldest_pending_age_s'])}  "
-        f"mean {_ms(summary['mean_delivery_ms'])} ms  dispatchers {summary['dispatchers']}  "
-        f"monitor {'leader' if summary.get('leader') else 'standby'}",
-        _broker_text(summary.get("broker")),
+        f"pending {summary.pending}  awaiting retry {summary.awaiting_retry}  in flight {summary.in_flight}  "
+        f"dead letters {summary.dead_letter}  delivered/1h {summary.delivered_last_hour}  "
+        f"failed/1h {summary.failed_last_hour}  oldest pending {_age(summary.oldest_pending_age_s)}  "
+        f"mean {_ms(summary.mean_delivery_ms)} ms  dispatchers {summary.dispatchers}  "
+        f"monitor {'leader' if summary.leader else 'standby'}",
+        _broker_text(summary.broker),
         "",
         f"{'ENDPOINT':<30} {'TENANT':<14} {'BREAKER':<9} {'P50':>7} {'P95':>7} {'P99':>7} {'5m P95':>7} "
         f"{'SAMPLES':>8} {'OK%':>6} {'TIMEOUT%':>8} {'QUEUE':>6} {'OLDEST':>7}",
     ]
     for e in endpoints:
-        ok = "-" if e["success_rate"] is None else f"{e['success_rate'] * 100:.1f}"
-        timeouts = "-" if e["timeout_rate"] is None else f"{e['timeout_rate'] * 100:.1f}"
-        flag = " slow" if e["slow"] else ""
+        queue = "-" if e.queue_depth is None else str(e.queue_depth)
         lines.append(
-            f"{e['endpoint_id']:<30} {(e['tenant'] or '-')[:14]:<14} {e['breaker_state']:<9} {_ms(e['p50_ms']):>7} "
-            f"{_ms(e['p95_ms']):>7} {_ms(e['p99_ms']):>7} {_ms(e['last_5m']['p95_ms']):>7} {e['samples']:>8} "
-            f"{ok:>6} {timeouts:>8} {e['queue_depth'] if e['queue_depth'] is not None else '-':>6} "
-            f"{_age(e['oldest_pending_age_s']):>7}{flag}"
+            f"{e.endpoint_id:<30} {(e.tenant or '-')[:14]:<14} {e.breaker_state.value:<9} {_ms(e.p50_ms):>7} "
+            f"{_ms(e.p95_ms):>7} {_ms(e.p99_ms):>7} {_ms(e.last_5m.p95_ms):>7} {e.samples:>8} "
+            f"{_percent(e.success_rate):>6} {_percent(e.timeout_rate):>8} {queue:>6} "
+            f"{_age(e.oldest_pending_age_s):>7}{' slow' if e.slow else ''}"
         )
     lines.append("")
-    lines += [f"ALERT {a['alert']} {a['endpoint_id'] or ''}: {a['detail']}" for a in alerts] or [
-        "no alerts firing"
-    ]
+    lines += [f"ALERT {a.alert} {a.endpoint_id or ''}: {a.detail}" for a in alerts] or ["no alerts firing"]
     return "\n".join(lines)
 
 

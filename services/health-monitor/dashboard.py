@@ -23,10 +23,11 @@ from hookline.health_monitor import sparkline
 from hookline.health_monitor.ingest_api import IngestApi, IngestApiError
 from hookline.health_monitor.monitor import Monitor
 from hookline.health_monitor.sessions import COOKIE, Session, Sessions
-from hookline.health_monitor.status import EndpointHealthView, endpoint_view, status
+from hookline.health_monitor.status import endpoint_view, status
 from hookline.shared.api import ApiError
 from hookline.shared.control import BreakerState
 from hookline.shared.models import DeadLetterReason, EventState
+from hookline.shared.status import EndpointHealthView
 
 log = structlog.get_logger(__name__)
 router = APIRouter(prefix="/ui", include_in_schema=False)

@@ -11,10 +11,17 @@ from hookline.health_monitor.health import EndpointHealth
 from hookline.health_monitor.monitor import Monitor
 from hookline.health_monitor.stats import Stats
 from hookline.shared.api import ApiError
-from hookline.shared.capacity import BrokerCapacity
 from hookline.shared.control import BreakerState
 from hookline.shared.deadletters import DeadLetterAnalysis
-from hookline.shared.models import Model, StoredEndpoint
+from hookline.shared.models import StoredEndpoint
+from hookline.shared.status import (
+    AlertView,
+    BrokerStatus,
+    EndpointHealthView,
+    Percentiles,
+    Summary,
+    TypeHealthView,
+)
 
 router = APIRouter(prefix="/v1", tags=["status"])
 
@@ -27,77 +34,13 @@ def monitor_state(request: Request) -> Monitor:
 State = Annotated[Monitor, Depends(monitor_state)]
 
 
-class BrokerStatus(Model):
-    blocked: bool  # the broker refuses this monitor's publishes (a memory or disk alarm)
-    capacity: BrokerCapacity | None  # its alarms, disk and file handles; None: not readable from here
-
-
-class Summary(Model):
-    pending: int  # ready in the endpoint queues
-    awaiting_retry: int  # in the delay queues
-    in_flight: int  # being attempted by the dispatchers (their last heartbeats)
-    dead_letter: int
-    delivered_last_hour: int
-    failed_last_hour: int  # attempts that failed (retried or permanent)
-    oldest_pending_age_s: float | None
-    mean_delivery_ms: float | None  # mean attempt duration over the last hour
-    endpoints: int
-    breakers_open: int
-    alerts_firing: int
-    dispatchers: int
-    leader: bool  # this monitor leads (moves breakers, publishes alerts); a standby mirrors it
-    broker: BrokerStatus
-
-
-class Percentiles(Model):
-    p50_ms: float | None
-    p95_ms: float | None
-    p99_ms: float | None
-    samples: int
-
-    @classmethod
-    def of(cls, stats: Stats) -> Percentiles:
-        return cls(
-            p50_ms=stats.percentile_ms(0.50),
-            p95_ms=stats.percentile_ms(0.95),
-            p99_ms=stats.percentile_ms(0.99),
-            samples=stats.attempts,
-        )
-
-
-class EndpointHealthView(Model):
-    endpoint_id: str
-    tenant: str | None
-    status: str | None
-    breaker_state: BreakerState
-    breaker_cooldown_s: float  # the current cooldown; doubles with every failed probe
-    consecutive_failures: int
-    slow: bool  # p95 over the last 5 minutes above HOOKLINE_SLOW_P95_MS
-    p50_ms: float | None  # over 24 h
-    p95_ms: float | None
-    p99_ms: float | None
-    samples: int
-    last_5m: Percentiles
-    success_rate: float | None
-    timeout_rate: float | None
-    attempts: int
-    dead_lettered: int
-    retry_depth: int  # the highest attempt number seen
-    queue_depth: int | None
-    oldest_pending_age_s: float | None
-
-
-class TypeHealthView(Model):
-    type: str
-    last_24h: Percentiles
-    last_5m: Percentiles
-
-
-class AlertView(Model):
-    alert: str
-    endpoint_id: str | None
-    tenant: str | None
-    detail: str
+def percentiles(stats: Stats) -> Percentiles:
+    return Percentiles(
+        p50_ms=stats.percentile_ms(0.50),
+        p95_ms=stats.percentile_ms(0.95),
+        p99_ms=stats.percentile_ms(0.99),
+        samples=stats.attempts,
+    )
 
 
 def endpoint_view(
@@ -118,7 +61,7 @@ def endpoint_view(
         p95_ms=day.percentile_ms(0.95),
         p99_ms=day.percentile_ms(0.99),
         samples=day.attempts,
-        last_5m=Percentiles.of(health.recent.total(now_s=now_s)),
+        last_5m=percentiles(health.recent.total(now_s=now_s)),
         success_rate=day.rate(day.successes),
         timeout_rate=day.rate(day.timeouts),
         attempts=day.attempts,
@@ -188,8 +131,8 @@ async def types_health(monitor: State) -> list[TypeHealthView]:
     return [
         TypeHealthView(
             type=event_type,
-            last_24h=Percentiles.of(health.day.total(now_s=now_s)),
-            last_5m=Percentiles.of(health.recent.total(now_s=now_s)),
+            last_24h=percentiles(health.day.total(now_s=now_s)),
+            last_5m=percentiles(health.recent.total(now_s=now_s)),
         )
         for event_type, health in sorted(monitor.health.types.items())
     ]
