@@ -544,12 +544,20 @@ async def cut(run: Run, fault: Fault) -> None:
 
 async def restart_broker(run: Run, fault: Fault) -> None:
     # While breakers are open and retries wait: the leading monitor sees both.
+    last: dict[str, object] = {}
+
     async def breakers_open_and_retries_waiting() -> bool:
         leaders = await run.system.leaders()
         status = await run.system.monitor_status(leaders[0]) if leaders else None
+        last["status"] = status
         return bool(status and status["breakers_open"] >= 1 and status["awaiting_retry"] >= 1)
 
-    await eventually(breakers_open_and_retries_waiting, timeout_s=30, every_s=0.5)
+    await eventually(
+        breakers_open_and_retries_waiting,
+        timeout_s=30,
+        every_s=0.5,
+        explain=lambda: f"the leading monitor's last status: {last.get('status')}",
+    )
     fault.started_s = time.time()
     try:
         await run.rabbitmq.ctl_async(["stop_app"])
