@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import pytest
 
+from hookline.dispatcher.handler import _order_key
+from hookline.dispatcher.inbound import Inbound
 from hookline.dispatcher.ordering import STALE_S, SubjectOrder
 from hookline.dispatcher.pacing import Pacer
+from hookline.shared.models import Event
 
 
 def test_the_rate_limit_spaces_deliveries() -> None:
@@ -97,3 +100,28 @@ def test_the_event_holding_a_subject_back_is_named() -> None:
     assert order.holding("ep", "s1", "e2") == "e0"  # the earliest of those before it
     assert order.holding("ep", "s1", "e0") is None
     assert order.holding("ep", "other", "x") is None
+
+
+def _inbound(sequence: int | None, seen_ns: int | None = None) -> Inbound:
+    event = Event.model_validate({
+        "id": f"e{sequence}", "type": "a.b", "tenant": "t", "occurred_at": "2026-12-01T00:00:00Z",
+        "subject": "s", "sequence": sequence, "data": {},
+    })  # fmt: skip
+    return Inbound(event=event, attempt=1, first_attempt_at_s=None, sequence=seen_ns)
+
+
+def test_the_publishers_sequence_orders_a_subject_in_place_of_arrival() -> None:
+    """Published out of order (7 before 6): with the publisher's numbers, 6 does not wait behind 7's
+    retry; by arrival it would have."""
+    assert _order_key(_inbound(6, seen_ns=10**18).event, _inbound(6, seen_ns=10**18)) == 6
+    assert _order_key(_inbound(None, seen_ns=123).event, _inbound(None, seen_ns=123)) == 123  # a retry's
+    order = SubjectOrder()
+    seventh, sixth = _inbound(7), _inbound(6)
+    assert order.admit("ep", "s", "e7", _order_key(seventh.event, seventh), now_s=0) is None
+    order.retrying("ep", "s", "e7", due_s=60)  # 7 failed; its retry is a minute away
+    assert order.admit("ep", "s", "e6", _order_key(sixth.event, sixth), now_s=1) is None
+    # By arrival (the later arrival has the later time) 6 would have waited for 7's retry:
+    by_arrival = SubjectOrder()
+    assert by_arrival.admit("ep", "s", "e7", 100, now_s=0) is None
+    by_arrival.retrying("ep", "s", "e7", due_s=60)
+    assert by_arrival.admit("ep", "s", "e6", 200, now_s=1) == 59
