@@ -208,7 +208,10 @@ class Handler:
         # A 429's Retry-After also pauses the endpoint (a 503's delays this event only).
         pause_s = (
             honoured_retry_after_s(
-                result.retry_after, status=429, now=datetime.now(UTC), cap_s=self._settings.retry_after_cap_s
+                result.retry_after,
+                status=result.status,
+                now=datetime.now(UTC),
+                cap_s=self._settings.retry_after_cap_s,
             )
             if result.status == 429
             else None
