@@ -1,4 +1,5 @@
-"""Conventions every hookline HTTP API shares: bearer tokens, error bodies, probes, metrics, serving.
+"""Conventions every hookline HTTP API shares: bearer tokens, error bodies, serving (its probes and
+``/metrics`` are :func:`hookline.shared.probes.probes_router`).
 
 Errors always have the shape ``{"error": <code>, "message": <text>, "details": [{"field", "message"}]}``,
 so a client can show which field was wrong; no stack trace or secret ever reaches a response.
@@ -12,10 +13,9 @@ from collections.abc import Callable, Generator, Mapping, Sequence
 from typing import Any
 
 import aio_pika
-import prometheus_client
 import structlog
 import uvicorn
-from fastapi import APIRouter, Depends, FastAPI, Request, Response
+from fastapi import FastAPI, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
@@ -130,33 +130,6 @@ def bearer_token_guard(*tokens: str) -> Callable[[Request], None]:
             raise ApiError(401, "unauthorized", UNAUTHORIZED_MESSAGE)
 
     return guard
-
-
-def probes_router(problems: Callable[[], list[str]], *, metrics_tokens: Sequence[str]) -> APIRouter:
-    """``/healthz`` (the process answers), ``/readyz`` (it can do its work: ``problems`` says what is
-    missing, such as the broker or a loop that is not running) and ``/metrics``, which answers only a
-    bearer token of ``metrics_tokens``: it shares the API's listener and the monitor's series name
-    endpoints. The probes stay open: orchestrators call them without credentials."""
-    router = APIRouter(include_in_schema=False)
-    metrics_guard = Depends(bearer_token_guard(*metrics_tokens))
-
-    @router.get("/healthz")
-    async def healthz() -> dict[str, str]:
-        return {"status": "ok"}
-
-    @router.get("/readyz")
-    async def readyz() -> Response:
-        found = problems()
-        if not found:
-            return JSONResponse({"status": "ready"})
-        details = [ErrorDetail(field=None, message=problem) for problem in found]
-        return error_response(503, "not_ready", "not ready: " + "; ".join(found), details)
-
-    @router.get("/metrics", dependencies=[metrics_guard])
-    async def metrics() -> Response:
-        return Response(prometheus_client.generate_latest(), media_type=prometheus_client.CONTENT_TYPE_LATEST)
-
-    return router
 
 
 class _Server(uvicorn.Server):

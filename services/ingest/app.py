@@ -35,13 +35,14 @@ from hookline.ingest.state import IngestState
 from hookline.shared import __version__, lifecycle, registry, topology
 from hookline.shared import logging as hookline_logging
 from hookline.shared.amqp import Broker, Publisher
-from hookline.shared.api import install_error_handlers, probes_router, serve
+from hookline.shared.api import install_error_handlers, serve
 from hookline.shared.capacity import CapacityReader
 from hookline.shared.control import BREAKER_LOOKBACK, BreakerView, control_record
 from hookline.shared.credentials import Credentials
 from hookline.shared.deadletters import DeadLetterIndex
 from hookline.shared.delivery import DeliveryClient
 from hookline.shared.models import error_summary
+from hookline.shared.probes import probes_router
 from hookline.shared.sealing import Sealer
 from hookline.shared.settings import IngestSettings, load, metrics_tokens
 from hookline.shared.streams import StreamFollower
