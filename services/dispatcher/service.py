@@ -16,6 +16,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from functools import partial
 
@@ -77,6 +78,96 @@ async def _consume_unroutable(broker: Broker, consumers: Consumers, handler: Han
         await until_closed(channel)
 
 
+@dataclass(frozen=True)
+class _SidePublishers:
+    """The dispatcher's publishers besides the one it shares with the change log, each with a channel
+    of its own so that neither waits behind the other."""
+
+    # Unconfirmed: telemetry is never a wait on the delivery path.
+    telemetry: Publisher
+    # Retries, dead letters and forwards: while the broker refuses publishes (an alarm) they wait, and
+    # the message they settle stays unacked meanwhile; deliveries that succeed need no publish.
+    settlement: Publisher
+
+
+@asynccontextmanager
+async def _side_publishers(broker: Broker) -> AsyncIterator[_SidePublishers]:
+    publishers = _SidePublishers(
+        telemetry=Publisher(broker, confirms=False), settlement=Publisher(broker, wait_unblocked=True)
+    )
+    try:
+        yield publishers
+    finally:
+        await publishers.telemetry.close()
+        await publishers.settlement.close()
+
+
+@asynccontextmanager
+async def _tracing(settings: DispatcherSettings) -> AsyncIterator[Tracing]:
+    tracing = Tracing("dispatcher", settings.otlp_endpoint)
+    try:
+        yield tracing
+    finally:
+        # The last spans, when traces are exported; in a thread, since the exporter blocks.
+        await asyncio.to_thread(tracing.shutdown)
+
+
+@dataclass(frozen=True)
+class _Parts:
+    breakers: BreakerView
+    telemetry: Telemetry
+    handler: Handler
+    consumers: Consumers
+
+
+def _assemble(
+    settings: DispatcherSettings,
+    broker: Broker,
+    change_log: ChangeLog,
+    client: DeliveryClient,
+    sealer: Sealer,
+    publishers: _SidePublishers,
+    tracing: Tracing,
+) -> _Parts:
+    """The handler and the consumers that feed it; nothing runs yet."""
+    dispatcher_id = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
+    telemetry = Telemetry(publishers.telemetry, dispatcher_id)
+    breakers = BreakerView(lease_s=settings.breaker_lease_s)
+    handler = Handler(
+        settings, change_log, client, publishers.settlement, telemetry, breakers, sealer, tracing=tracing
+    )
+    consumers = Consumers(
+        broker,
+        change_log.registry,
+        breakers,
+        handler,
+        dispatcher_id,
+        default_prefetch=settings.prefetch_per_endpoint,
+    )
+    telemetry.load = consumers.load
+    metrics.IN_FLIGHT.set_function(lambda: consumers.in_flight)
+    return _Parts(breakers, telemetry, handler, consumers)
+
+
+async def _follow_breakers(
+    settings: DispatcherSettings, broker: Broker, publisher: Publisher, supervisor: Supervisor, parts: _Parts
+) -> None:
+    """Return once the breaker states in force are known, so that no endpoint whose breaker is open is
+    consumed at start. The monitor snapshots them every few seconds: reading the last minutes of its
+    log gives the current state, then the follower keeps up with changes."""
+    control = StreamFollower(
+        broker,
+        topology.BREAKER_LOG,
+        partial(_apply_control, parts.breakers, parts.consumers),
+        publisher=publisher,
+        start=datetime.now(UTC) - BREAKER_LOOKBACK,
+        prefetch=100,
+    )
+    supervisor.spawn("breakers", control.run)
+    await supervisor.wait_up("breakers", timeout_s=settings.connect_timeout_s)
+    await control.sync(timeout_s=settings.connect_timeout_s)
+
+
 @asynccontextmanager
 async def dispatching(
     settings: DispatcherSettings,
@@ -86,77 +177,44 @@ async def dispatching(
     publisher: Publisher,
     client: DeliveryClient,
 ) -> AsyncIterator[Consumers]:
-    endpoint_registry = change_log.registry
     sealer = Sealer(settings.secret_key.get_secret_value() if settings.secret_key else None)
-    _check_secrets_open(endpoint_registry, sealer)
-    dispatcher_id = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
-    # Telemetry goes out unconfirmed on a channel of its own: never a wait on the delivery path.
-    telemetry_publisher = Publisher(broker, confirms=False)
-    telemetry = Telemetry(
-        telemetry_publisher,
-        dispatcher_id,
+    _check_secrets_open(change_log.registry, sealer)
+    async with _tracing(settings) as tracing, _side_publishers(broker) as publishers:
+        parts = _assemble(settings, broker, change_log, client, sealer, publishers, tracing)
+        consumers = parts.consumers
+        await _follow_breakers(settings, broker, publisher, supervisor, parts)
+        supervisor.spawn("breaker-leases", partial(expire_breakers, parts.breakers, consumers), stall_s=30)
+        change_log.registry.subscribe(consumers.on_change)
+        supervisor.spawn("telemetry", parts.telemetry.run, stall_s=30)
+        supervisor.spawn("consumers", consumers.run)
+        supervisor.spawn("unroutable", partial(_consume_unroutable, broker, consumers, parts.handler))
+        try:
+            yield consumers
+        finally:
+            # Shutdown, in order:
+            # 1. stop taking work, so the drain below can finish;
+            await consumers.stop_intake()
+            await supervisor.stop("consumers", "unroutable", "breaker-leases")
+            # 2. let in-flight deliveries finish and settle within the grace period;
+            cancelled = await consumers.drain(settings.shutdown_grace_s)
+            log.info("dispatcher_drained", cancelled=cancelled)
+            # 3. the last telemetry (its final flush runs as it stops), then the followers;
+            await supervisor.stop("telemetry", "breakers")
+            # 4. close the channels: whatever is still unacked goes back to its queue;
+            await consumers.close_channels()
+            # 5. as the `async with` above ends: the side publishers (telemetry, then settlement), then
+            # 6. the tracing, which exports the last spans.
+
+
+def _delivery_client(settings: DispatcherSettings) -> DeliveryClient:
+    return DeliveryClient(
+        max_connections=settings.http_max_connections,
+        user_agent=USER_AGENT,
+        allow_http=settings.allow_http,
+        allow_private=settings.allow_private_targets,
+        capture_bytes=settings.response_capture_bytes,
+        proxy=settings.egress_proxy,
     )
-    breakers = BreakerView(lease_s=settings.breaker_lease_s)
-    # Retries, dead letters and forwards: while the broker refuses publishes (an alarm) they wait, and
-    # the message they settle stays unacked meanwhile; deliveries that succeed need no publish.
-    settlement = Publisher(broker, wait_unblocked=True)
-    tracing = Tracing("dispatcher", settings.otlp_endpoint)
-    handler = Handler(
-        settings,
-        change_log,
-        client,
-        settlement,
-        telemetry,
-        breakers,
-        sealer,
-        tracing=tracing,
-    )
-    consumers = Consumers(
-        broker,
-        endpoint_registry,
-        breakers,
-        handler,
-        dispatcher_id,
-        default_prefetch=settings.prefetch_per_endpoint,
-    )
-    telemetry.load = consumers.load
-    metrics.IN_FLIGHT.set_function(lambda: consumers.in_flight)
-    # The breaker states in force: the monitor snapshots them every few seconds, so reading the last
-    # minutes of its log gives the current state, then the follower keeps up with changes.
-    control = StreamFollower(
-        broker,
-        topology.BREAKER_LOG,
-        partial(_apply_control, breakers, consumers),
-        publisher=publisher,
-        start=datetime.now(UTC) - BREAKER_LOOKBACK,
-        prefetch=100,
-    )
-    supervisor.spawn("breakers", control.run)
-    await supervisor.wait_up("breakers", timeout_s=settings.connect_timeout_s)
-    await control.sync(timeout_s=settings.connect_timeout_s)
-    supervisor.spawn("breaker-leases", partial(expire_breakers, breakers, consumers), stall_s=30)
-    endpoint_registry.subscribe(consumers.on_change)
-    supervisor.spawn("telemetry", telemetry.run, stall_s=30)
-    supervisor.spawn("consumers", consumers.run)
-    supervisor.spawn("unroutable", partial(_consume_unroutable, broker, consumers, handler))
-    try:
-        yield consumers
-    finally:
-        # Shutdown, in order:
-        # 1. stop taking work, so the drain below can finish;
-        await consumers.stop_intake()
-        await supervisor.stop("consumers", "unroutable", "breaker-leases")
-        # 2. let in-flight deliveries finish and settle within the grace period;
-        cancelled = await consumers.drain(settings.shutdown_grace_s)
-        log.info("dispatcher_drained", cancelled=cancelled)
-        # 3. the last telemetry (its final flush runs as it stops), then the followers;
-        await supervisor.stop("telemetry", "breakers")
-        # 4. close the channels: whatever is still unacked goes back to its queue.
-        await consumers.close_channels()
-        await telemetry_publisher.close()
-        await settlement.close()
-        # 5. the last spans, when traces are exported (in a thread: the exporter blocks).
-        await asyncio.to_thread(tracing.shutdown)
 
 
 def main() -> None:
@@ -182,14 +240,7 @@ async def serve(settings: DispatcherSettings, stopping: asyncio.Event) -> None:
         Broker(
             settings.amqp_url, name="hookline-dispatcher", connect_timeout_s=settings.connect_timeout_s
         ) as broker,
-        DeliveryClient(
-            max_connections=settings.http_max_connections,
-            user_agent=USER_AGENT,
-            allow_http=settings.allow_http,
-            allow_private=settings.allow_private_targets,
-            capture_bytes=settings.response_capture_bytes,
-            proxy=settings.egress_proxy,
-        ) as client,
+        _delivery_client(settings) as client,
     ):
         await topology.declare(broker, settings.retention)
         publisher = Publisher(broker)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 
 import structlog
 from fastapi import Depends, FastAPI
@@ -13,7 +14,7 @@ from hookline.health_monitor import dashboard, status
 from hookline.health_monitor.ingest_api import IngestApi
 from hookline.health_monitor.monitor import Monitor, monitoring
 from hookline.health_monitor.sessions import Sessions
-from hookline.health_monitor.sinks import AlertSinks, parse_sinks
+from hookline.health_monitor.sinks import AlertSinks, Sink, parse_sinks
 from hookline.shared import __version__, lifecycle, registry, topology
 from hookline.shared import logging as hookline_logging
 from hookline.shared.amqp import Broker, Publisher
@@ -27,6 +28,69 @@ from hookline.shared.supervision import Supervisor
 log = structlog.get_logger(__name__)
 
 
+@dataclass(frozen=True)
+class _Connections:
+    """What the monitor talks to, open for as long as the app runs."""
+
+    broker: Broker
+    capacity: CapacityReader
+    alert_sinks: AlertSinks
+    ingest_api: IngestApi
+
+
+@asynccontextmanager
+async def _connections(settings: MonitorSettings, sinks: list[Sink]) -> AsyncIterator[_Connections]:
+    secret = settings.alert_webhook_secret.get_secret_value() if settings.alert_webhook_secret else None
+    async with (
+        Broker(
+            settings.amqp_url,
+            name="hookline-health-monitor",
+            connect_timeout_s=settings.connect_timeout_s,
+        ) as broker,
+        CapacityReader(
+            management_url=settings.rabbitmq_management_url,
+            diagnostics_command=settings.rabbitmq_diagnostics,
+            amqp_url=settings.amqp_url,
+        ) as capacity,
+        DeliveryClient(
+            # The operator's own URLs, from the settings: not subject to the endpoints' SSRF rules.
+            max_connections=8,
+            user_agent=f"hookline/{__version__}",
+            allow_http=True,
+            allow_private=True,
+        ) as client,
+        AlertSinks(sinks, secret=secret, client=client) as alert_sinks,
+        IngestApi(settings.ingest_url) as ingest_api,
+    ):
+        yield _Connections(broker, capacity, alert_sinks, ingest_api)
+
+
+@asynccontextmanager
+async def _monitor_running(
+    settings: MonitorSettings, supervisor: Supervisor, connections: _Connections
+) -> AsyncIterator[Monitor]:
+    broker = connections.broker
+    await topology.declare(broker, settings.retention)
+    publisher = Publisher(broker)
+    try:
+        change_log = await registry.follow(
+            broker,
+            publisher,
+            supervisor,
+            registry.EndpointRegistry(),
+            sync_timeout_s=settings.connect_timeout_s,
+        )
+        async with monitoring(
+            settings, broker, publisher, supervisor, change_log, connections.capacity, connections.alert_sinks
+        ) as monitor:
+            log.info("monitor_ready", endpoints=len(change_log.registry))
+            yield monitor
+    finally:
+        # The loops left (the endpoint log's follower among them) stop before the channel they publish on.
+        await supervisor.stop()
+        await publisher.close()
+
+
 def create_app(settings: MonitorSettings) -> FastAPI:
     supervisor = Supervisor()
     try:
@@ -37,54 +101,12 @@ def create_app(settings: MonitorSettings) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        async with (
-            Broker(
-                settings.amqp_url,
-                name="hookline-health-monitor",
-                connect_timeout_s=settings.connect_timeout_s,
-            ) as broker,
-            CapacityReader(
-                management_url=settings.rabbitmq_management_url,
-                diagnostics_command=settings.rabbitmq_diagnostics,
-                amqp_url=settings.amqp_url,
-            ) as capacity,
-            DeliveryClient(
-                # The operator's own URLs, from the settings: not subject to the endpoints' SSRF rules.
-                max_connections=8,
-                user_agent=f"hookline/{__version__}",
-                allow_http=True,
-                allow_private=True,
-            ) as client,
-            AlertSinks(
-                sinks,
-                secret=settings.alert_webhook_secret.get_secret_value()
-                if settings.alert_webhook_secret
-                else None,
-                client=client,
-            ) as alert_sinks,
-            IngestApi(settings.ingest_url) as ingest_api,
-        ):
-            await topology.declare(broker, settings.retention)
-            publisher = Publisher(broker)
-            app.state.broker = broker
-            app.state.ingest_api = ingest_api
-            try:
-                change_log = await registry.follow(
-                    broker,
-                    publisher,
-                    supervisor,
-                    registry.EndpointRegistry(),
-                    sync_timeout_s=settings.connect_timeout_s,
-                )
-                async with monitoring(
-                    settings, broker, publisher, supervisor, change_log, capacity, alert_sinks
-                ) as monitor:
-                    app.state.monitor = monitor
-                    log.info("monitor_ready", endpoints=len(change_log.registry))
-                    yield
-            finally:
-                await supervisor.stop()
-                await publisher.close()
+        async with _connections(settings, sinks) as connections:
+            app.state.broker = connections.broker
+            app.state.ingest_api = connections.ingest_api
+            async with _monitor_running(settings, supervisor, connections) as monitor:
+                app.state.monitor = monitor
+                yield
 
     def problems() -> list[str]:
         monitor: Monitor | None = getattr(app.state, "monitor", None)

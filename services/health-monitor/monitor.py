@@ -52,7 +52,7 @@ from hookline.shared.models import EndpointStatus, Event, error_summary
 from hookline.shared.registry import ChangeLog
 from hookline.shared.settings import MonitorSettings
 from hookline.shared.streams import StreamFollower, offset_of
-from hookline.shared.supervision import Loop, Supervisor
+from hookline.shared.supervision import Body, Loop, Supervisor
 from hookline.shared.telemetry import AttemptRecord, batch
 from hookline.shared.views import follow_view
 
@@ -322,17 +322,22 @@ class Monitor:
         self, store: checkpoint.CheckpointStore, telemetry: StreamFollower, loop: Loop
     ) -> None:
         """The statistics and the telemetry offset they include, to local disk every few seconds."""
-        identity = f"{self._broker.vhost}/{topology.TELEMETRY_LOG}"
         loop.mark_up()
         while True:
             await asyncio.sleep(CHECKPOINT_INTERVAL_S)
-            offset = telemetry.next_offset
-            if isinstance(offset, int) and offset > 0:
-                self.health.prune(now_s=time.time())
-                # dump() runs on the loop: it must see a consistent Health, which only the loop changes.
-                await store.save(checkpoint.dump(self.health), offset=offset - 1, identity=identity)
+            await self.save_checkpoint(store, telemetry)
             await self.dead_letters.expire(datetime.now(UTC) - DEAD_LETTER_RETENTION)
             loop.beat()
+
+    async def save_checkpoint(self, store: checkpoint.CheckpointStore, telemetry: StreamFollower) -> None:
+        """Once a telemetry record has been read: the statistics, with the offset of the last record
+        they include (a restart reads on from the next)."""
+        offset = telemetry.next_offset
+        if isinstance(offset, int) and offset > 0:
+            self.health.prune(now_s=time.time())
+            # dump() runs on the loop: it must see a consistent Health, which only the loop changes.
+            data = checkpoint.dump(self.health)
+            await store.save(data, offset=offset - 1, identity=_telemetry_identity(self._broker))
 
     async def poll_queues(self, loop: Loop) -> None:
         """Queue depths by passive declares; missing queues and streams found (and, when leading,
@@ -630,10 +635,15 @@ def _export_capacity(capacity: BrokerCapacity | None) -> None:
         gauge.set(float("nan") if value is None else value)  # NaN: not known (no source, or 4.x)
 
 
+def _telemetry_identity(broker: Broker) -> str:
+    """The stream a checkpoint's offset belongs to: another vhost's telemetry log has other offsets."""
+    return f"{broker.vhost}/{topology.TELEMETRY_LOG}"
+
+
 async def _load_checkpoint(
-    store: checkpoint.CheckpointStore, identity: str
+    store: checkpoint.CheckpointStore, broker: Broker
 ) -> tuple[Health | None, int | None]:
-    found = await store.read(identity)
+    found = await store.read(_telemetry_identity(broker))
     if found is None:
         return None, None
     data, offset = found
@@ -643,6 +653,77 @@ async def _load_checkpoint(
         log.warning("checkpoint_unusable", error=str(exc)[:200])
         return None, None
     return health, offset
+
+
+async def _follow_synced(
+    supervisor: Supervisor,
+    name: str,
+    follower: StreamFollower,
+    body: Body | None = None,
+    *,
+    up_timeout_s: float,
+    sync_timeout_s: float,
+) -> None:
+    """Start following a stream and return once what was written to it before has been read: each
+    start-up step builds on the one before (see the module's docstring)."""
+    supervisor.spawn(name, body or follower.run)
+    await supervisor.wait_up(name, timeout_s=up_timeout_s)
+    await follower.sync(timeout_s=sync_timeout_s)
+
+
+async def _catch_up(
+    settings: MonitorSettings,
+    broker: Broker,
+    publisher: Publisher,
+    supervisor: Supervisor,
+    monitor: Monitor,
+    dead_letters: DeadLetterIndex,
+    telemetry_offset: int | None,
+) -> StreamFollower:
+    """Start-up steps 2 to 4: the breaker log, the dead-letter view, the telemetry log. Returns the
+    telemetry's follower, whose offset the checkpoints record."""
+    wait_s = settings.connect_timeout_s
+    breaker_log = StreamFollower(
+        broker, topology.BREAKER_LOG, monitor.on_breaker_log, publisher=publisher,
+        start=datetime.now(UTC) - BREAKER_LOOKBACK, prefetch=100,
+    )  # fmt: skip
+    await _follow_synced(supervisor, "breaker-log", breaker_log, up_timeout_s=wait_s, sync_timeout_s=wait_s)
+    monitor.restore_breakers()
+    dead_letter_log = StreamFollower(
+        broker, topology.DEAD_LETTER_STREAM, dead_letters.apply, publisher=publisher,
+        start=dead_letters.next_offset,
+    )  # fmt: skip
+    view = partial(follow_view, dead_letter_log, dead_letters)
+    await _follow_synced(
+        supervisor, "dead-letters", dead_letter_log, view, up_timeout_s=wait_s, sync_timeout_s=wait_s
+    )
+    telemetry = StreamFollower(
+        broker, topology.TELEMETRY_LOG, monitor.on_telemetry, publisher=publisher,
+        start=telemetry_offset + 1 if telemetry_offset is not None else datetime.now(UTC) - TELEMETRY_WINDOW,
+    )  # fmt: skip
+    # Without a checkpoint, a day of telemetry is read: that takes minutes, not a connect timeout.
+    sync_s = max(wait_s, 300)
+    await _follow_synced(supervisor, "telemetry", telemetry, up_timeout_s=wait_s, sync_timeout_s=sync_s)
+    return telemetry
+
+
+def _spawn_loops(
+    settings: MonitorSettings,
+    supervisor: Supervisor,
+    monitor: Monitor,
+    store: checkpoint.CheckpointStore,
+    telemetry: StreamFollower,
+    capacity: CapacityReader,
+) -> None:
+    """The loops of a live monitor (:func:`monitoring` stops them, in its own order)."""
+    supervisor.spawn("leadership", monitor.lead_when_possible)
+    supervisor.spawn("breaker-commands", monitor.publish_commands)
+    supervisor.spawn("tick", monitor.tick, stall_s=60)
+    supervisor.spawn("queues", monitor.poll_queues, stall_s=120)
+    supervisor.spawn("checkpoint", partial(monitor.save_checkpoints, store, telemetry), stall_s=120)
+    supervisor.spawn("broker", partial(monitor.watch_broker, capacity), stall_s=120)
+    if settings.canary_interval_s > 0:
+        supervisor.spawn("canaries", monitor.send_canaries, stall_s=max(60, 3 * settings.canary_interval_s))
 
 
 @asynccontextmanager
@@ -655,41 +736,15 @@ async def monitoring(
     capacity: CapacityReader,
     sinks: AlertSinks,
 ) -> AsyncIterator[Monitor]:
-    telemetry_identity = f"{broker.vhost}/{topology.TELEMETRY_LOG}"
     state_path = settings.state_file("health-monitor", settings.monitor_port)
     async with (
         checkpoint.CheckpointStore(state_path.with_suffix(".checkpoint.sqlite")) as store,
         DeadLetterIndex(state_path, identity=f"{broker.vhost}/{topology.DEAD_LETTER_STREAM}") as dead_letters,
     ):
         started = time.monotonic()
-        health, offset = await _load_checkpoint(store, telemetry_identity)
+        health, offset = await _load_checkpoint(store, broker)
         monitor = Monitor(settings, broker, publisher, change_log, dead_letters, health, sinks)
-        wait_s = settings.connect_timeout_s
-
-        breaker_log = StreamFollower(
-            broker, topology.BREAKER_LOG, monitor.on_breaker_log, publisher=publisher,
-            start=datetime.now(UTC) - BREAKER_LOOKBACK, prefetch=100,
-        )  # fmt: skip
-        supervisor.spawn("breaker-log", breaker_log.run)
-        await supervisor.wait_up("breaker-log", timeout_s=wait_s)
-        await breaker_log.sync(timeout_s=wait_s)
-        monitor.restore_breakers()
-
-        dead_letter_log = StreamFollower(
-            broker, topology.DEAD_LETTER_STREAM, dead_letters.apply, publisher=publisher,
-            start=dead_letters.next_offset,
-        )  # fmt: skip
-        supervisor.spawn("dead-letters", partial(follow_view, dead_letter_log, dead_letters))
-        await supervisor.wait_up("dead-letters", timeout_s=wait_s)
-        await dead_letter_log.sync(timeout_s=wait_s)
-
-        telemetry = StreamFollower(
-            broker, topology.TELEMETRY_LOG, monitor.on_telemetry, publisher=publisher,
-            start=offset + 1 if offset is not None else datetime.now(UTC) - TELEMETRY_WINDOW,
-        )  # fmt: skip
-        supervisor.spawn("telemetry", telemetry.run)
-        await supervisor.wait_up("telemetry", timeout_s=wait_s)
-        await telemetry.sync(timeout_s=max(wait_s, 300))
+        telemetry = await _catch_up(settings, broker, publisher, supervisor, monitor, dead_letters, offset)
         monitor.live = True
         log.info(
             "telemetry_caught_up",
@@ -697,28 +752,17 @@ async def monitoring(
             from_checkpoint=offset is not None,
             endpoints=len(monitor.health.endpoints),
         )
-
-        supervisor.spawn("leadership", monitor.lead_when_possible)
-        supervisor.spawn("breaker-commands", monitor.publish_commands)
-        supervisor.spawn("tick", monitor.tick, stall_s=60)
-        supervisor.spawn("queues", monitor.poll_queues, stall_s=120)
-        supervisor.spawn("checkpoint", partial(monitor.save_checkpoints, store, telemetry), stall_s=120)
-        supervisor.spawn("broker", partial(monitor.watch_broker, capacity), stall_s=120)
-        if settings.canary_interval_s > 0:
-            supervisor.spawn(
-                "canaries", monitor.send_canaries, stall_s=max(60, 3 * settings.canary_interval_s)
-            )
+        _spawn_loops(settings, supervisor, monitor, store, telemetry, capacity)
         try:
             yield monitor
         finally:
-            # Stop the loops (leadership first: the lock goes with its channel), then the views close.
+            # Shutdown, in order:
+            # 1. the loops (leadership first: the lock goes with its channel), the checkpoint's among them,
+            #    so that nothing saves beside the last save below;
             await supervisor.stop(
                 "leadership", "tick", "breaker-commands", "queues", "checkpoint", "broker", "canaries"
             )
-            offset_now = telemetry.next_offset
-            if isinstance(offset_now, int) and offset_now > 0:
-                monitor.health.prune(now_s=time.time())
-                await store.save(
-                    checkpoint.dump(monitor.health), offset=offset_now - 1, identity=telemetry_identity
-                )
+            # 2. a last checkpoint, so that the next start reads only what came after it;
+            await monitor.save_checkpoint(store, telemetry)
+            # 3. the followers; then the views close as the `async with` above ends.
             await supervisor.stop("telemetry", "dead-letters", "breaker-log")
