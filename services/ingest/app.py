@@ -7,6 +7,7 @@ import asyncio
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from functools import partial
 
@@ -27,6 +28,7 @@ from hookline.ingest import (
     tokens,
     tracking,
 )
+from hookline.ingest.attempts import Attempts
 from hookline.ingest.auth import parse_tenant_tokens, principal
 from hookline.ingest.bodylimit import BodyLimit
 from hookline.ingest.deliverylog import DeliveryLog
@@ -60,97 +62,18 @@ _ENVELOPE_SLACK_BYTES = 8192
 def create_app(settings: IngestSettings) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        supervisor = Supervisor()
         tracing = Tracing("ingest", settings.otlp_endpoint)
-        state_path = settings.state_file("ingest", settings.ingest_port)
-        async with (
-            Broker(
-                settings.amqp_url, name="hookline-ingest", connect_timeout_s=settings.connect_timeout_s
-            ) as broker,
-            DeadLetterIndex(
-                state_path, identity=f"{broker.vhost}/{topology.DEAD_LETTER_STREAM}"
-            ) as dead_letters,
-            DeliveryClient(
-                max_connections=32,
-                user_agent=f"hookline/{__version__}",
-                allow_http=settings.allow_http,
-                allow_private=settings.allow_private_targets,
-                capture_bytes=settings.response_capture_bytes,
-                proxy=settings.egress_proxy,
-            ) as client,
-            CapacityReader(
-                management_url=settings.rabbitmq_management_url,
-                diagnostics_command=settings.rabbitmq_diagnostics,
-                amqp_url=settings.amqp_url,
-            ) as capacity,
-            DeliveryLog(
-                state_path,
-                vhost=broker.vhost,
-                retention_s=settings.delivery_log_retention_s,
-                max_bytes=settings.delivery_log_max_bytes,
-            ) as delivery_log,
-            audit.view(state_path, vhost=broker.vhost) as audit_view,
-        ):
-            await topology.declare(broker, settings.retention)
-            publisher = Publisher(broker)
-            try:
-                endpoint_registry = registry.EndpointRegistry()
-                change_log = await registry.follow(
-                    broker,
-                    publisher,
-                    supervisor,
-                    endpoint_registry,
-                    sync_timeout_s=settings.connect_timeout_s,
-                )
-                dead_letter_log = StreamFollower(
-                    broker,
-                    topology.DEAD_LETTER_STREAM,
-                    dead_letters.apply,
-                    publisher=publisher,
-                    start=dead_letters.next_offset,
-                )
-                supervisor.spawn("dead-letters", partial(follow_view, dead_letter_log, dead_letters))
-                await supervisor.wait_up("dead-letters", timeout_s=settings.connect_timeout_s)
-                await dead_letter_log.sync(timeout_s=settings.connect_timeout_s)
-                breakers = BreakerView()
-                sealer = Sealer(settings.secret_key.get_secret_value() if settings.secret_key else None)
-                _follow_delivery_log(broker, publisher, supervisor, delivery_log, breakers, audit_view)
-                state = IngestState(
-                    settings=settings,
-                    broker=broker,
-                    supervisor=supervisor,
-                    change_log=change_log,
-                    registry=endpoint_registry,
-                    publisher=publisher,
-                    dead_letters_log=dead_letter_log,
-                    dead_letters_index=dead_letters,
-                    client=client,
-                    credentials=Credentials(sealer, client),
-                    capacity=capacity,
-                    delivery_log=delivery_log,
-                    duplicates=Duplicates(delivery_log, window_s=settings.dedupe_window_s),
-                    breakers=breakers,
-                    sealer=sealer,
-                    tracing=tracing,
-                    tenant_tokens=parse_tenant_tokens(
-                        settings.tenant_tokens.get_secret_value() if settings.tenant_tokens else None
-                    ),
-                    quotas=quotas.Quotas(change_log.tenants, endpoint_registry, delivery_log),
-                    audit=audit_view,
-                )
-                supervisor.spawn("upgrade", partial(_upgrade_endpoints, state), required=False)
+        try:
+            async with _stores(settings) as stores, _running(settings, stores, tracing) as state:
                 app.state.ingest = state
                 log.info(
                     "ingest_ready",
-                    endpoints=len(endpoint_registry),
-                    dead_letters=await dead_letters.count(),
+                    endpoints=len(state.registry),
+                    dead_letters=await state.dead_letters_index.count(),
                 )
                 yield
-            finally:
-                # The HTTP server has finished its requests: stop the loops, then the channels.
-                await supervisor.stop()
-                await publisher.close()
-                await asyncio.to_thread(tracing.shutdown)  # the last spans (the exporter blocks)
+        finally:
+            await asyncio.to_thread(tracing.shutdown)  # the last spans (the exporter blocks)
 
     app = FastAPI(title="hookline ingest", version=__version__, lifespan=lifespan)
     install_error_handlers(app)
@@ -173,6 +96,108 @@ def create_app(settings: IngestSettings) -> FastAPI:
     app.include_router(audit.router, dependencies=[guard])
     app.include_router(probes_router(lambda: _problems(app), metrics_tokens=metrics_tokens(settings)))
     return app
+
+
+@dataclass(frozen=True)
+class _Stores:
+    """What the ingest opens before it follows anything: the broker session, its HTTP client and the
+    local views kept in the state file."""
+
+    broker: Broker
+    dead_letters: DeadLetterIndex
+    client: DeliveryClient
+    capacity: CapacityReader
+    delivery_log: DeliveryLog
+    audit_view: RowView
+
+
+@asynccontextmanager
+async def _stores(settings: IngestSettings) -> AsyncIterator[_Stores]:
+    state_path = settings.state_file("ingest", settings.ingest_port)
+    async with (
+        Broker(
+            settings.amqp_url, name="hookline-ingest", connect_timeout_s=settings.connect_timeout_s
+        ) as broker,
+        DeadLetterIndex(state_path, identity=f"{broker.vhost}/{topology.DEAD_LETTER_STREAM}") as dead_letters,
+        DeliveryClient(
+            max_connections=32,
+            user_agent=f"hookline/{__version__}",
+            allow_http=settings.allow_http,
+            allow_private=settings.allow_private_targets,
+            capture_bytes=settings.response_capture_bytes,
+            proxy=settings.egress_proxy,
+        ) as client,
+        CapacityReader(
+            management_url=settings.rabbitmq_management_url,
+            diagnostics_command=settings.rabbitmq_diagnostics,
+            amqp_url=settings.amqp_url,
+        ) as capacity,
+        DeliveryLog(
+            state_path,
+            vhost=broker.vhost,
+            retention_s=settings.delivery_log_retention_s,
+            max_bytes=settings.delivery_log_max_bytes,
+        ) as delivery_log,
+        audit.view(state_path, vhost=broker.vhost) as audit_view,
+    ):
+        yield _Stores(broker, dead_letters, client, capacity, delivery_log, audit_view)
+
+
+@asynccontextmanager
+async def _running(settings: IngestSettings, stores: _Stores, tracing: Tracing) -> AsyncIterator[IngestState]:
+    """The followed streams and the loops behind the routes. The endpoint log and the dead letters are
+    read up to now before the first request: an answer never misses a write acknowledged before."""
+    supervisor = Supervisor()
+    broker = stores.broker
+    await topology.declare(broker, settings.retention)
+    publisher = Publisher(broker)
+    try:
+        endpoint_registry = registry.EndpointRegistry()
+        change_log = await registry.follow(
+            broker, publisher, supervisor, endpoint_registry, sync_timeout_s=settings.connect_timeout_s
+        )
+        dead_letter_log = StreamFollower(
+            broker,
+            topology.DEAD_LETTER_STREAM,
+            stores.dead_letters.apply,
+            publisher=publisher,
+            start=stores.dead_letters.next_offset,
+        )
+        supervisor.spawn("dead-letters", partial(follow_view, dead_letter_log, stores.dead_letters))
+        await supervisor.wait_up("dead-letters", timeout_s=settings.connect_timeout_s)
+        await dead_letter_log.sync(timeout_s=settings.connect_timeout_s)
+        breakers = BreakerView()
+        _follow_delivery_log(broker, publisher, supervisor, stores.delivery_log, breakers, stores.audit_view)
+        sealer = Sealer(settings.secret_key.get_secret_value() if settings.secret_key else None)
+        state = IngestState(
+            settings=settings,
+            broker=broker,
+            supervisor=supervisor,
+            change_log=change_log,
+            registry=endpoint_registry,
+            publisher=publisher,
+            dead_letters_log=dead_letter_log,
+            dead_letters_index=stores.dead_letters,
+            attempts=Attempts(sealer, Credentials(sealer, stores.client), publisher),
+            capacity=stores.capacity,
+            delivery_log=stores.delivery_log,
+            duplicates=Duplicates(stores.delivery_log, window_s=settings.dedupe_window_s),
+            breakers=breakers,
+            sealer=sealer,
+            tracing=tracing,
+            tenant_tokens=parse_tenant_tokens(
+                settings.tenant_tokens.get_secret_value() if settings.tenant_tokens else None
+            ),
+            quotas=quotas.Quotas(change_log.tenants, endpoint_registry, stores.delivery_log),
+            audit=stores.audit_view,
+            trail=audit.AuditTrail(publisher, broker.user),
+        )
+        supervisor.spawn("upgrade", partial(_upgrade_endpoints, state), required=False)
+        yield state
+    finally:
+        # The HTTP server has finished its requests: stop the loops, then the channels.
+        await supervisor.stop()
+        await publisher.close()
 
 
 def _follow_delivery_log(

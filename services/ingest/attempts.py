@@ -6,69 +6,79 @@ from __future__ import annotations
 
 import os
 import time
+from dataclasses import dataclass
 from datetime import UTC, datetime
 
 import aio_pika
 import structlog
 
-from hookline.ingest.state import IngestState
 from hookline.shared import signing, topology
-from hookline.shared.amqp import BROKER_ERRORS
+from hookline.shared.amqp import BROKER_ERRORS, Publisher
+from hookline.shared.credentials import Credentials
 from hookline.shared.delivery import AttemptResult
 from hookline.shared.models import StoredEndpoint
+from hookline.shared.sealing import Sealer
 from hookline.shared.telemetry import AttemptKind, AttemptRecord, Outcome, batch, exchange
 from hookline.shared.webhook import webhook_request
 
 log = structlog.get_logger(__name__)
 
 
-def signing_keys(state: IngestState, endpoint: StoredEndpoint, now: datetime) -> list[bytes]:
+def signing_keys(sealer: Sealer, endpoint: StoredEndpoint, now: datetime) -> list[bytes]:
     return [
-        signing.secret_key(state.sealer.open(secret.value))
+        signing.secret_key(sealer.open(secret.value))
         for secret in endpoint.secrets
         if secret.expires_at is None or secret.expires_at > now
     ]
 
 
-async def attempt(
-    state: IngestState,
-    endpoint: StoredEndpoint,
-    *,
-    event_id: str,
-    event_type: str,
-    body: bytes,
-    kind: AttemptKind,
-    number: int,
-    sequence: int | None = None,
-) -> tuple[AttemptResult, AttemptRecord]:
-    """POST ``body`` to the endpoint now and record the attempt (a record that cannot be published is
-    only missing from the delivery log: the attempt itself happened)."""
-    keys = signing_keys(state, endpoint, datetime.now(UTC))
-    request = webhook_request(endpoint, keys, event_id, body, timestamp_s=int(time.time()), sequence=sequence)
-    started_s = time.time()
-    result = await state.credentials.post(endpoint, request.body, request.headers)
-    ok = result.status is not None and 200 <= result.status < 300
-    record = AttemptRecord(
-        at_s=time.time(),
-        dispatcher_id=f"ingest:{os.getpid()}",
-        event_id=event_id,
-        endpoint_id=endpoint.id,
-        tenant=endpoint.tenant,
-        type=event_type,
-        attempt=number,
-        outcome=Outcome.SUCCESS if ok else Outcome.FAILED,
-        first_attempt_at_s=started_s,
-        attempt_kind=kind,
-        **exchange(result, state.sealer),
-    )
-    try:
-        await state.publisher.publish(
-            aio_pika.Message(batch.dump_json([record]), content_type="application/json"),
-            exchange=topology.TELEMETRY_EXCHANGE,
-            routing_key="",
+@dataclass(frozen=True)
+class Attempts:
+    sealer: Sealer  # opens the signing secrets; seals the response bodies kept in the record
+    credentials: Credentials  # what a request carries besides the signature (the endpoint's auth)
+    publisher: Publisher  # the attempt records, to the telemetry exchange
+
+    async def make(
+        self,
+        endpoint: StoredEndpoint,
+        *,
+        event_id: str,
+        event_type: str,
+        body: bytes,
+        kind: AttemptKind,
+        number: int,
+        sequence: int | None = None,
+    ) -> tuple[AttemptResult, AttemptRecord]:
+        """POST ``body`` to the endpoint now and record the attempt (a record that cannot be published
+        is only missing from the delivery log: the attempt itself happened)."""
+        keys = signing_keys(self.sealer, endpoint, datetime.now(UTC))
+        request = webhook_request(
+            endpoint, keys, event_id, body, timestamp_s=int(time.time()), sequence=sequence
         )
-    except BROKER_ERRORS as exc:
-        log.warning(
-            "attempt_unrecorded", event_id=event_id, endpoint_id=endpoint.id, error=type(exc).__name__
+        started_s = time.time()
+        result = await self.credentials.post(endpoint, request.body, request.headers)
+        ok = result.status is not None and 200 <= result.status < 300
+        record = AttemptRecord(
+            at_s=time.time(),
+            dispatcher_id=f"ingest:{os.getpid()}",
+            event_id=event_id,
+            endpoint_id=endpoint.id,
+            tenant=endpoint.tenant,
+            type=event_type,
+            attempt=number,
+            outcome=Outcome.SUCCESS if ok else Outcome.FAILED,
+            first_attempt_at_s=started_s,
+            attempt_kind=kind,
+            **exchange(result, self.sealer),
         )
-    return result, record
+        try:
+            await self.publisher.publish(
+                aio_pika.Message(batch.dump_json([record]), content_type="application/json"),
+                exchange=topology.TELEMETRY_EXCHANGE,
+                routing_key="",
+            )
+        except BROKER_ERRORS as exc:
+            log.warning(
+                "attempt_unrecorded", event_id=event_id, endpoint_id=endpoint.id, error=type(exc).__name__
+            )
+        return result, record

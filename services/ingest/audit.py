@@ -13,6 +13,7 @@ refuse the record then, the change stands and ``audit_record_not_written`` is lo
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -20,13 +21,13 @@ from urllib.parse import parse_qsl, urlsplit, urlunsplit
 
 import aio_pika
 import structlog
-from fastapi import APIRouter, Depends, Query
+from fastapi import APIRouter, Depends, Query, Request
 from pydantic import AwareDatetime
 
 from hookline.ingest.auth import Caller, Principal
-from hookline.ingest.state import IngestState, ingest_state
+from hookline.ingest.state import ingest_state
 from hookline.shared import permissions, topology
-from hookline.shared.amqp import BROKER_ERRORS
+from hookline.shared.amqp import BROKER_ERRORS, Publisher
 from hookline.shared.api import ApiError
 from hookline.shared.ids import new_id
 from hookline.shared.models import ErrorDetail, Model
@@ -107,35 +108,55 @@ def _shown(fields: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-async def record(
-    state: IngestState,
-    caller: Principal,
-    action: str,
-    *,
-    tenant: str | None,
-    target: str | None,
-    changes: dict[str, Any] | None = None,
-) -> None:
-    entry = AuditRecord(
-        id=new_id("aud"),
-        at=datetime.now(UTC),
-        actor=caller.actor,
-        action=action,
-        tenant=tenant,
-        target=target,
-        changes=changes or {},
-    )
-    message = aio_pika.Message(
-        entry.model_dump_json().encode(),
-        content_type="application/json",
-        delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
-        message_id=entry.id,
-        user_id=state.broker.user,
-    )
-    try:
-        await state.publisher.publish(message, exchange="", routing_key=topology.AUDIT_LOG)
-    except BROKER_ERRORS as exc:
-        log.error("audit_record_not_written", action=action, target=target, error=type(exc).__name__)
+@dataclass(frozen=True)
+class AuditTrail:
+    """Where the routes append their records: the ``hookline.audit`` stream, as the ingest's broker
+    user (the followers keep only records a trusted writer wrote)."""
+
+    publisher: Publisher
+    user: str
+
+    async def record(
+        self,
+        caller: Principal,
+        action: str,
+        *,
+        tenant: str | None,
+        target: str | None,
+        changes: dict[str, Any] | None = None,
+    ) -> None:
+        entry = AuditRecord(
+            id=new_id("aud"),
+            at=datetime.now(UTC),
+            actor=caller.actor,
+            action=action,
+            tenant=tenant,
+            target=target,
+            changes=changes or {},
+        )
+        message = aio_pika.Message(
+            entry.model_dump_json().encode(),
+            content_type="application/json",
+            delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
+            message_id=entry.id,
+            user_id=self.user,
+        )
+        try:
+            await self.publisher.publish(message, exchange="", routing_key=topology.AUDIT_LOG)
+        except BROKER_ERRORS as exc:
+            log.error("audit_record_not_written", action=action, target=target, error=type(exc).__name__)
+
+
+def _trail(request: Request) -> AuditTrail:
+    return ingest_state(request).trail
+
+
+def _view(request: Request) -> RowView:
+    return ingest_state(request).audit
+
+
+#: A route's audit trail.
+Trail = Annotated[AuditTrail, Depends(_trail)]
 
 
 def _rows(offset: int, message: StreamMessage) -> list[tuple[Any, ...]]:
@@ -165,7 +186,7 @@ router = APIRouter(prefix="/v1/audit", tags=["audit"])
 
 @router.get("", response_model=AuditList)
 async def list_audit(
-    state: Annotated[IngestState, Depends(ingest_state)],
+    audit: Annotated[RowView, Depends(_view)],
     caller: Caller,
     tenant: str | None = None,
     since: AwareDatetime | None = None,
@@ -180,7 +201,7 @@ async def list_audit(
         conditions.append("tenant = ?")
         values.append(scope)
     if after is not None:
-        found = await state.audit.read(
+        found = await audit.read(
             lambda db: db.execute("SELECT offset FROM audit WHERE id = ?", (after,)).fetchone()
         )
         if found is None:
@@ -194,7 +215,7 @@ async def list_audit(
         values.append(found[0])
     # Only the fixed conditions above are joined in; every value is a placeholder.
     sql = f"SELECT record FROM audit WHERE {' AND '.join(conditions)} ORDER BY offset {order} LIMIT ?"  # noqa: S608
-    rows = await state.audit.read(lambda db: db.execute(sql, (*values, limit + 1)).fetchall())
+    rows = await audit.read(lambda db: db.execute(sql, (*values, limit + 1)).fetchall())
     page = [AuditRecord.model_validate_json(row[0]) for row in rows[:limit]]
     return AuditList(data=page, next_after=page[-1].id if len(rows) > limit else None)
 

@@ -13,7 +13,7 @@ from typing import Annotated
 
 from fastapi import APIRouter, Depends, Request
 
-from hookline.ingest.state import IngestState, ingest_state
+from hookline.ingest.state import State
 from hookline.shared.api import ApiError
 from hookline.shared.models import Model
 
@@ -60,7 +60,7 @@ def parse_tenant_tokens(setting: str | None) -> dict[str, str]:
     return tokens
 
 
-def principal(request: Request, state: Annotated[IngestState, Depends(ingest_state)]) -> Principal:
+def principal(request: Request, state: State) -> Principal:
     scheme, _, presented = request.headers.get("authorization", "").partition(" ")
     presented = presented.strip()
     offered = presented.encode()

@@ -13,22 +13,21 @@ import aio_pika
 import orjson
 import structlog
 from aio_pika.abc import AbstractIncomingMessage
-from fastapi import APIRouter, Depends, Query
+from fastapi import APIRouter, Query
 from pydantic import Field, model_validator
 
-from hookline.ingest import audit
 from hookline.ingest.auth import Caller
 from hookline.ingest.resend import Resend, resend
-from hookline.ingest.state import IngestState, ingest_state
+from hookline.ingest.state import DeadLetters, State
 from hookline.shared import topology
 from hookline.shared.deadletters import REDRIVEN_HEADER, DeadLetterItem, item_id, offset_of
 from hookline.shared.ids import new_id
 from hookline.shared.models import DeadLetterReason, Model
+from hookline.shared.registry import EndpointRegistry
 from hookline.shared.streams import read_until_now
 
 log = structlog.get_logger(__name__)
 router = APIRouter(prefix="/v1/dead-letters", tags=["dead letters"])
-State = Annotated[IngestState, Depends(ingest_state)]
 
 
 class DeadLetterList(Model):
@@ -63,15 +62,15 @@ class RedriveResult(Model):
     skipped: int = Field(description="invalid events, and those whose endpoint no longer exists")
 
 
-def _tenant_of(state: IngestState, endpoint_id: str | None) -> str | None:
+def _tenant_of(registry: EndpointRegistry, endpoint_id: str | None) -> str | None:
     """The tenant an admin's redrive of one endpoint is about (its trail is the tenant's too)."""
-    endpoint = state.registry.last_known(endpoint_id) if endpoint_id else None
+    endpoint = registry.last_known(endpoint_id) if endpoint_id else None
     return endpoint.tenant if endpoint is not None else None
 
 
 @router.get("", response_model=DeadLetterList)
 async def list_dead_letters(
-    state: State,
+    dead_letters: DeadLetters,
     caller: Caller,
     endpoint_id: str | None = None,
     tenant: str | None = None,
@@ -80,7 +79,7 @@ async def list_dead_letters(
     limit: Annotated[int, Query(ge=1, le=1000)] = 100,
     after: Annotated[str | None, Query(description="return dead letters after this id")] = None,
 ) -> DeadLetterList:
-    selected = await state.dead_letters_index.select(
+    selected = await dead_letters.select(
         endpoint_id=endpoint_id,
         tenant=caller.scope(tenant),
         reason=reason,
@@ -130,7 +129,8 @@ async def redrive(request: RedriveRequest, state: State, caller: Caller) -> Redr
     )
     items = [wanted[dead_letter_id] for dead_letter_id in wanted if dead_letter_id in bodies]
     sent = await resend(
-        state,
+        state.registry,
+        state.publisher,
         (
             Resend(item.endpoint_id or "", item.event_id or "", bodies[item.id], origin="redrive")
             for item in items
@@ -148,9 +148,9 @@ async def redrive(request: RedriveRequest, state: State, caller: Caller) -> Redr
         timeout_s=state.settings.registry_wait_s,
     )
     log.info("dead_letters_redriven", count=sent, skipped=len(chosen) - sent, endpoint_id=request.endpoint_id)
-    await audit.record(
-        state, caller, "dead_letters.redriven",
-        tenant=caller.scope(request.tenant) or _tenant_of(state, request.endpoint_id),
+    await state.trail.record(
+        caller, "dead_letters.redriven",
+        tenant=caller.scope(request.tenant) or _tenant_of(state.registry, request.endpoint_id),
         target=request.endpoint_id,
         changes={"filter": request.model_dump(mode="json", exclude_none=True), "redriven": sent},
     )  # fmt: skip

@@ -17,10 +17,11 @@ from typing import Annotated, Any
 import aio_pika
 import orjson
 import structlog
-from fastapi import APIRouter, Depends, Header, Query, Response
+from fastapi import APIRouter, Header, Query, Response
 from pydantic import ValidationError
 
 from hookline.ingest import audit
+from hookline.ingest.audit import AuditTrail
 from hookline.ingest.auth import Caller
 from hookline.ingest.schemas import (
     EndpointCreate,
@@ -31,12 +32,13 @@ from hookline.ingest.schemas import (
     RotatedSecret,
     RotateSecret,
 )
-from hookline.ingest.state import IngestState, ingest_state
+from hookline.ingest.state import IngestState, State
 from hookline.ingest.verification import verify
 from hookline.shared import credentials, notifications, topology
-from hookline.shared.amqp import QueueProbe
+from hookline.shared.amqp import Broker, QueueProbe
 from hookline.shared.api import ApiError, broker_unavailable
 from hookline.shared.capacity import QUORUM_QUEUE_FILE_HANDLES
+from hookline.shared.catalog import Catalog
 from hookline.shared.ids import new_id
 from hookline.shared.models import (
     Endpoint,
@@ -48,7 +50,8 @@ from hookline.shared.models import (
     SigningSecret,
     StoredEndpoint,
 )
-from hookline.shared.registry import StaleWriteError
+from hookline.shared.registry import EndpointRegistry, StaleWriteError
+from hookline.shared.settings import IngestSettings
 from hookline.shared.signing import generate_secret
 from hookline.shared.streams import read_until_now
 from hookline.shared.targets import registration_refusal
@@ -60,7 +63,6 @@ router = APIRouter(prefix="/v1/endpoints", tags=["endpoints"])
 # A reading of the broker's file handles this recent is good enough to let one more queue in.
 CAPACITY_MAX_AGE_S = 5.0
 CAPACITY_RETRY_AFTER_S = 60
-State = Annotated[IngestState, Depends(ingest_state)]
 IfMatch = Annotated[
     str | None,
     Header(description="the endpoint version (its ETag) this change is based on; 409 if it is not current"),
@@ -76,10 +78,10 @@ def _invalid(field: str, message: str) -> ApiError:
     )
 
 
-async def _check_target(url: str, state: IngestState, field: str = "url") -> None:
+async def _check_target(url: str, settings: IngestSettings, field: str = "url") -> None:
     """Refuse, naming the reason, a URL hookline would not call (scheme, private or reserved addresses)."""
     refusal = await registration_refusal(
-        url, allow_http=state.settings.allow_http, allow_private=state.settings.allow_private_targets
+        url, allow_http=settings.allow_http, allow_private=settings.allow_private_targets
     )
     if refusal is not None:
         raise _invalid(field, refusal)
@@ -95,7 +97,7 @@ async def _credentials(
     if "auth" in fields:
         auth = given.auth
         if isinstance(auth, OAuth2ClientCredentials):
-            await _check_target(auth.token_url, state, "auth.token_url")
+            await _check_target(auth.token_url, state.settings, "auth.token_url")
         if isinstance(auth, MtlsAuth) and (problem := credentials.certificate_problem(auth)) is not None:
             raise _invalid("auth", problem)
         stored |= credentials.stored_auth(state.sealer, auth)
@@ -110,7 +112,7 @@ async def _notifier(state: IngestState, endpoint: StoredEndpoint) -> StoredEndpo
         return None
     if (existing := state.registry.get(notifier_id)) is not None:
         return existing
-    await _check_target(endpoint.notify_url, state, "notify_url")
+    await _check_target(endpoint.notify_url, state.settings, "notify_url")
     now = datetime.now(UTC)
     notifier = StoredEndpoint(
         id=notifier_id,
@@ -141,10 +143,10 @@ async def _notifier(state: IngestState, endpoint: StoredEndpoint) -> StoredEndpo
 
 
 async def _audit(
-    state: IngestState, caller: Caller, action: str, before: StoredEndpoint | None, after: StoredEndpoint
+    trail: AuditTrail, caller: Caller, action: str, before: StoredEndpoint | None, after: StoredEndpoint
 ) -> None:
     changes = audit.changes_between(before, after)
-    await audit.record(state, caller, action, tenant=after.tenant, target=after.id, changes=changes)
+    await trail.record(caller, action, tenant=after.tenant, target=after.id, changes=changes)
 
 
 def _may_skip_verification(caller: Caller, *, verify: bool) -> None:
@@ -158,8 +160,8 @@ def _reserved(tenant: str) -> None:
         raise _invalid("tenant", f"{tenant!r} is reserved for hookline's own notifications")
 
 
-def _stored(state: IngestState, endpoint_id: str, caller: Caller) -> StoredEndpoint:
-    endpoint = state.registry.get(endpoint_id)
+def _stored(registry: EndpointRegistry, endpoint_id: str, caller: Caller) -> StoredEndpoint:
+    endpoint = registry.get(endpoint_id)
     # Another tenant's endpoint is "not found": its existence is not theirs to know.
     if endpoint is None or not caller.may_see(endpoint.tenant):
         raise ApiError(404, "not_found", f"no endpoint {endpoint_id}")
@@ -206,7 +208,7 @@ async def _record_verification(state: IngestState, endpoint: StoredEndpoint) -> 
     """Run the handshake, then record its result on the endpoint as it is by then: a rotation or an edit
     made while the receiver was answering survives (the write is re-read and retried if another one
     wins). A result for a URL that has changed meanwhile is not recorded."""
-    result = await verify(state, endpoint)
+    result = await verify(state.attempts, endpoint)
 
     def verified(current: StoredEndpoint) -> StoredEndpoint | None:
         if current.url != endpoint.url:
@@ -235,7 +237,7 @@ async def create_endpoint(
     _may_skip_verification(caller, verify=spec.verify)
     _reserved(spec.tenant)
     state.quotas.check_endpoints(spec.tenant)
-    await _check_target(spec.url, state)
+    await _check_target(spec.url, state.settings)
     now = datetime.now(UTC)
     secret = generate_secret()
     sealed = await _credentials(state, {"headers": None, "auth": None}, spec)
@@ -256,7 +258,7 @@ async def create_endpoint(
         await topology.provision(admin, endpoint)
     endpoint = await _write(state, endpoint, base_version=0)
     log.info("endpoint_created", endpoint_id=endpoint.id, tenant=endpoint.tenant)
-    await _audit(state, caller, "endpoint.created", None, endpoint)
+    await _audit(state.trail, caller, "endpoint.created", None, endpoint)
     if spec.verify:
         endpoint = await _record_verification(state, endpoint)
     _etag(response, endpoint)
@@ -264,7 +266,7 @@ async def create_endpoint(
         **endpoint.public().model_dump(),
         secret=secret,
         notify_secret=state.sealer.open(notifier.secrets[0].value) if notifier else None,
-        warnings=_pattern_warnings(state, endpoint),
+        warnings=_pattern_warnings(state.change_log.catalog, endpoint),
     )
 
 
@@ -273,9 +275,9 @@ def _warn_in_headers(response: Response, warnings: list[str]) -> None:
         response.headers.append("hookline-warning", warning)
 
 
-def _pattern_warnings(state: IngestState, endpoint: StoredEndpoint) -> list[str]:
+def _pattern_warnings(catalog: Catalog, endpoint: StoredEndpoint) -> list[str]:
     """Patterns that match no type of the event-type catalog (a typo, most likely): said, not refused."""
-    unknown = state.change_log.catalog.unknown_patterns(endpoint.event_types)
+    unknown = catalog.unknown_patterns(endpoint.event_types)
     if unknown:
         log.warning("endpoint_pattern_unknown", endpoint_id=endpoint.id, patterns=unknown)
     return [
@@ -307,14 +309,14 @@ async def list_endpoints(
 
 @router.get("/{endpoint_id}", response_model=Endpoint)
 async def get_endpoint(endpoint_id: str, state: State, caller: Caller, response: Response) -> Endpoint:
-    endpoint = _stored(state, endpoint_id, caller)
+    endpoint = _stored(state.registry, endpoint_id, caller)
     _etag(response, endpoint)
     return endpoint.public()
 
 
 @router.get("/{endpoint_id}/secret", response_model=EndpointSecret)
 async def get_secret(endpoint_id: str, state: State, caller: Caller) -> EndpointSecret:
-    endpoint = _stored(state, endpoint_id, caller)
+    endpoint = _stored(state.registry, endpoint_id, caller)
     notifier_id = notifications.notifier_of(endpoint)
     notifier = state.registry.get(notifier_id) if notifier_id else None
     return EndpointSecret(
@@ -332,7 +334,7 @@ async def update_endpoint(
     response: Response,
     if_match: IfMatch = None,
 ) -> Endpoint:
-    before = _stored(state, endpoint_id, caller)
+    before = _stored(state.registry, endpoint_id, caller)
     _may_skip_verification(caller, verify=change.verify)
     base_version = _base_version(before, if_match)
     changes = change.model_dump(exclude_unset=True, exclude={"verify"})
@@ -340,7 +342,7 @@ async def update_endpoint(
         if field in changes and changes[field] is None:
             raise _invalid(field, "must not be null")
     if "url" in changes:
-        await _check_target(changes["url"], state)
+        await _check_target(changes["url"], state.settings)
     changes |= await _credentials(state, changes, change)
     # A combination the model refuses is a 422 naming the fields (the app's ValidationError handler).
     after = StoredEndpoint.model_validate(
@@ -364,7 +366,7 @@ async def update_endpoint(
                 update={
                     "queue_generation": before.queue_generation + 1,
                     "retired_queues": [
-                        *await _live_queues(state, before.retired_queues),
+                        *await _live_queues(state.broker, before.retired_queues),
                         topology.endpoint_queue(before.id, before.queue_generation),
                     ],
                 }
@@ -374,7 +376,7 @@ async def update_endpoint(
     try:
         written = await _write(state, after, base_version)
     except ApiError:
-        await _undo(state, before, after, moving=moving)
+        await _undo(state.broker, before, after, moving=moving)
         raise
     if moving:
         async with state.broker.channel() as admin:
@@ -386,18 +388,20 @@ async def update_endpoint(
             to_queue=topology.endpoint_queue(written.id, written.queue_generation),
         )
     log.info("endpoint_updated", endpoint_id=endpoint_id, tenant=written.tenant, fields=sorted(changes))
-    await _audit(state, caller, "endpoint.updated", before, written)
+    await _audit(state.trail, caller, "endpoint.updated", before, written)
     if url_changed and change.verify:
         written = await _record_verification(state, written)
     _etag(response, written)
-    _warn_in_headers(response, _pattern_warnings(state, written) if "event_types" in changes else [])
+    _warn_in_headers(
+        response, _pattern_warnings(state.change_log.catalog, written) if "event_types" in changes else []
+    )
     return written.public()
 
 
-async def _undo(state: IngestState, before: StoredEndpoint, after: StoredEndpoint, *, moving: bool) -> None:
+async def _undo(broker: Broker, before: StoredEndpoint, after: StoredEndpoint, *, moving: bool) -> None:
     """A change that lost to another write: its bindings go back, and a queue declared for it (empty,
     bound to nothing, known to nobody) is deleted."""
-    async with state.broker.channel() as admin:
+    async with broker.channel() as admin:
         await topology.rebind(admin, after, before)
         if moving:
             await admin.queue_delete(topology.endpoint_queue(after.id, after.queue_generation))
@@ -429,9 +433,9 @@ async def _check_capacity(state: IngestState) -> None:
         )
 
 
-async def _live_queues(state: IngestState, queues: list[str]) -> list[str]:
+async def _live_queues(broker: Broker, queues: list[str]) -> list[str]:
     """The queues that still exist (retired queues are removed by the monitor once drained)."""
-    async with QueueProbe(state.broker) as probe:
+    async with QueueProbe(broker) as probe:
         return [name for name in queues if await probe.find(name) is not None]
 
 
@@ -453,9 +457,9 @@ async def upgrade(state: IngestState, endpoint_id: str) -> None:
 @router.post("/{endpoint_id}/verify", response_model=Endpoint)
 async def verify_endpoint(endpoint_id: str, state: State, caller: Caller) -> Endpoint:
     """Run the verification handshake again (after fixing the receiver)."""
-    before = _stored(state, endpoint_id, caller)
+    before = _stored(state.registry, endpoint_id, caller)
     after = await _record_verification(state, before)
-    await _audit(state, caller, "endpoint.verified", before, after)
+    await _audit(state.trail, caller, "endpoint.verified", before, after)
     return after.public()
 
 
@@ -468,7 +472,7 @@ async def rotate_secret(
     if_match: IfMatch = None,
 ) -> RotatedSecret:
     """A new secret signs from now on; the previous one keeps signing too until the overlap ends."""
-    before = _stored(state, endpoint_id, caller)
+    before = _stored(state.registry, endpoint_id, caller)
     base_version = _base_version(before, if_match)
     now = datetime.now(UTC)
     overlap_s = (
@@ -491,20 +495,20 @@ async def rotate_secret(
     )
     written = await _write(state, after, base_version)
     log.info("endpoint_secret_rotated", endpoint_id=endpoint_id, tenant=after.tenant, overlap_s=overlap_s)
-    await _audit(state, caller, "endpoint.secret_rotated", before, written)
+    await _audit(state.trail, caller, "endpoint.secret_rotated", before, written)
     return RotatedSecret(secret=secret, previous_expires_at=expires_at)
 
 
 async def _set_status(
     state: IngestState, endpoint_id: str, caller: Caller, status: EndpointStatus, if_match: str | None
 ) -> Endpoint:
-    before = _stored(state, endpoint_id, caller)
+    before = _stored(state.registry, endpoint_id, caller)
     base_version = _base_version(before, if_match)
     after = before.model_copy(update={"status": status, "updated_at": datetime.now(UTC)})
     written = await _write(state, after, base_version)
     log.info("endpoint_status_changed", endpoint_id=endpoint_id, tenant=after.tenant, status=status.value)
     action = "endpoint.paused" if status is EndpointStatus.PAUSED else "endpoint.resumed"
-    await _audit(state, caller, action, before, written)
+    await _audit(state.trail, caller, action, before, written)
     return written.public()
 
 
@@ -534,9 +538,9 @@ async def delete_endpoint(
     ] = False,
     if_match: IfMatch = None,
 ) -> Response:
-    endpoint = _stored(state, endpoint_id, caller)
+    endpoint = _stored(state.registry, endpoint_id, caller)
     base_version = _base_version(endpoint, if_match)
-    ready = await _ready_messages(state, endpoint)
+    ready = await _ready_messages(state.broker, endpoint)
     unacked = await _held_by_dispatchers(state, endpoint.id)
     if (ready or unacked) and not force:
         raise ApiError(
@@ -562,15 +566,15 @@ async def delete_endpoint(
     log.info(
         "endpoint_deleted", endpoint_id=endpoint_id, tenant=endpoint.tenant, ready=ready, unacked=unacked
     )
-    await audit.record(
-        state, caller, "endpoint.deleted", tenant=endpoint.tenant, target=endpoint_id,
+    await state.trail.record(
+        caller, "endpoint.deleted", tenant=endpoint.tenant, target=endpoint_id,
         changes={"url": audit.redact_url(endpoint.url), "force": force, "events_dead_lettered": ready + unacked if force else 0},
     )  # fmt: skip
     return Response(status_code=204)
 
 
-async def _ready_messages(state: IngestState, endpoint: StoredEndpoint) -> int:
-    async with QueueProbe(state.broker) as probe:
+async def _ready_messages(broker: Broker, endpoint: StoredEndpoint) -> int:
+    async with QueueProbe(broker) as probe:
         return sum([await probe.depth(name) or 0 for name in topology.endpoint_queues(endpoint)])
 
 

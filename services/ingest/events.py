@@ -8,7 +8,7 @@ from datetime import UTC, datetime
 from typing import Annotated, Any
 
 import structlog
-from fastapi import APIRouter, Depends, Header, Request, Response
+from fastapi import APIRouter, Header, Request, Response
 from opentelemetry.trace import SpanKind
 from pydantic import ValidationError
 
@@ -16,10 +16,11 @@ from hookline.ingest.auth import Caller
 from hookline.ingest.deliverylog import Acceptance
 from hookline.ingest.duplicates import IDEMPOTENCY_KEY_MAX, event_id_for_key, request_digest
 from hookline.ingest.schemas import BatchAccepted, BatchIn, BatchItem, EventAccepted, EventIn
-from hookline.ingest.state import IngestState, ingest_state
+from hookline.ingest.state import IngestState, State
 from hookline.shared import topology, tracing
-from hookline.shared.amqp import BROKER_ERRORS, BrokerBlockedError
+from hookline.shared.amqp import BROKER_ERRORS, BrokerBlockedError, Publisher
 from hookline.shared.api import ApiError, broker_unavailable, invalid_input
+from hookline.shared.catalog import Catalog
 from hookline.shared.envelope import event_message
 from hookline.shared.ids import new_id
 from hookline.shared.models import ErrorDetail, Event
@@ -46,7 +47,7 @@ PUBLISH_TIMEOUT_S = 10.0
 async def publish_event(
     request: Request,
     response: Response,
-    state: Annotated[IngestState, Depends(ingest_state)],
+    state: State,
     caller: Caller,
     idempotency_key: Annotated[
         str | None,
@@ -79,9 +80,7 @@ async def publish_event(
         }
     },
 )
-async def publish_batch(
-    request: Request, state: Annotated[IngestState, Depends(ingest_state)], caller: Caller
-) -> BatchAccepted:
+async def publish_batch(request: Request, state: State, caller: Caller) -> BatchAccepted:
     """Up to ``BATCH_MAX`` events, published at once (their confirms come back in one round): a result
     per item, in order. An item refused (invalid, another tenant's, not confirmed) does not stop the others."""
     raw = await request.body()
@@ -142,7 +141,7 @@ async def _accept(
         raise ApiError(
             422, "invalid_fields", f"tenant {OPERATOR_TENANT!r} is reserved for hookline's own notifications"
         )
-    warnings = _catalog_warnings(state, event_in)
+    warnings = _catalog_warnings(state.change_log.catalog, event_in)
     digest = None
     if idempotency_key is not None:
         if not 0 < len(idempotency_key) <= IDEMPOTENCY_KEY_MAX or not idempotency_key.isprintable():
@@ -194,17 +193,23 @@ async def _accept(
             context,
             _,
         ):
-            await _publish(state, event, accepted_at=now, request_digest=digest, trace=context)
+            await _publish(
+                state.publisher,
+                state.settings.max_payload_bytes,
+                event,
+                accepted_at=now,
+                request_digest=digest,
+                trace=context,
+            )
         claim.accepted = Acceptance(type=event.type, accepted_at_s=now.timestamp(), request_digest=digest)
     return EventAccepted(
         id=event.id, tenant=event.tenant, type=event.type, accepted_at=now, warnings=warnings
     )
 
 
-def _catalog_warnings(state: IngestState, event_in: EventIn) -> list[str]:
+def _catalog_warnings(catalog: Catalog, event_in: EventIn) -> list[str]:
     """What the event-type catalog says of this event: a 422 when its type enforces its schema, else
     warnings for the answer (and the log, which names places in the data, never the data)."""
-    catalog = state.change_log.catalog
     violation = catalog.check(event_in.type, event_in.schema_version, event_in.data)
     warnings = []
     if violation is not None:
@@ -231,7 +236,8 @@ def _to_ms(moment: datetime) -> datetime:
 
 
 async def _publish(
-    state: IngestState,
+    publisher: Publisher,
+    max_payload_bytes: int,
     event: Event,
     *,
     accepted_at: datetime,
@@ -239,12 +245,12 @@ async def _publish(
     trace: TraceContext | None,
 ) -> None:
     body = event.model_dump_json(exclude_none=True).encode()
-    if len(body) > state.settings.max_payload_bytes:
+    if len(body) > max_payload_bytes:
         raise ApiError(
             413, "payload_too_large", "the event exceeds HOOKLINE_MAX_PAYLOAD_BYTES once completed"
         )
     try:
-        await state.publisher.publish(
+        await publisher.publish(
             event_message(event, body, accepted_at=accepted_at, request_digest=request_digest, trace=trace),
             exchange=topology.EVENTS_EXCHANGE,
             routing_key=topology.event_routing_key(event.tenant, event.type),

@@ -8,13 +8,13 @@ from datetime import UTC, datetime
 from typing import Annotated, Any
 
 import structlog
-from fastapi import APIRouter, Body, Depends, Header, Response
+from fastapi import APIRouter, Body, Header, Response
 from pydantic import ValidationError
 
-from hookline.ingest import audit
+from hookline.ingest.audit import AuditTrail, Trail
 from hookline.ingest.auth import Caller
 from hookline.ingest.schemas import EventTypeList, EventTypeUpdate
-from hookline.ingest.state import IngestState, ingest_state
+from hookline.ingest.state import Changes, Settings
 from hookline.shared import __version__, catalog
 from hookline.shared.api import ApiError, invalid_input
 from hookline.shared.ids import new_id
@@ -26,11 +26,11 @@ from hookline.shared.models import (
     EventTypeUpserted,
     Model,
 )
-from hookline.shared.registry import StaleEventTypeError
+from hookline.shared.registry import ChangeLog, StaleEventTypeError
+from hookline.shared.settings import IngestSettings
 
 log = structlog.get_logger(__name__)
 router = APIRouter(tags=["event types"])
-State = Annotated[IngestState, Depends(ingest_state)]
 IfMatch = Annotated[str | None, Header(description="the version (ETag) this change is based on")]
 
 
@@ -51,8 +51,8 @@ def _checked(spec: EventTypeCreate | EventTypeInfo) -> None:
             ) from None
 
 
-def _found(state: IngestState, name: str) -> EventTypeInfo:
-    found = state.change_log.catalog.get(name)
+def _found(change_log: ChangeLog, name: str) -> EventTypeInfo:
+    found = change_log.catalog.get(name)
     if found is None:
         raise ApiError(404, "not_found", f"no event type {name!r}")
     return found
@@ -65,7 +65,9 @@ def _base_version(current: EventTypeInfo, if_match: str | None) -> int:
 
 
 async def _write(
-    state: IngestState,
+    change_log: ChangeLog,
+    settings: IngestSettings,
+    trail: AuditTrail,
     caller: Caller,
     described: EventTypeInfo,
     *,
@@ -76,7 +78,7 @@ async def _write(
         change_id=new_id("chg"), at=datetime.now(UTC), event_type=described, base_version=base_version
     )
     try:
-        written = await state.change_log.write_event_type(record, timeout_s=state.settings.registry_wait_s)
+        written = await change_log.write_event_type(record, timeout_s=settings.registry_wait_s)
     except StaleEventTypeError as exc:
         raise ApiError(
             409, "event_type_changed", f"{described.name} changed meanwhile; read it again"
@@ -84,8 +86,8 @@ async def _write(
     assert written is not None
     response.headers["ETag"] = f'"{written.version}"'
     log.info("event_type_written", event_type=written.name, version=written.version)
-    await audit.record(
-        state, caller, "event_type.created" if base_version == 0 else "event_type.updated", tenant=None,
+    await trail.record(
+        caller, "event_type.created" if base_version == 0 else "event_type.updated", tenant=None,
         target=written.name, changes={"version": written.version, "validation": written.validation},
     )  # fmt: skip
     return written
@@ -93,25 +95,30 @@ async def _write(
 
 @router.post("/v1/event-types", status_code=201, response_model=EventTypeInfo)
 async def create_event_type(
-    spec: EventTypeCreate, state: State, caller: Caller, response: Response
+    spec: EventTypeCreate,
+    change_log: Changes,
+    settings: Settings,
+    trail: Trail,
+    caller: Caller,
+    response: Response,
 ) -> EventTypeInfo:
     caller.require_admin("change the event-type catalog")
     _checked(spec)
-    if state.change_log.catalog.get(spec.name) is not None:
+    if change_log.catalog.get(spec.name) is not None:
         raise ApiError(409, "event_type_exists", f"{spec.name} is in the catalog already; PATCH it")
     now = datetime.now(UTC)
     described = EventTypeInfo(**spec.model_dump(), created_at=now, updated_at=now)
-    return await _write(state, caller, described, base_version=0, response=response)
+    return await _write(change_log, settings, trail, caller, described, base_version=0, response=response)
 
 
 @router.get("/v1/event-types", response_model=EventTypeList)
-async def list_event_types(state: State, _: Caller) -> EventTypeList:
-    return EventTypeList(data=state.change_log.catalog.all())
+async def list_event_types(change_log: Changes, _: Caller) -> EventTypeList:
+    return EventTypeList(data=change_log.catalog.all())
 
 
 @router.get("/v1/event-types/{name}", response_model=EventTypeInfo)
-async def get_event_type(name: str, state: State, _: Caller, response: Response) -> EventTypeInfo:
-    found = _found(state, name)
+async def get_event_type(name: str, change_log: Changes, _: Caller, response: Response) -> EventTypeInfo:
+    found = _found(change_log, name)
     response.headers["ETag"] = f'"{found.version}"'
     return found
 
@@ -120,26 +127,32 @@ async def get_event_type(name: str, state: State, _: Caller, response: Response)
 async def update_event_type(
     name: str,
     change: EventTypeUpdate,
-    state: State,
+    change_log: Changes,
+    settings: Settings,
+    trail: Trail,
     caller: Caller,
     response: Response,
     if_match: IfMatch = None,
 ) -> EventTypeInfo:
     caller.require_admin("change the event-type catalog")
-    current = _found(state, name)
+    current = _found(change_log, name)
     base_version = _base_version(current, if_match)
     changes = {
         key: value for key, value in change.model_dump(exclude_unset=True).items() if value is not None
     }
     after = EventTypeInfo.model_validate({**current.model_dump(), **changes, "updated_at": datetime.now(UTC)})
     _checked(after)
-    return await _write(state, caller, after, base_version=base_version, response=response)
+    return await _write(
+        change_log, settings, trail, caller, after, base_version=base_version, response=response
+    )
 
 
 @router.delete("/v1/event-types/{name}", status_code=204)
-async def delete_event_type(name: str, state: State, caller: Caller, if_match: IfMatch = None) -> Response:
+async def delete_event_type(
+    name: str, change_log: Changes, settings: Settings, trail: Trail, caller: Caller, if_match: IfMatch = None
+) -> Response:
     caller.require_admin("change the event-type catalog")
-    current = _found(state, name)
+    current = _found(change_log, name)
     record = EventTypeDeleted(
         change_id=new_id("chg"),
         at=datetime.now(UTC),
@@ -147,23 +160,28 @@ async def delete_event_type(name: str, state: State, caller: Caller, if_match: I
         base_version=_base_version(current, if_match),
     )
     try:
-        await state.change_log.write_event_type(record, timeout_s=state.settings.registry_wait_s)
+        await change_log.write_event_type(record, timeout_s=settings.registry_wait_s)
     except StaleEventTypeError as exc:
         raise ApiError(409, "event_type_changed", f"{name} changed meanwhile; read it again") from exc
     log.info("event_type_deleted", event_type=name)
-    await audit.record(state, caller, "event_type.deleted", tenant=None, target=name)
+    await trail.record(caller, "event_type.deleted", tenant=None, target=name)
     return Response(status_code=204)
 
 
 @router.get("/v1/openapi/webhooks")
-async def export_openapi(state: State, _: Caller) -> dict[str, Any]:
+async def export_openapi(change_log: Changes, _: Caller) -> dict[str, Any]:
     """An OpenAPI 3.1 document whose ``webhooks`` describe every type: give it to receivers' developers."""
-    return catalog.to_openapi(state.change_log.catalog.all(), title="hookline webhooks", version=__version__)
+    return catalog.to_openapi(change_log.catalog.all(), title="hookline webhooks", version=__version__)
 
 
 @router.post("/v1/openapi/webhooks", response_model=Imported)
 async def import_openapi(
-    state: State, caller: Caller, response: Response, document: Annotated[dict[str, Any], Body()]
+    change_log: Changes,
+    settings: Settings,
+    trail: Trail,
+    caller: Caller,
+    response: Response,
+    document: Annotated[dict[str, Any], Body()],
 ) -> Imported:
     """Create or replace the types an OpenAPI 3.1 document's ``webhooks`` describe (all checked first:
     one bad type and nothing is imported)."""
@@ -187,11 +205,17 @@ async def import_openapi(
         specs.append(spec)
     now = datetime.now(UTC)
     for spec in specs:
-        current = state.change_log.catalog.get(spec.name)
+        current = change_log.catalog.get(spec.name)
         described = EventTypeInfo(
             **spec.model_dump(), created_at=current.created_at if current else now, updated_at=now
         )
         await _write(
-            state, caller, described, base_version=current.version if current else 0, response=response
+            change_log,
+            settings,
+            trail,
+            caller,
+            described,
+            base_version=current.version if current else 0,
+            response=response,
         )
     return Imported(imported=[spec.name for spec in specs])

@@ -20,12 +20,13 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Annotated
 
-from fastapi import APIRouter, Depends
+from fastapi import APIRouter, Depends, Request
 
 from hookline.ingest import audit
+from hookline.ingest.audit import Trail
 from hookline.ingest.auth import Caller
 from hookline.ingest.deliverylog import DAY_S, DeliveryLog
-from hookline.ingest.state import IngestState, ingest_state
+from hookline.ingest.state import Changes, Settings, ingest_state
 from hookline.shared.api import ApiError
 from hookline.shared.models import Model, Tenant, TenantQuota
 from hookline.shared.registry import EndpointRegistry
@@ -138,22 +139,35 @@ class Quotas:
 
 
 router = APIRouter(prefix="/v1/tenants", tags=["tenants"])
-State = Annotated[IngestState, Depends(ingest_state)]
+
+
+def _quotas(request: Request) -> Quotas:
+    return ingest_state(request).quotas
+
+
+QuotasOf = Annotated[Quotas, Depends(_quotas)]
 
 
 @router.get("/{tenant}/quota", response_model=QuotaView)
-async def get_quota(tenant: Tenant, state: State, caller: Caller) -> QuotaView:
+async def get_quota(tenant: Tenant, quotas: QuotasOf, caller: Caller) -> QuotaView:
     caller.require(tenant)
-    return await state.quotas.view(tenant, datetime.now(UTC).timestamp())
+    return await quotas.view(tenant, datetime.now(UTC).timestamp())
 
 
 @router.put("/{tenant}/quota", response_model=QuotaView)
-async def set_quota(tenant: Tenant, quota: TenantQuota, state: State, caller: Caller) -> QuotaView:
+async def set_quota(
+    tenant: Tenant,
+    quota: TenantQuota,
+    quotas: QuotasOf,
+    change_log: Changes,
+    settings: Settings,
+    trail: Trail,
+    caller: Caller,
+) -> QuotaView:
     caller.require_admin("set quotas")
-    before = state.change_log.tenants.quota(tenant)
-    await state.change_log.write_quota(tenant, quota, timeout_s=state.settings.registry_wait_s)
-    await audit.record(
-        state, caller, "tenant.quota_set", tenant=tenant, target=tenant,
-        changes=audit.changes_between(before, quota),
-    )  # fmt: skip
-    return await state.quotas.view(tenant, datetime.now(UTC).timestamp())
+    before = change_log.tenants.quota(tenant)
+    await change_log.write_quota(tenant, quota, timeout_s=settings.registry_wait_s)
+    await trail.record(
+        caller, "tenant.quota_set", tenant=tenant, target=tenant, changes=audit.changes_between(before, quota)
+    )
+    return await quotas.view(tenant, datetime.now(UTC).timestamp())

@@ -10,18 +10,16 @@ timestamp (whole seconds), else the event's ``occurred_at`` (an upstream that se
 from __future__ import annotations
 
 from datetime import UTC, datetime, timedelta
-from typing import Annotated
 
 import orjson
 import structlog
 from aio_pika.abc import AbstractIncomingMessage
-from fastapi import APIRouter, Depends
+from fastapi import APIRouter
 from pydantic import AwareDatetime
 
-from hookline.ingest import audit
 from hookline.ingest.auth import Caller
 from hookline.ingest.resend import Resend, resend
-from hookline.ingest.state import IngestState, ingest_state
+from hookline.ingest.state import State
 from hookline.shared import topology
 from hookline.shared.api import ApiError
 from hookline.shared.headers import Header
@@ -30,7 +28,6 @@ from hookline.shared.streams import read_until_now
 
 log = structlog.get_logger(__name__)
 router = APIRouter(prefix="/v1/endpoints", tags=["endpoints"])
-State = Annotated[IngestState, Depends(ingest_state)]
 
 # The stream attaches a time-based start to a chunk with one-second accuracy: start a little earlier
 # and filter exactly.
@@ -106,11 +103,13 @@ async def replay(endpoint_id: str, request: ReplayRequest, state: State, caller:
         timeout_s=REPLAY_TIMEOUT_S,
     )
     sent = await resend(
-        state, (Resend(endpoint.id, event_id, body, origin="replay") for event_id, body in found.items())
+        state.registry,
+        state.publisher,
+        (Resend(endpoint.id, event_id, body, origin="replay") for event_id, body in found.items()),
     )
     log.info("endpoint_replayed", endpoint_id=endpoint.id, tenant=endpoint.tenant, count=sent)
-    await audit.record(
-        state, caller, "endpoint.replayed", tenant=endpoint.tenant, target=endpoint.id,
+    await state.trail.record(
+        caller, "endpoint.replayed", tenant=endpoint.tenant, target=endpoint.id,
         changes={"since": request.since.isoformat(), "until": until.isoformat(), "replayed": sent},
     )  # fmt: skip
     return ReplayResult(replayed=sent, since=request.since, until=until)

@@ -9,9 +9,10 @@ from typing import Literal
 
 import aio_pika
 
-from hookline.ingest.state import IngestState
 from hookline.shared import topology
+from hookline.shared.amqp import Publisher
 from hookline.shared.headers import Header
+from hookline.shared.registry import EndpointRegistry
 
 #: Confirms awaited together; enough to keep the broker busy without holding thousands of futures.
 WINDOW = 200
@@ -25,7 +26,7 @@ class Resend:
     origin: Literal["replay", "redrive"]  # what the delivery log calls its next attempt
 
 
-async def resend(state: IngestState, items: Iterable[Resend]) -> int:
+async def resend(registry: EndpointRegistry, publisher: Publisher, items: Iterable[Resend]) -> int:
     """Publish each event to its endpoint's current queue (confirmed); returns how many were published.
 
     Without our attempt headers the dispatcher counts it as attempt 1 with the retention window
@@ -34,7 +35,7 @@ async def resend(state: IngestState, items: Iterable[Resend]) -> int:
     pending = []
     sent = 0
     for item in items:
-        endpoint = state.registry.get(item.endpoint_id)
+        endpoint = registry.get(item.endpoint_id)
         if endpoint is None:
             continue
         message = aio_pika.Message(
@@ -45,7 +46,7 @@ async def resend(state: IngestState, items: Iterable[Resend]) -> int:
             headers={Header.ORIGIN: item.origin},
         )
         queue = topology.endpoint_queue(endpoint.id, endpoint.queue_generation)
-        pending.append(state.publisher.publish(message, exchange="", routing_key=queue))
+        pending.append(publisher.publish(message, exchange="", routing_key=queue))
         if len(pending) >= WINDOW:
             await asyncio.gather(*pending)
             sent += len(pending)

@@ -6,7 +6,7 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Annotated, Any
 
-from pydantic import AwareDatetime, Field, StringConstraints, model_validator
+from pydantic import AwareDatetime, Field, StringConstraints
 
 from hookline.shared.models import (
     BodyFormat,
@@ -25,43 +25,23 @@ from hookline.shared.models import (
     Patterns,
     RetentionS,
     RetrySchedule,
-    SequenceNumber,
     Tenant,
     TimeoutS,
     Url,
     Validation,
-    check_sequence,
 )
 
 
-class EventIn(Model):
-    """``POST /v1/events``: like :class:`Event`, but the API fills in ``id`` and ``occurred_at`` when absent."""
+class EventIn(Event):
+    """``POST /v1/events``: an :class:`Event` whose ``id`` and ``occurred_at`` the API fills in when
+    absent. The other fields and their rules are Event's own (the published JSON keeps Event's order)."""
 
-    id: EventId | None = None
-    type: EventType
-    tenant: Tenant
-    occurred_at: AwareDatetime | None = None
-    subject: str | None = Field(None, min_length=1, max_length=256)
-    sequence: SequenceNumber | None = None
-    schema_version: int = Field(1, ge=1)
-    data: dict[str, Any]
-
-    @model_validator(mode="after")
-    def _sequence_has_subject(self) -> EventIn:
-        check_sequence(self.sequence, self.subject)
-        return self
+    id: EventId | None = None  # type: ignore[assignment]
+    occurred_at: AwareDatetime | None = None  # type: ignore[assignment]
 
     def complete(self, *, event_id: str, now: datetime) -> Event:
-        return Event(
-            id=self.id or event_id,
-            type=self.type,
-            tenant=self.tenant,
-            occurred_at=self.occurred_at or now,
-            subject=self.subject,
-            sequence=self.sequence,
-            schema_version=self.schema_version,
-            data=self.data,
-        )
+        fields = dict(self) | {"id": self.id or event_id, "occurred_at": self.occurred_at or now}
+        return Event(**fields)
 
 
 class EventAccepted(Model):

@@ -3,18 +3,16 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Annotated
 
-from fastapi import Request
+from fastapi import Depends, Request
 
 from hookline.ingest.deliverylog import DeliveryLog
 from hookline.ingest.duplicates import Duplicates
 from hookline.shared.amqp import Broker, Publisher
 from hookline.shared.capacity import CapacityReader
 from hookline.shared.control import BreakerView
-from hookline.shared.credentials import Credentials
 from hookline.shared.deadletters import DeadLetterIndex
-from hookline.shared.delivery import DeliveryClient
 from hookline.shared.registry import ChangeLog, EndpointRegistry
 from hookline.shared.sealing import Sealer
 from hookline.shared.settings import IngestSettings
@@ -24,7 +22,10 @@ from hookline.shared.tracing import Tracing
 from hookline.shared.views import RowView
 
 if TYPE_CHECKING:
-    from hookline.ingest.quotas import Quotas  # which routes to IngestState
+    # Modules of routes, which depend on IngestState in turn.
+    from hookline.ingest.attempts import Attempts
+    from hookline.ingest.audit import AuditTrail
+    from hookline.ingest.quotas import Quotas
 
 
 @dataclass
@@ -38,8 +39,7 @@ class IngestState:
     publisher: Publisher
     dead_letters_log: StreamFollower
     dead_letters_index: DeadLetterIndex
-    client: DeliveryClient  # verification handshakes
-    credentials: Credentials  # what those requests carry besides the signature (the endpoint's auth)
+    attempts: Attempts  # the ingest's own attempts: verification handshakes, resends by hand
     capacity: CapacityReader  # the broker's file handles and alarms, before a new queue is declared
     delivery_log: DeliveryLog  # events and attempts, for "where is my event?"
     duplicates: Duplicates  # events accepted before, found in the delivery log
@@ -51,6 +51,7 @@ class IngestState:
     ]  # token -> tenant (HOOKLINE_TENANT_TOKENS; tokens as data: change_log.tenants)
     quotas: Quotas
     audit: RowView  # the audit trail's view (audit.py)
+    trail: AuditTrail  # where the routes append to it
 
     def problems(self) -> list[str]:
         # Blocked counts: a load balancer should send events to an ingest that can take them.
@@ -60,3 +61,35 @@ class IngestState:
 def ingest_state(request: Request) -> IngestState:
     state: IngestState = request.app.state.ingest
     return state
+
+
+# What most routes need, one thing each: a route names the parts it uses, not the whole state.
+
+
+def _settings(request: Request) -> IngestSettings:
+    return ingest_state(request).settings
+
+
+def _registry(request: Request) -> EndpointRegistry:
+    return ingest_state(request).registry
+
+
+def _change_log(request: Request) -> ChangeLog:
+    return ingest_state(request).change_log
+
+
+def _delivery_log(request: Request) -> DeliveryLog:
+    return ingest_state(request).delivery_log
+
+
+def _dead_letters(request: Request) -> DeadLetterIndex:
+    return ingest_state(request).dead_letters_index
+
+
+Settings = Annotated[IngestSettings, Depends(_settings)]
+Registry = Annotated[EndpointRegistry, Depends(_registry)]
+Changes = Annotated[ChangeLog, Depends(_change_log)]
+Deliveries = Annotated[DeliveryLog, Depends(_delivery_log)]
+DeadLetters = Annotated[DeadLetterIndex, Depends(_dead_letters)]
+#: The whole state, for a route that orchestrates several of its parts (it hands each helper one).
+State = Annotated[IngestState, Depends(ingest_state)]

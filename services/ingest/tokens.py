@@ -7,19 +7,18 @@ from __future__ import annotations
 from datetime import UTC, datetime
 from typing import Annotated
 
-from fastapi import APIRouter, Depends, Query, Response
+from fastapi import APIRouter, Query, Response
 from pydantic import AwareDatetime, Field
 
-from hookline.ingest import audit
+from hookline.ingest.audit import Trail
 from hookline.ingest.auth import Caller
-from hookline.ingest.state import IngestState, ingest_state
+from hookline.ingest.state import Changes, Settings
 from hookline.shared import tenants
 from hookline.shared.api import ApiError
 from hookline.shared.ids import new_id
 from hookline.shared.models import Model, StoredToken, Tenant
 from hookline.shared.notifications import OPERATOR_TENANT
-
-State = Annotated[IngestState, Depends(ingest_state)]
+from hookline.shared.registry import ChangeLog
 
 router = APIRouter(prefix="/v1/tokens", tags=["tokens"])
 
@@ -60,22 +59,24 @@ class TokenList(Model):
     data: list[TokenInfo]
 
 
-def _stored(state: IngestState, token_id: str) -> StoredToken:
-    token = state.change_log.tenants.token(token_id)
+def _stored(change_log: ChangeLog, token_id: str) -> StoredToken:
+    token = change_log.tenants.token(token_id)
     if token is None:
         raise ApiError(404, "not_found", f"no token {token_id}")
     return token
 
 
 @router.post("", status_code=201, response_model=TokenCreated)
-async def create_token(spec: TokenCreate, state: State, caller: Caller) -> TokenCreated:
+async def create_token(
+    spec: TokenCreate, change_log: Changes, settings: Settings, trail: Trail, caller: Caller
+) -> TokenCreated:
     caller.require_admin("create tokens")
     if spec.tenant == OPERATOR_TENANT:
         # Its endpoints are the notifiers, which hold every tenant's notify_url.
         raise ApiError(422, "invalid_fields", f"tenant {OPERATOR_TENANT!r} is hookline's own")
     now = datetime.now(UTC)
     secret, prefix, digest = tenants.new_token()
-    stored = await state.change_log.write_token(
+    stored = await change_log.write_token(
         StoredToken(
             id=new_id("tok"),
             tenant=spec.tenant,
@@ -85,10 +86,10 @@ async def create_token(spec: TokenCreate, state: State, caller: Caller) -> Token
             created_at=now,
             expires_at=spec.expires_at,
         ),
-        timeout_s=state.settings.registry_wait_s,
+        timeout_s=settings.registry_wait_s,
     )
-    await audit.record(
-        state, caller, "token.created", tenant=stored.tenant, target=stored.id,
+    await trail.record(
+        caller, "token.created", tenant=stored.tenant, target=stored.id,
         changes={"prefix": stored.prefix, "expires_at": stored.expires_at, "description": stored.description},
     )  # fmt: skip
     return TokenCreated(**TokenInfo.of(stored, now).model_dump(), token=secret)
@@ -96,36 +97,40 @@ async def create_token(spec: TokenCreate, state: State, caller: Caller) -> Token
 
 @router.get("", response_model=TokenList)
 async def list_tokens(
-    state: State, caller: Caller, tenant: Annotated[str | None, Query()] = None
+    change_log: Changes, caller: Caller, tenant: Annotated[str | None, Query()] = None
 ) -> TokenList:
     caller.require_admin("list tokens")
     now = datetime.now(UTC)
-    listed = sorted(state.change_log.tenants.tokens(tenant), key=lambda t: t.created_at)
+    listed = sorted(change_log.tenants.tokens(tenant), key=lambda t: t.created_at)
     return TokenList(data=[TokenInfo.of(token, now) for token in listed])
 
 
 @router.patch("/{token_id}", response_model=TokenInfo)
-async def expire_token(token_id: str, change: TokenUpdate, state: State, caller: Caller) -> TokenInfo:
+async def expire_token(
+    token_id: str, change: TokenUpdate, change_log: Changes, settings: Settings, trail: Trail, caller: Caller
+) -> TokenInfo:
     caller.require_admin("change tokens")
-    before = _stored(state, token_id)
-    after = await state.change_log.write_token(
-        before.model_copy(update={"expires_at": change.expires_at}), timeout_s=state.settings.registry_wait_s
+    before = _stored(change_log, token_id)
+    after = await change_log.write_token(
+        before.model_copy(update={"expires_at": change.expires_at}), timeout_s=settings.registry_wait_s
     )
-    await audit.record(
-        state, caller, "token.expiry_set", tenant=after.tenant, target=after.id,
+    await trail.record(
+        caller, "token.expiry_set", tenant=after.tenant, target=after.id,
         changes={"expires_at": {"from": before.expires_at, "to": after.expires_at}},
     )  # fmt: skip
     return TokenInfo.of(after, datetime.now(UTC))
 
 
 @router.delete("/{token_id}", status_code=204)
-async def revoke_token(token_id: str, state: State, caller: Caller) -> Response:
+async def revoke_token(
+    token_id: str, change_log: Changes, settings: Settings, trail: Trail, caller: Caller
+) -> Response:
     caller.require_admin("revoke tokens")
-    before = _stored(state, token_id)
+    before = _stored(change_log, token_id)
     if before.revoked_at is None:
-        after = await state.change_log.write_token(
+        after = await change_log.write_token(
             before.model_copy(update={"revoked_at": datetime.now(UTC)}),
-            timeout_s=state.settings.registry_wait_s,
+            timeout_s=settings.registry_wait_s,
         )
-        await audit.record(state, caller, "token.revoked", tenant=after.tenant, target=after.id)
+        await trail.record(caller, "token.revoked", tenant=after.tenant, target=after.id)
     return Response(status_code=204)

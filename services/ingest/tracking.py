@@ -8,25 +8,22 @@ from datetime import UTC, datetime
 from typing import Annotated
 
 import structlog
-from fastapi import APIRouter, Depends, Query
+from fastapi import APIRouter, Query
 from pydantic import BaseModel, ValidationError
 
-from hookline.ingest import audit
-from hookline.ingest.attempts import attempt
 from hookline.ingest.auth import Caller
 from hookline.ingest.deliverylog import LoggedEvent
-from hookline.ingest.state import IngestState, ingest_state
+from hookline.ingest.state import IngestState, State
 from hookline.ingest.timeline import standing
 from hookline.shared import topology
 from hookline.shared.api import ApiError
 from hookline.shared.models import Event, EventState, Model
-from hookline.shared.sealing import RESPONSE_PURPOSE, SealedSecretError
+from hookline.shared.sealing import RESPONSE_PURPOSE, SealedSecretError, Sealer
 from hookline.shared.streams import read_at
 from hookline.shared.telemetry import AttemptKind, AttemptRecord
 
 log = structlog.get_logger(__name__)
 router = APIRouter(tags=["delivery log"])
-State = Annotated[IngestState, Depends(ingest_state)]
 
 READ_TIMEOUT_S = 10.0
 CURSOR = r"^o[0-9]{1,18}$"  # what next_after looks like: "o" and a position in a view
@@ -150,7 +147,9 @@ async def endpoint_attempts(
     page = rows[:limit]
     return AttemptPage(
         data=[
-            EndpointAttempt(event_id=r.event_id, endpoint_id=r.endpoint_id, **_view(state, r).model_dump())
+            EndpointAttempt(
+                event_id=r.event_id, endpoint_id=r.endpoint_id, **_view(state.sealer, r).model_dump()
+            )
             for _, r in page
         ],
         next_after=f"o{page[-1][0]}" if len(rows) > limit else None,
@@ -177,8 +176,8 @@ async def resend_event(
         )
     earlier = await state.delivery_log.attempts_of_event(event_id)
     try:
-        _, record = await attempt(
-            state, endpoint, event_id=event_id, event_type=logged.type, body=body, kind="manual",
+        _, record = await state.attempts.make(
+            endpoint, event_id=event_id, event_type=logged.type, body=body, kind="manual",
             number=1 + sum(a.endpoint_id == endpoint.id for a in earlier), sequence=_sequence_of(body),
         )  # fmt: skip
     except SealedSecretError as exc:
@@ -190,11 +189,13 @@ async def resend_event(
         tenant=endpoint.tenant,
         status=record.status,
     )
-    await audit.record(
-        state, caller, "event.resent", tenant=endpoint.tenant, target=event_id,
+    await state.trail.record(
+        caller, "event.resent", tenant=endpoint.tenant, target=event_id,
         changes={"endpoint_id": endpoint.id, "status": record.status},
     )  # fmt: skip
-    return EndpointAttempt(event_id=event_id, endpoint_id=endpoint.id, **_view(state, record).model_dump())
+    return EndpointAttempt(
+        event_id=event_id, endpoint_id=endpoint.id, **_view(state.sealer, record).model_dump()
+    )
 
 
 def _sequence_of(body: bytes) -> int | None:
@@ -232,7 +233,7 @@ async def _story(state: IngestState, logged: LoggedEvent, *, with_attempts: bool
         courses.append(
             EndpointCourse(
                 endpoint_id=endpoint_id,
-                attempts=[_view(state, a) for a in mine] if with_attempts else [],
+                attempts=[_view(state.sealer, a) for a in mine] if with_attempts else [],
                 **where.model_dump(),
             )
         )
@@ -246,11 +247,11 @@ async def _story(state: IngestState, logged: LoggedEvent, *, with_attempts: bool
     )
 
 
-def _view(state: IngestState, record: AttemptRecord) -> AttemptView:
+def _view(sealer: Sealer, record: AttemptRecord) -> AttemptView:
     body = record.response_body
     if body is not None:
         try:
-            body = state.sealer.open(body, purpose=RESPONSE_PURPOSE)
+            body = sealer.open(body, purpose=RESPONSE_PURPOSE)
         except SealedSecretError:
             body = "(sealed with another HOOKLINE_SECRET_KEY)"
     return AttemptView(

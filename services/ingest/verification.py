@@ -7,15 +7,14 @@ from __future__ import annotations
 import secrets
 from datetime import UTC, datetime
 
-from hookline.ingest.attempts import attempt
-from hookline.ingest.state import IngestState
+from hookline.ingest.attempts import Attempts
 from hookline.shared.ids import new_id
 from hookline.shared.models import Event, StoredEndpoint, Verification
 
 VERIFICATION_TYPE = "hookline.endpoint.verification"
 
 
-async def verify(state: IngestState, endpoint: StoredEndpoint) -> Verification:
+async def verify(attempts: Attempts, endpoint: StoredEndpoint) -> Verification:
     now = datetime.now(UTC)
     event = Event(
         id=new_id("evt"),
@@ -25,8 +24,7 @@ async def verify(state: IngestState, endpoint: StoredEndpoint) -> Verification:
         data={"endpoint_id": endpoint.id, "challenge": secrets.token_urlsafe(16)},
     )
     body = event.model_dump_json(exclude_none=True).encode()
-    result, _ = await attempt(
-        state,
+    result, _ = await attempts.make(
         endpoint,
         event_id=event.id,
         event_type=VERIFICATION_TYPE,
