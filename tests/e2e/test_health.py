@@ -66,26 +66,26 @@ async def test_a_failing_endpoint_opens_probes_doubles_and_recovers(
     opened = await wait_health(system, broken["id"], lambda v: v["breaker_state"] == "open")
     assert opened["consecutive_failures"] >= 3
     attempts_at_open = len([r for r in receiver.requests if r.path == "/broken"])
-    # While open: nothing reaches the broken endpoint, and the healthy one runs at full speed.
+    # While open: the healthy endpoint runs at full speed beside it.
     for n in range(50):
         await publish_event(
             system.amqp_url, event(acme, "invoice.paid", f"evt_healthy_{n}"), f"{acme}.invoice.paid"
         )
     await receiver.wait_for(50, path="/healthy", timeout_s=10)
-    await asyncio.sleep(1.0)
-    attempts_while_open = len([r for r in receiver.requests if r.path == "/broken"]) - attempts_at_open
-    assert attempts_while_open <= 0 + 1, "at most a delivery that was already under way when it opened"
 
-    # After the cooldown, exactly one probe (across both dispatchers); it fails: open again, doubled.
+    # After the cooldown, exactly one probe (across both dispatchers); it fails: open again, doubled. The
+    # reopening is the end of the window in which nothing but that probe (and a delivery already under
+    # way when the breaker opened) may reach the broken endpoint: it cannot happen without the probe.
     reopened = await wait_health(
         system, broken["id"], lambda v: v["breaker_state"] == "open" and v["breaker_cooldown_s"] == 6
     )
     assert reopened["breaker_cooldown_s"] == 6
-    probes = (
-        len([r for r in receiver.requests if r.path == "/broken"]) - attempts_at_open - attempts_while_open
-    )
-    assert probes == 1
-    assert "breaker_probe" in system.logs()
+    probes = [
+        line for line in system.logs().splitlines() if '"breaker_probe"' in line and broken["id"] in line
+    ]
+    assert len(probes) == 1, probes
+    attempts_while_open = len([r for r in receiver.requests if r.path == "/broken"]) - attempts_at_open
+    assert 1 <= attempts_while_open <= 2, "the probe, and at most a delivery under way when it opened"
 
     # The endpoint recovers: the next probe succeeds, the breaker closes, everything waiting is delivered.
     failing = False
