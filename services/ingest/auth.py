@@ -15,6 +15,7 @@ from fastapi import APIRouter, Depends, Request
 
 from hookline.ingest.state import State
 from hookline.shared.api import ApiError
+from hookline.shared.bearer import UNAUTHORIZED_MESSAGE
 from hookline.shared.models import Model
 
 
@@ -71,7 +72,7 @@ def principal(request: Request, state: State) -> Principal:
             tenant = owner
     stored = state.change_log.tenants.authenticate(presented, datetime.now(UTC))
     if scheme.lower() != "bearer" or not (admin or tenant or stored):
-        raise ApiError(401, "unauthorized", "a valid bearer token is required")
+        raise ApiError(401, "unauthorized", UNAUTHORIZED_MESSAGE)
     if admin:
         return Principal(tenant=None)
     if stored is not None:

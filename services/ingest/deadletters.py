@@ -18,7 +18,7 @@ from pydantic import Field, model_validator
 
 from hookline.ingest.auth import Caller
 from hookline.ingest.resend import Resend, resend
-from hookline.ingest.state import DeadLetters, State
+from hookline.ingest.state import DeadLetters, IngestState, State
 from hookline.shared import topology
 from hookline.shared.deadletters import REDRIVEN_HEADER, DeadLetterItem, item_id, offset_of
 from hookline.shared.ids import new_id
@@ -68,6 +68,26 @@ def _tenant_of(registry: EndpointRegistry, endpoint_id: str | None) -> str | Non
     return endpoint.tenant if endpoint is not None else None
 
 
+async def _bodies(state: IngestState, wanted: set[str]) -> dict[str, bytes]:
+    """The messages of the dead letters ``wanted`` (by id), read from the stream that keeps them."""
+    bodies: dict[str, bytes] = {}
+
+    def collect(message: AbstractIncomingMessage) -> None:
+        offset = (message.headers or {}).get("x-stream-offset")
+        if isinstance(offset, int) and item_id(offset) in wanted:
+            bodies[item_id(offset)] = message.body
+
+    await read_until_now(
+        state.broker,
+        state.publisher,
+        topology.DEAD_LETTER_STREAM,
+        collect,
+        start=min(offset_of(dead_letter_id) or 0 for dead_letter_id in wanted),
+        timeout_s=state.settings.registry_wait_s,
+    )
+    return bodies
+
+
 @router.get("", response_model=DeadLetterList)
 async def list_dead_letters(
     dead_letters: DeadLetters,
@@ -111,22 +131,7 @@ async def redrive(request: RedriveRequest, state: State, caller: Caller) -> Redr
     }
     if not wanted:
         return RedriveResult(redriven=0, skipped=len(chosen))
-    bodies: dict[str, bytes] = {}
-
-    def collect(message: AbstractIncomingMessage) -> None:
-        offset = (message.headers or {}).get("x-stream-offset")
-        if isinstance(offset, int) and item_id(offset) in wanted:
-            bodies[item_id(offset)] = message.body
-
-    first = min(offset_of(dead_letter_id) or 0 for dead_letter_id in wanted)
-    await read_until_now(
-        state.broker,
-        state.publisher,
-        topology.DEAD_LETTER_STREAM,
-        collect,
-        start=first,
-        timeout_s=state.settings.registry_wait_s,
-    )
+    bodies = await _bodies(state, set(wanted))
     items = [wanted[dead_letter_id] for dead_letter_id in wanted if dead_letter_id in bodies]
     sent = await resend(
         state.registry,

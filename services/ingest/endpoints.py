@@ -338,41 +338,10 @@ async def update_endpoint(
     _may_skip_verification(caller, verify=change.verify)
     base_version = _base_version(before, if_match)
     changes = change.model_dump(exclude_unset=True, exclude={"verify"})
-    for field in ("url", "event_types", "ordered", "body_format", "notify_format"):
-        if field in changes and changes[field] is None:
-            raise _invalid(field, "must not be null")
-    if "url" in changes:
-        await _check_target(changes["url"], state.settings)
-    changes |= await _credentials(state, changes, change)
-    # A combination the model refuses is a 422 naming the fields (the app's ValidationError handler).
-    after = StoredEndpoint.model_validate(
-        {**before.model_dump(), **changes, "updated_at": datetime.now(UTC), "routed": True}
-    )
-    if notifications.notifier_of(after) != notifications.notifier_of(before):
-        await _notifier(state, after)
+    after = await _changed_to(state, before, change, changes)
     url_changed = after.url != before.url
-    if url_changed and change.verify:
-        after = after.model_copy(update={"verified": False})
     moving = after.single_consumer != before.single_consumer
-    if moving:
-        await _check_capacity(state)
-    async with state.broker.channel() as admin:
-        if not before.routed:
-            await topology.provision(admin, before)
-        if moving:
-            # The options that shape the queue changed: a queue of the next generation, with the new
-            # arguments, declared now; events switch to it once the record is written (see topology).
-            after = after.model_copy(
-                update={
-                    "queue_generation": before.queue_generation + 1,
-                    "retired_queues": [
-                        *await _live_queues(state.broker, before.retired_queues),
-                        topology.endpoint_queue(before.id, before.queue_generation),
-                    ],
-                }
-            )
-            await topology.endpoint_queue_declare(admin, after)
-        await topology.rebind(admin, before, after)
+    after = await _routed_for(state, before, after, moving=moving)
     try:
         written = await _write(state, after, base_version)
     except ApiError:
@@ -396,6 +365,55 @@ async def update_endpoint(
         response, _pattern_warnings(state.change_log.catalog, written) if "event_types" in changes else []
     )
     return written.public()
+
+
+async def _changed_to(
+    state: IngestState, before: StoredEndpoint, change: EndpointUpdate, changes: dict[str, Any]
+) -> StoredEndpoint:
+    """The endpoint as ``changes`` (the fields the request set) leave it, checked, its credentials
+    sealed, its notifier registered; not written yet. ``changes`` gets the sealed credentials."""
+    for field in ("url", "event_types", "ordered", "body_format", "notify_format"):
+        if field in changes and changes[field] is None:
+            raise _invalid(field, "must not be null")
+    if "url" in changes:
+        await _check_target(changes["url"], state.settings)
+    changes |= await _credentials(state, changes, change)
+    # A combination the model refuses is a 422 naming the fields (the app's ValidationError handler).
+    after = StoredEndpoint.model_validate(
+        {**before.model_dump(), **changes, "updated_at": datetime.now(UTC), "routed": True}
+    )
+    if notifications.notifier_of(after) != notifications.notifier_of(before):
+        await _notifier(state, after)
+    if after.url != before.url and change.verify:
+        after = after.model_copy(update={"verified": False})
+    return after
+
+
+async def _routed_for(
+    state: IngestState, before: StoredEndpoint, after: StoredEndpoint, *, moving: bool
+) -> StoredEndpoint:
+    """The bindings ``after`` needs, set up before its record is written (``_undo`` takes them back if
+    the write loses); a queue of the next generation when ``moving``, with ``after`` naming it."""
+    if moving:
+        await _check_capacity(state)
+    async with state.broker.channel() as admin:
+        if not before.routed:
+            await topology.provision(admin, before)
+        if moving:
+            # The options that shape the queue changed: a queue of the next generation, with the new
+            # arguments, declared now; events switch to it once the record is written (see topology).
+            after = after.model_copy(
+                update={
+                    "queue_generation": before.queue_generation + 1,
+                    "retired_queues": [
+                        *await _live_queues(state.broker, before.retired_queues),
+                        topology.endpoint_queue(before.id, before.queue_generation),
+                    ],
+                }
+            )
+            await topology.endpoint_queue_declare(admin, after)
+        await topology.rebind(admin, before, after)
+    return after
 
 
 async def _undo(broker: Broker, before: StoredEndpoint, after: StoredEndpoint, *, moving: bool) -> None:

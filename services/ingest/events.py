@@ -142,42 +142,13 @@ async def _accept(
             422, "invalid_fields", f"tenant {OPERATOR_TENANT!r} is reserved for hookline's own notifications"
         )
     warnings = _catalog_warnings(state.change_log.catalog, event_in)
-    digest = None
-    if idempotency_key is not None:
-        if not 0 < len(idempotency_key) <= IDEMPOTENCY_KEY_MAX or not idempotency_key.isprintable():
-            raise ApiError(
-                422,
-                "invalid_idempotency_key",
-                "invalid value for: Idempotency-Key",
-                [
-                    ErrorDetail(
-                        field="Idempotency-Key",
-                        message=f"must be 1 to {IDEMPOTENCY_KEY_MAX} printable characters",
-                    )
-                ],
-            )
-        digest = request_digest(event_in)
+    digest = _key_digest(idempotency_key, event_in)
     event_id = event_in.id or (
         event_id_for_key(event_in.tenant, idempotency_key) if idempotency_key else new_id("evt")
     )
     async with state.duplicates.claim(event_in.tenant, event_id) as claim:
         if claim.previous is not None:
-            previous = claim.previous
-            if digest is not None and previous.request_digest not in (None, digest):
-                raise ApiError(
-                    422,
-                    "idempotency_key_reused",
-                    "this Idempotency-Key was sent with another request; use a new key for a new event",
-                    [ErrorDetail(field="Idempotency-Key", message="already used for another request")],
-                )
-            log.info("event_duplicate", event_id=event_id, tenant=event_in.tenant)
-            return EventAccepted(
-                id=event_id,
-                tenant=event_in.tenant,
-                type=previous.type,
-                accepted_at=datetime.fromtimestamp(previous.accepted_at_s, UTC),
-                duplicate=True,
-            )
+            return _duplicate(claim.previous, event_id, event_in.tenant, digest)
         now = _to_ms(datetime.now(UTC))  # what the event log's header keeps, and a duplicate is told
         event = event_in.complete(event_id=event_id, now=now)
         # After the duplicate check: a retried request is answered, not counted again.
@@ -204,6 +175,46 @@ async def _accept(
         claim.accepted = Acceptance(type=event.type, accepted_at_s=now.timestamp(), request_digest=digest)
     return EventAccepted(
         id=event.id, tenant=event.tenant, type=event.type, accepted_at=now, warnings=warnings
+    )
+
+
+def _key_digest(idempotency_key: str | None, event_in: EventIn) -> str | None:
+    """The request's digest when it names an Idempotency-Key (to tell a retry from another request
+    under the same key), after checking the key."""
+    if idempotency_key is None:
+        return None
+    if not 0 < len(idempotency_key) <= IDEMPOTENCY_KEY_MAX or not idempotency_key.isprintable():
+        raise ApiError(
+            422,
+            "invalid_idempotency_key",
+            "invalid value for: Idempotency-Key",
+            [
+                ErrorDetail(
+                    field="Idempotency-Key",
+                    message=f"must be 1 to {IDEMPOTENCY_KEY_MAX} printable characters",
+                )
+            ],
+        )
+    return request_digest(event_in)
+
+
+def _duplicate(previous: Acceptance, event_id: str, tenant: str, digest: str | None) -> EventAccepted:
+    """The answer to an event accepted before: when, and as which type; a key sent with another
+    request is refused instead."""
+    if digest is not None and previous.request_digest not in (None, digest):
+        raise ApiError(
+            422,
+            "idempotency_key_reused",
+            "this Idempotency-Key was sent with another request; use a new key for a new event",
+            [ErrorDetail(field="Idempotency-Key", message="already used for another request")],
+        )
+    log.info("event_duplicate", event_id=event_id, tenant=tenant)
+    return EventAccepted(
+        id=event_id,
+        tenant=tenant,
+        type=previous.type,
+        accepted_at=datetime.fromtimestamp(previous.accepted_at_s, UTC),
+        duplicate=True,
     )
 
 

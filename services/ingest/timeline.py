@@ -51,23 +51,8 @@ def standing(
         return Standing(state="dead", next_attempt_at=None, waiting_reason="the endpoint was deleted")
     next_at_s = last.next_attempt_at_s if last is not None else None
     next_at = datetime.fromtimestamp(next_at_s, UTC) if next_at_s is not None else None
-    if endpoint.status is EndpointStatus.DISABLED:
-        return Standing(
-            state="disabled",
-            next_attempt_at=None,
-            waiting_reason="the endpoint is disabled; resume it to deliver",
-        )
-    if endpoint.status is EndpointStatus.PAUSED:
-        return Standing(
-            state="paused",
-            next_attempt_at=None,
-            waiting_reason="the endpoint is paused; resume it to deliver",
-        )
-    if not endpoint.verified:
-        return Standing(
-            state="unverified", next_attempt_at=None,
-            waiting_reason="the endpoint has not answered its verification request yet; verify it to deliver",
-        )  # fmt: skip
+    if (held := _held_by_endpoint(endpoint)) is not None:
+        return held
     if breaker is not None and breaker.state is not BreakerState.CLOSED:
         probe_at = (breaker.opened_at_s or now_s) + breaker.cooldown_s
         return Standing(
@@ -91,6 +76,28 @@ def standing(
             why = f"attempt {last.attempt} failed ({_failure(last)}); due, waiting for a dispatcher"
         return Standing(state="retrying", next_attempt_at=next_at, waiting_reason=why)
     return Standing(state="pending", next_attempt_at=None, waiting_reason=_queued(endpoint))
+
+
+def _held_by_endpoint(endpoint: StoredEndpoint) -> Standing | None:
+    """An endpoint that takes no deliveries until an operator acts, and what to do."""
+    if endpoint.status is EndpointStatus.DISABLED:
+        return Standing(
+            state="disabled",
+            next_attempt_at=None,
+            waiting_reason="the endpoint is disabled; resume it to deliver",
+        )
+    if endpoint.status is EndpointStatus.PAUSED:
+        return Standing(
+            state="paused",
+            next_attempt_at=None,
+            waiting_reason="the endpoint is paused; resume it to deliver",
+        )
+    if not endpoint.verified:
+        return Standing(
+            state="unverified", next_attempt_at=None,
+            waiting_reason="the endpoint has not answered its verification request yet; verify it to deliver",
+        )  # fmt: skip
+    return None
 
 
 def _queued(endpoint: StoredEndpoint) -> str:
