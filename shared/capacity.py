@@ -22,13 +22,16 @@ import signal
 import time
 from collections.abc import Callable, Mapping, Sequence
 from types import TracebackType
-from typing import Any, Literal, Self
+from typing import TYPE_CHECKING, Any, Literal, Self
 from urllib.parse import unquote, urlsplit, urlunsplit
 
 import httpx
 import orjson
 import structlog
 from pydantic import BaseModel, ConfigDict
+
+if TYPE_CHECKING:
+    from hookline.shared.settings import CommonSettings
 
 log = structlog.get_logger(__name__)
 
@@ -178,6 +181,16 @@ class CapacityReader:
     :meth:`read` raises :class:`CapacityUnreadableError`; :meth:`recent` answers None instead, and keeps a
     reading (or a failure, so that a broken source is not asked on every call) for ``max_age_s``.
     """
+
+    @classmethod
+    def of(cls, settings: CommonSettings) -> CapacityReader:
+        """The reader the operator's settings point at (``HOOKLINE_RABBITMQ_MANAGEMENT_URL``, else
+        ``rabbitmq-diagnostics`` for a broker on this machine)."""
+        return cls(
+            management_url=settings.rabbitmq_management_url,
+            diagnostics_command=settings.rabbitmq_diagnostics,
+            amqp_url=settings.amqp_url,
+        )
 
     def __init__(
         self,

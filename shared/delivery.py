@@ -18,7 +18,7 @@ import time
 import weakref
 from dataclasses import dataclass, field
 from types import TracebackType
-from typing import Any, Self
+from typing import TYPE_CHECKING, Any, Self
 from urllib.parse import urlsplit
 
 import aiohttp
@@ -32,6 +32,9 @@ from hookline.shared.targets import (
     literal_refusal,
     url_refusal,
 )
+
+if TYPE_CHECKING:
+    from hookline.shared.settings import DeliveryPolicySettings
 
 
 class ErrorKind(enum.StrEnum):
@@ -173,6 +176,21 @@ class _TimedConnector(aiohttp.TCPConnector):
 
 class DeliveryClient:
     """Owns the HTTP session; ``async with DeliveryClient(...) as client``."""
+
+    @classmethod
+    def for_endpoints(
+        cls, policy: DeliveryPolicySettings, *, max_connections: int, user_agent: str
+    ) -> DeliveryClient:
+        """A client for customers' endpoints, under the operator's rules for them: http:// and private
+        addresses refused unless allowed, response bodies captured up to the limit, the egress proxy."""
+        return cls(
+            max_connections=max_connections,
+            user_agent=user_agent,
+            allow_http=policy.allow_http,
+            allow_private=policy.allow_private_targets,
+            capture_bytes=policy.response_capture_bytes,
+            proxy=policy.egress_proxy,
+        )
 
     def __init__(
         self,

@@ -41,7 +41,7 @@ from hookline.shared.models import (
     TokenUpserted,
     error_summary,
 )
-from hookline.shared.streams import StreamFollower, offset_of
+from hookline.shared.streams import StreamFollower, follow_synced, offset_of
 from hookline.shared.supervision import Supervisor
 from hookline.shared.tenants import Tenants
 
@@ -285,7 +285,5 @@ async def follow(
     """Replay the change log into ``registry`` (and ``event_types``) and keep following it under
     ``supervisor``; returns once caught up (a service is not ready before it knows every endpoint)."""
     change_log = ChangeLog(broker, publisher, registry, event_types)
-    supervisor.spawn(LOOP, change_log._follower.run)
-    await supervisor.wait_up(LOOP, timeout_s=sync_timeout_s)
-    await change_log.sync(timeout_s=sync_timeout_s)
+    await follow_synced(supervisor, LOOP, change_log._follower, timeout_s=sync_timeout_s)
     return change_log

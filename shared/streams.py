@@ -21,7 +21,7 @@ import structlog
 from aio_pika.abc import AbstractChannel, AbstractIncomingMessage
 
 from hookline.shared.amqp import Broker, Publisher, close_quietly, on_cancel, passive_queue, until_closed
-from hookline.shared.supervision import Loop
+from hookline.shared.supervision import Body, Loop, Supervisor
 
 log = structlog.get_logger(__name__)
 
@@ -152,3 +152,21 @@ async def read_at(broker: Broker, stream: str, offset: int, *, timeout_s: float)
         at, body = await found
         await queue.cancel(tag)
     return body if at == offset else None
+
+
+async def follow_synced(
+    supervisor: Supervisor,
+    name: str,
+    follower: StreamFollower,
+    body: Body | None = None,
+    *,
+    timeout_s: float,
+    sync_timeout_s: float | None = None,
+) -> None:
+    """Start following a stream as the supervised loop ``name`` (``body``, or the follower's own run)
+    and return once what was written to it before has been read: a service that answers from a stream
+    is not ready before it has caught up. ``timeout_s`` for the loop to be up, ``sync_timeout_s`` (the
+    same by default) to catch up."""
+    supervisor.spawn(name, body or follower.run)
+    await supervisor.wait_up(name, timeout_s=timeout_s)
+    await follower.sync(timeout_s=timeout_s if sync_timeout_s is None else sync_timeout_s)

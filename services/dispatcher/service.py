@@ -38,7 +38,7 @@ from hookline.shared.probes import probe_server
 from hookline.shared.registry import ChangeLog, EndpointRegistry
 from hookline.shared.sealing import SealedSecretError, Sealer
 from hookline.shared.settings import DispatcherSettings, load
-from hookline.shared.streams import StreamFollower
+from hookline.shared.streams import StreamFollower, follow_synced
 from hookline.shared.supervision import Loop, Supervisor
 from hookline.shared.tracing import Tracing
 
@@ -163,9 +163,7 @@ async def _follow_breakers(
         start=datetime.now(UTC) - BREAKER_LOOKBACK,
         prefetch=100,
     )
-    supervisor.spawn("breakers", control.run)
-    await supervisor.wait_up("breakers", timeout_s=settings.connect_timeout_s)
-    await control.sync(timeout_s=settings.connect_timeout_s)
+    await follow_synced(supervisor, "breakers", control, timeout_s=settings.connect_timeout_s)
 
 
 @asynccontextmanager
@@ -206,17 +204,6 @@ async def dispatching(
             # 6. the tracing, which exports the last spans.
 
 
-def _delivery_client(settings: DispatcherSettings) -> DeliveryClient:
-    return DeliveryClient(
-        max_connections=settings.http_max_connections,
-        user_agent=USER_AGENT,
-        allow_http=settings.allow_http,
-        allow_private=settings.allow_private_targets,
-        capture_bytes=settings.response_capture_bytes,
-        proxy=settings.egress_proxy,
-    )
-
-
 def main() -> None:
     settings = load(DispatcherSettings)
     hookline_logging.configure(service="dispatcher", level=settings.log_level)
@@ -240,7 +227,9 @@ async def serve(settings: DispatcherSettings, stopping: asyncio.Event) -> None:
         Broker(
             settings.amqp_url, name="hookline-dispatcher", connect_timeout_s=settings.connect_timeout_s
         ) as broker,
-        _delivery_client(settings) as client,
+        DeliveryClient.for_endpoints(
+            settings, max_connections=settings.http_max_connections, user_agent=USER_AGENT
+        ) as client,
     ):
         await topology.declare(broker, settings.retention)
         publisher = Publisher(broker)

@@ -47,11 +47,7 @@ async def _connections(settings: MonitorSettings, sinks: list[Sink]) -> AsyncIte
             name="hookline-health-monitor",
             connect_timeout_s=settings.connect_timeout_s,
         ) as broker,
-        CapacityReader(
-            management_url=settings.rabbitmq_management_url,
-            diagnostics_command=settings.rabbitmq_diagnostics,
-            amqp_url=settings.amqp_url,
-        ) as capacity,
+        CapacityReader.of(settings) as capacity,
         DeliveryClient(
             # The operator's own URLs, from the settings: not subject to the endpoints' SSRF rules.
             max_connections=8,

@@ -51,8 +51,8 @@ from hookline.shared.ids import new_id
 from hookline.shared.models import EndpointStatus, Event, error_summary
 from hookline.shared.registry import ChangeLog
 from hookline.shared.settings import MonitorSettings
-from hookline.shared.streams import StreamFollower, offset_of
-from hookline.shared.supervision import Body, Loop, Supervisor
+from hookline.shared.streams import StreamFollower, follow_synced, offset_of
+from hookline.shared.supervision import Loop, Supervisor
 from hookline.shared.telemetry import AttemptRecord, batch
 from hookline.shared.views import follow_view
 
@@ -655,22 +655,6 @@ async def _load_checkpoint(
     return health, offset
 
 
-async def _follow_synced(
-    supervisor: Supervisor,
-    name: str,
-    follower: StreamFollower,
-    body: Body | None = None,
-    *,
-    up_timeout_s: float,
-    sync_timeout_s: float,
-) -> None:
-    """Start following a stream and return once what was written to it before has been read: each
-    start-up step builds on the one before (see the module's docstring)."""
-    supervisor.spawn(name, body or follower.run)
-    await supervisor.wait_up(name, timeout_s=up_timeout_s)
-    await follower.sync(timeout_s=sync_timeout_s)
-
-
 async def _catch_up(
     settings: MonitorSettings,
     broker: Broker,
@@ -687,23 +671,21 @@ async def _catch_up(
         broker, topology.BREAKER_LOG, monitor.on_breaker_log, publisher=publisher,
         start=datetime.now(UTC) - BREAKER_LOOKBACK, prefetch=100,
     )  # fmt: skip
-    await _follow_synced(supervisor, "breaker-log", breaker_log, up_timeout_s=wait_s, sync_timeout_s=wait_s)
+    await follow_synced(supervisor, "breaker-log", breaker_log, timeout_s=wait_s)
     monitor.restore_breakers()
     dead_letter_log = StreamFollower(
         broker, topology.DEAD_LETTER_STREAM, dead_letters.apply, publisher=publisher,
         start=dead_letters.next_offset,
     )  # fmt: skip
     view = partial(follow_view, dead_letter_log, dead_letters)
-    await _follow_synced(
-        supervisor, "dead-letters", dead_letter_log, view, up_timeout_s=wait_s, sync_timeout_s=wait_s
-    )
+    await follow_synced(supervisor, "dead-letters", dead_letter_log, view, timeout_s=wait_s)
     telemetry = StreamFollower(
         broker, topology.TELEMETRY_LOG, monitor.on_telemetry, publisher=publisher,
         start=telemetry_offset + 1 if telemetry_offset is not None else datetime.now(UTC) - TELEMETRY_WINDOW,
     )  # fmt: skip
     # Without a checkpoint, a day of telemetry is read: that takes minutes, not a connect timeout.
     sync_s = max(wait_s, 300)
-    await _follow_synced(supervisor, "telemetry", telemetry, up_timeout_s=wait_s, sync_timeout_s=sync_s)
+    await follow_synced(supervisor, "telemetry", telemetry, timeout_s=wait_s, sync_timeout_s=sync_s)
     return telemetry
 
 

@@ -47,7 +47,7 @@ from hookline.shared.models import error_summary
 from hookline.shared.probes import probes_router
 from hookline.shared.sealing import Sealer
 from hookline.shared.settings import IngestSettings, load, metrics_tokens
-from hookline.shared.streams import StreamFollower
+from hookline.shared.streams import StreamFollower, follow_synced
 from hookline.shared.supervision import Loop, Supervisor
 from hookline.shared.tracing import Tracing
 from hookline.shared.views import RowView, follow_view
@@ -119,19 +119,10 @@ async def _stores(settings: IngestSettings) -> AsyncIterator[_Stores]:
             settings.amqp_url, name="hookline-ingest", connect_timeout_s=settings.connect_timeout_s
         ) as broker,
         DeadLetterIndex(state_path, identity=f"{broker.vhost}/{topology.DEAD_LETTER_STREAM}") as dead_letters,
-        DeliveryClient(
-            max_connections=32,
-            user_agent=f"hookline/{__version__}",
-            allow_http=settings.allow_http,
-            allow_private=settings.allow_private_targets,
-            capture_bytes=settings.response_capture_bytes,
-            proxy=settings.egress_proxy,
+        DeliveryClient.for_endpoints(
+            settings, max_connections=32, user_agent=f"hookline/{__version__}"
         ) as client,
-        CapacityReader(
-            management_url=settings.rabbitmq_management_url,
-            diagnostics_command=settings.rabbitmq_diagnostics,
-            amqp_url=settings.amqp_url,
-        ) as capacity,
+        CapacityReader.of(settings) as capacity,
         DeliveryLog(
             state_path,
             vhost=broker.vhost,
@@ -163,9 +154,10 @@ async def _running(settings: IngestSettings, stores: _Stores, tracing: Tracing) 
             publisher=publisher,
             start=stores.dead_letters.next_offset,
         )
-        supervisor.spawn("dead-letters", partial(follow_view, dead_letter_log, stores.dead_letters))
-        await supervisor.wait_up("dead-letters", timeout_s=settings.connect_timeout_s)
-        await dead_letter_log.sync(timeout_s=settings.connect_timeout_s)
+        view = partial(follow_view, dead_letter_log, stores.dead_letters)
+        await follow_synced(
+            supervisor, "dead-letters", dead_letter_log, view, timeout_s=settings.connect_timeout_s
+        )
         breakers = BreakerView()
         _follow_delivery_log(broker, publisher, supervisor, stores.delivery_log, breakers, stores.audit_view)
         sealer = Sealer(settings.secret_key.get_secret_value() if settings.secret_key else None)
