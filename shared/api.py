@@ -1,5 +1,4 @@
-"""Conventions every hookline HTTP API shares: bearer tokens, error bodies, serving (its probes and
-``/metrics`` are :func:`hookline.shared.probes.probes_router`).
+"""Conventions every hookline HTTP API shares: bearer tokens, error bodies, probes, serving.
 
 Errors always have the shape ``{"error": <code>, "message": <text>, "details": [{"field", "message"}]}``,
 so a client can show which field was wrong; no stack trace or secret ever reaches a response.
@@ -15,7 +14,7 @@ from typing import Any
 import aio_pika
 import structlog
 import uvicorn
-from fastapi import FastAPI, Request, Response
+from fastapi import APIRouter, FastAPI, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
@@ -26,6 +25,7 @@ from hookline.shared import lifecycle
 from hookline.shared.amqp import BrokerBlockedError, ChannelLostError
 from hookline.shared.bearer import UNAUTHORIZED_MESSAGE, presents_token
 from hookline.shared.models import ErrorBody, ErrorDetail
+from hookline.shared.probes import ProbeAnswer, exposition, liveness, readiness, unauthorized
 
 log = structlog.get_logger(__name__)
 
@@ -167,3 +167,34 @@ async def serve(app: FastAPI, *, host: str, port: int, grace_s: float) -> None:
         watcher.cancel()
     if not server.started:
         raise SystemExit(1)
+
+
+def probes_router(problems: Callable[[], list[str]], *, metrics_tokens: Sequence[str]) -> APIRouter:
+    """The probes (:mod:`hookline.shared.probes` decides their answers) on an API's own listener. ``problems`` says what is missing (the broker, a loop
+    that is not running); ``/metrics`` answers only a bearer token of ``metrics_tokens``: it shares the
+    API's listener, and the monitor's series name endpoints. The probes stay open: orchestrators call
+    them without credentials."""
+    if not metrics_tokens:
+        raise ValueError("an API's /metrics needs at least one token")
+
+    def respond(answer: ProbeAnswer) -> Response:
+        return JSONResponse(answer.body, status_code=answer.status, headers=dict(answer.headers))
+
+    router = APIRouter(include_in_schema=False)
+
+    @router.get("/metrics")
+    async def metrics(request: Request) -> Response:
+        if not presents_token(request.headers.get("authorization", ""), metrics_tokens):
+            return respond(unauthorized())
+        body, content_type = exposition()
+        return Response(body, media_type=content_type)
+
+    @router.get("/healthz")
+    async def healthz() -> Response:
+        return respond(liveness())
+
+    @router.get("/readyz")
+    async def readyz() -> Response:
+        return respond(readiness(problems()))
+
+    return router

@@ -7,7 +7,7 @@ field instead of a value silently ignored.
 from __future__ import annotations
 
 import enum
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, Self
 from urllib.parse import urlsplit
 
 from pydantic import (
@@ -54,22 +54,30 @@ def check_sequence(sequence: int | None, subject: str | None) -> None:
 # --- events -------------------------------------------------------------------------------------
 
 
-class Event(Model):
-    """An event as upstreams publish it to the ``events`` exchange and receivers get it."""
+class EventFields(Model):
+    """An event's fields and their rules, ``id`` and ``occurred_at`` not filled in yet (the ingest's
+    ``EventIn``); :class:`Event` requires them. The order here is the published JSON's."""
 
-    id: EventId
+    id: EventId | None = None
     type: EventType
     tenant: Tenant
-    occurred_at: AwareDatetime
+    occurred_at: AwareDatetime | None = None
     subject: str | None = Field(None, min_length=1, max_length=256)
     sequence: SequenceNumber | None = None
     schema_version: int = Field(1, ge=1)
     data: dict[str, Any]
 
     @model_validator(mode="after")
-    def _sequence_has_subject(self) -> Event:
+    def _sequence_has_subject(self) -> Self:
         check_sequence(self.sequence, self.subject)
         return self
+
+
+class Event(EventFields):
+    """An event as upstreams publish it to the ``events`` exchange and receivers get it."""
+
+    id: EventId
+    occurred_at: AwareDatetime
 
 
 #: Where an event stands at one endpoint (the delivery log's answer; the dashboard filters by it).

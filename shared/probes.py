@@ -2,9 +2,9 @@
 for Prometheus.
 
 What they answer is decided once, here, as plain values (:class:`ProbeAnswer`, :class:`Exposition`);
-two adapters serve them: :func:`probe_server`, the small aiohttp server of a service without an API (a
-dispatcher, an outbox relay), and :func:`probes_router`, the routes on the listener of a service with
-a FastAPI API (the ingest, the monitor).
+two adapters serve them: :func:`probe_server` here, the small aiohttp server of a service without an
+API (a dispatcher, an outbox relay), and :func:`hookline.shared.api.probes_router`, the routes on the
+listener of a service with a FastAPI API (the ingest, the monitor).
 """
 
 from __future__ import annotations
@@ -13,20 +13,15 @@ import socket
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple
 
 import prometheus_client
 import structlog
 from aiohttp import web
 from pydantic import SecretStr
-from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
 
 from hookline.shared.bearer import UNAUTHORIZED_MESSAGE, presents_token
 from hookline.shared.models import ErrorBody, ErrorDetail
-
-if TYPE_CHECKING:
-    from fastapi import APIRouter
 
 log = structlog.get_logger(__name__)
 
@@ -113,39 +108,3 @@ async def probe_server(
         yield bound_port
     finally:
         await runner.cleanup()
-
-
-def probes_router(problems: Callable[[], list[str]], *, metrics_tokens: Sequence[str]) -> APIRouter:
-    """The same routes on an API's own listener. ``problems`` says what is missing (the broker, a loop
-    that is not running); ``/metrics`` answers only a bearer token of ``metrics_tokens``: it shares the
-    API's listener, and the monitor's series name endpoints. The probes stay open: orchestrators call
-    them without credentials."""
-    # Imported here: the dispatcher and the outbox relay import this module and never need FastAPI. (The
-    # routes' annotations name Starlette's Request and Response, imported at the top, which FastAPI
-    # resolves from this module's globals.)
-    from fastapi import APIRouter
-
-    if not metrics_tokens:
-        raise ValueError("an API's /metrics needs at least one token")
-
-    def respond(answer: ProbeAnswer) -> Response:
-        return JSONResponse(answer.body, status_code=answer.status, headers=dict(answer.headers))
-
-    router = APIRouter(include_in_schema=False)
-
-    @router.get("/metrics")
-    async def metrics(request: Request) -> Response:
-        if not presents_token(request.headers.get("authorization", ""), metrics_tokens):
-            return respond(unauthorized())
-        body, content_type = exposition()
-        return Response(body, media_type=content_type)
-
-    @router.get("/healthz")
-    async def healthz() -> Response:
-        return respond(liveness())
-
-    @router.get("/readyz")
-    async def readyz() -> Response:
-        return respond(readiness(problems()))
-
-    return router

@@ -18,10 +18,9 @@ from hookline.health_monitor.sinks import AlertSinks, Sink, parse_sinks
 from hookline.shared import __version__, lifecycle, registry, topology
 from hookline.shared import logging as hookline_logging
 from hookline.shared.amqp import Broker, Publisher
-from hookline.shared.api import bearer_token_guard, install_error_handlers, serve
+from hookline.shared.api import bearer_token_guard, install_error_handlers, probes_router, serve
 from hookline.shared.capacity import CapacityReader
 from hookline.shared.delivery import DeliveryClient
-from hookline.shared.probes import probes_router
 from hookline.shared.settings import MonitorSettings, load, metrics_tokens
 from hookline.shared.supervision import Supervisor
 

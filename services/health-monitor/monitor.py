@@ -318,7 +318,7 @@ class Monitor:
                 next_evaluation_s = now_s + max(self.settings.tick_s, EVALUATION_INTERVAL_S)
             await asyncio.sleep(self.settings.tick_s)
 
-    async def save_checkpoints(
+    async def checkpoint_loop(
         self, store: checkpoint.CheckpointStore, telemetry: StreamFollower, loop: Loop
     ) -> None:
         """The statistics and the telemetry offset they include, to local disk every few seconds."""
@@ -702,7 +702,7 @@ def _spawn_loops(
     supervisor.spawn("breaker-commands", monitor.publish_commands)
     supervisor.spawn("tick", monitor.tick, stall_s=60)
     supervisor.spawn("queues", monitor.poll_queues, stall_s=120)
-    supervisor.spawn("checkpoint", partial(monitor.save_checkpoints, store, telemetry), stall_s=120)
+    supervisor.spawn("checkpoint", partial(monitor.checkpoint_loop, store, telemetry), stall_s=120)
     supervisor.spawn("broker", partial(monitor.watch_broker, capacity), stall_s=120)
     if settings.canary_interval_s > 0:
         supervisor.spawn("canaries", monitor.send_canaries, stall_s=max(60, 3 * settings.canary_interval_s))

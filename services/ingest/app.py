@@ -37,14 +37,13 @@ from hookline.ingest.state import IngestState
 from hookline.shared import __version__, lifecycle, registry, topology
 from hookline.shared import logging as hookline_logging
 from hookline.shared.amqp import Broker, Publisher
-from hookline.shared.api import install_error_handlers, serve
+from hookline.shared.api import install_error_handlers, probes_router, serve
 from hookline.shared.capacity import CapacityReader
 from hookline.shared.control import BREAKER_LOOKBACK, BreakerView, control_record
 from hookline.shared.credentials import Credentials
 from hookline.shared.deadletters import DeadLetterIndex
 from hookline.shared.delivery import DeliveryClient
 from hookline.shared.models import error_summary
-from hookline.shared.probes import probes_router
 from hookline.shared.sealing import Sealer
 from hookline.shared.settings import IngestSettings, load, metrics_tokens
 from hookline.shared.streams import StreamFollower, follow_synced
@@ -62,18 +61,17 @@ _ENVELOPE_SLACK_BYTES = 8192
 def create_app(settings: IngestSettings) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        tracing = Tracing("ingest", settings.otlp_endpoint)
-        try:
-            async with _stores(settings) as stores, _running(settings, stores, tracing) as state:
-                app.state.ingest = state
-                log.info(
-                    "ingest_ready",
-                    endpoints=len(state.registry),
-                    dead_letters=await state.dead_letters_index.count(),
-                )
-                yield
-        finally:
-            await asyncio.to_thread(tracing.shutdown)  # the last spans (the exporter blocks)
+        # Shutdown (once the HTTP server has finished its requests) runs in reverse: _running stops
+        # the loops, then the channels, then exports the last spans; _stores closes the broker session
+        # and the local views.
+        async with _stores(settings) as stores, _running(settings, stores) as state:
+            app.state.ingest = state
+            log.info(
+                "ingest_ready",
+                endpoints=len(state.registry),
+                dead_letters=await state.dead_letters_index.count(),
+            )
+            yield
 
     app = FastAPI(title="hookline ingest", version=__version__, lifespan=lifespan)
     install_error_handlers(app)
@@ -100,8 +98,8 @@ def create_app(settings: IngestSettings) -> FastAPI:
 
 @dataclass(frozen=True)
 class _Stores:
-    """What the ingest opens before it follows anything: the broker session, its HTTP client and the
-    local views kept in the state file."""
+    """What the ingest opens before it follows anything: the broker session, the HTTP client of its
+    own attempts, the broker's capacity reader and the local views kept in the state file."""
 
     broker: Broker
     dead_letters: DeadLetterIndex
@@ -135,10 +133,11 @@ async def _stores(settings: IngestSettings) -> AsyncIterator[_Stores]:
 
 
 @asynccontextmanager
-async def _running(settings: IngestSettings, stores: _Stores, tracing: Tracing) -> AsyncIterator[IngestState]:
+async def _running(settings: IngestSettings, stores: _Stores) -> AsyncIterator[IngestState]:
     """The followed streams and the loops behind the routes. The endpoint log and the dead letters are
     read up to now before the first request: an answer never misses a write acknowledged before."""
     supervisor = Supervisor()
+    tracing = Tracing("ingest", settings.otlp_endpoint)
     broker = stores.broker
     await topology.declare(broker, settings.retention)
     publisher = Publisher(broker)
@@ -187,9 +186,9 @@ async def _running(settings: IngestSettings, stores: _Stores, tracing: Tracing) 
         supervisor.spawn("upgrade", partial(_upgrade_endpoints, state), required=False)
         yield state
     finally:
-        # The HTTP server has finished its requests: stop the loops, then the channels.
         await supervisor.stop()
         await publisher.close()
+        await asyncio.to_thread(tracing.shutdown)  # the last spans (the exporter blocks)
 
 
 def _follow_delivery_log(

@@ -147,11 +147,11 @@ class AuditTrail:
             log.error("audit_record_not_written", action=action, target=target, error=type(exc).__name__)
 
 
-def _trail(request: Request) -> AuditTrail:
+async def _trail(request: Request) -> AuditTrail:
     return ingest_state(request).trail
 
 
-def _view(request: Request) -> RowView:
+async def _view(request: Request) -> RowView:
     return ingest_state(request).audit
 
 

@@ -32,7 +32,7 @@ from hookline.ingest.schemas import (
     RotatedSecret,
     RotateSecret,
 )
-from hookline.ingest.state import IngestState, State
+from hookline.ingest.state import IngestState, Registry, State
 from hookline.ingest.verification import verify
 from hookline.shared import credentials, notifications, topology
 from hookline.shared.amqp import Broker, QueueProbe
@@ -287,7 +287,7 @@ def _pattern_warnings(catalog: Catalog, endpoint: StoredEndpoint) -> list[str]:
 
 @router.get("", response_model=EndpointList)
 async def list_endpoints(
-    state: State,
+    registry: Registry,
     caller: Caller,
     tenant: Annotated[str | None, Query(max_length=64)] = None,
     limit: Annotated[int, Query(ge=1, le=1000)] = 100,
@@ -297,7 +297,7 @@ async def list_endpoints(
 ) -> EndpointList:
     tenant = caller.scope(tenant)
     # Ids are ULIDs, so sorting by id lists endpoints in creation order and makes `after` a stable cursor.
-    endpoints = sorted(state.registry.all(), key=lambda endpoint: endpoint.id)
+    endpoints = sorted(registry.all(), key=lambda endpoint: endpoint.id)
     selected = [
         endpoint.public()
         for endpoint in endpoints
@@ -308,8 +308,8 @@ async def list_endpoints(
 
 
 @router.get("/{endpoint_id}", response_model=Endpoint)
-async def get_endpoint(endpoint_id: str, state: State, caller: Caller, response: Response) -> Endpoint:
-    endpoint = _stored(state.registry, endpoint_id, caller)
+async def get_endpoint(endpoint_id: str, registry: Registry, caller: Caller, response: Response) -> Endpoint:
+    endpoint = _stored(registry, endpoint_id, caller)
     _etag(response, endpoint)
     return endpoint.public()
 
@@ -337,8 +337,7 @@ async def update_endpoint(
     before = _stored(state.registry, endpoint_id, caller)
     _may_skip_verification(caller, verify=change.verify)
     base_version = _base_version(before, if_match)
-    changes = change.model_dump(exclude_unset=True, exclude={"verify"})
-    after = await _changed_to(state, before, change, changes)
+    after, changes = await _changed_to(state, before, change)
     url_changed = after.url != before.url
     moving = after.single_consumer != before.single_consumer
     after = await _routed_for(state, before, after, moving=moving)
@@ -368,10 +367,11 @@ async def update_endpoint(
 
 
 async def _changed_to(
-    state: IngestState, before: StoredEndpoint, change: EndpointUpdate, changes: dict[str, Any]
-) -> StoredEndpoint:
-    """The endpoint as ``changes`` (the fields the request set) leave it, checked, its credentials
-    sealed, its notifier registered; not written yet. ``changes`` gets the sealed credentials."""
+    state: IngestState, before: StoredEndpoint, change: EndpointUpdate
+) -> tuple[StoredEndpoint, dict[str, Any]]:
+    """The endpoint as the fields the request set leave it, checked, its credentials sealed, its
+    notifier registered (not written yet); and those fields, as stored."""
+    changes = change.model_dump(exclude_unset=True, exclude={"verify"})
     for field in ("url", "event_types", "ordered", "body_format", "notify_format"):
         if field in changes and changes[field] is None:
             raise _invalid(field, "must not be null")
@@ -386,7 +386,7 @@ async def _changed_to(
         await _notifier(state, after)
     if after.url != before.url and change.verify:
         after = after.model_copy(update={"verified": False})
-    return after
+    return after, changes
 
 
 async def _routed_for(

@@ -141,7 +141,7 @@ class Quotas:
 router = APIRouter(prefix="/v1/tenants", tags=["tenants"])
 
 
-def _quotas(request: Request) -> Quotas:
+async def _quotas(request: Request) -> Quotas:
     return ingest_state(request).quotas
 
 

@@ -15,6 +15,7 @@ from hookline.shared.models import (
     EndpointAuth,
     ErrorDetail,
     Event,
+    EventFields,
     EventId,
     EventType,
     EventTypeInfo,
@@ -32,12 +33,8 @@ from hookline.shared.models import (
 )
 
 
-class EventIn(Event):
-    """``POST /v1/events``: an :class:`Event` whose ``id`` and ``occurred_at`` the API fills in when
-    absent. The other fields and their rules are Event's own (the published JSON keeps Event's order)."""
-
-    id: EventId | None = None  # type: ignore[assignment]
-    occurred_at: AwareDatetime | None = None  # type: ignore[assignment]
+class EventIn(EventFields):
+    """``POST /v1/events``: like :class:`Event`, but the API fills in ``id`` and ``occurred_at`` when absent."""
 
     def complete(self, *, event_id: str, now: datetime) -> Event:
         fields = dict(self) | {"id": self.id or event_id, "occurred_at": self.occurred_at or now}

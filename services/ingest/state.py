@@ -22,7 +22,7 @@ from hookline.shared.tracing import Tracing
 from hookline.shared.views import RowView
 
 if TYPE_CHECKING:
-    # Modules of routes, which depend on IngestState in turn.
+    # Their modules import this one (audit and quotas for their routes' dependencies).
     from hookline.ingest.attempts import Attempts
     from hookline.ingest.audit import AuditTrail
     from hookline.ingest.quotas import Quotas
@@ -63,33 +63,28 @@ def ingest_state(request: Request) -> IngestState:
     return state
 
 
-# What most routes need, one thing each: a route names the parts it uses, not the whole state.
+# The parts routes use most, one each (async: a sync dependency would take a threadpool hop).
 
 
-def _settings(request: Request) -> IngestSettings:
+async def _settings(request: Request) -> IngestSettings:
     return ingest_state(request).settings
 
 
-def _registry(request: Request) -> EndpointRegistry:
+async def _registry(request: Request) -> EndpointRegistry:
     return ingest_state(request).registry
 
 
-def _change_log(request: Request) -> ChangeLog:
+async def _change_log(request: Request) -> ChangeLog:
     return ingest_state(request).change_log
 
 
-def _delivery_log(request: Request) -> DeliveryLog:
-    return ingest_state(request).delivery_log
-
-
-def _dead_letters(request: Request) -> DeadLetterIndex:
+async def _dead_letters(request: Request) -> DeadLetterIndex:
     return ingest_state(request).dead_letters_index
 
 
 Settings = Annotated[IngestSettings, Depends(_settings)]
 Registry = Annotated[EndpointRegistry, Depends(_registry)]
 Changes = Annotated[ChangeLog, Depends(_change_log)]
-Deliveries = Annotated[DeliveryLog, Depends(_delivery_log)]
 DeadLetters = Annotated[DeadLetterIndex, Depends(_dead_letters)]
 #: The whole state, for a route that orchestrates several of its parts (it hands each helper one).
 State = Annotated[IngestState, Depends(ingest_state)]
