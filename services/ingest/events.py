@@ -94,26 +94,11 @@ async def publish_batch(request: Request, state: State, caller: Caller) -> Batch
         try:
             event_in = EventIn.model_validate(item)
         except ValidationError as exc:
-            error = invalid_input(exc.errors())
-            return BatchItem(
-                index=index,
-                status=error.status,
-                error=error.code,
-                message=error.message,
-                details=error.details,
-            )
+            return BatchItem.refused(index, invalid_input(exc.errors()))
         try:
             accepted = await _accept(state, caller, event_in, idempotency_key=None, trace=trace)
         except ApiError as error:
-            retry_after = error.headers.get("Retry-After")
-            return BatchItem(
-                index=index,
-                status=error.status,
-                error=error.code,
-                message=error.message,
-                details=error.details,
-                retry_after_s=int(retry_after) if retry_after else None,
-            )
+            return BatchItem.refused(index, error)
         return BatchItem(index=index, status=200 if accepted.duplicate else 202, event=accepted)
 
     results = await asyncio.gather(*(one(index, item) for index, item in enumerate(items)))

@@ -8,6 +8,7 @@ from typing import Annotated, Any
 
 from pydantic import AwareDatetime, Field, StringConstraints
 
+from hookline.shared.api import ApiError
 from hookline.shared.models import (
     BodyFormat,
     CustomHeaders,
@@ -75,6 +76,19 @@ class BatchItem(Model):
     retry_after_s: int | None = Field(
         None, description="over a quota or the broker refusing: when to send it again"
     )
+
+    @classmethod
+    def refused(cls, index: int, error: ApiError) -> BatchItem:
+        """The item as the single-event route would have refused it."""
+        retry_after = error.headers.get("Retry-After")
+        return cls(
+            index=index,
+            status=error.status,
+            error=error.code,
+            message=error.message,
+            details=error.details,
+            retry_after_s=int(retry_after) if retry_after else None,
+        )
 
 
 class BatchAccepted(Model):
