@@ -21,7 +21,8 @@ TOKEN = "test-token-0123456789abcdef"
 # Ports for the services tests start: below the kernel's ephemeral range (where receivers and client
 # sockets get theirs), in a block of their own per pytest-xdist worker, taken in turn. A port picked by
 # one worker (or a moment ago by this one, for a service still starting) is then never picked by another
-# before it is bound.
+# before it is bound. Two pytest sessions on one machine (two developers' checkouts) keep apart by giving
+# one of them HOOKLINE_TEST_PORT_BLOCKS_FROM (a block number, 0-10; each xdist worker takes the next).
 _PORT_BLOCK = 1000
 _FIRST_PORT = 20000
 _next_port = itertools.count()
@@ -29,6 +30,7 @@ _next_port = itertools.count()
 
 def free_port() -> int:
     worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw") or 0)
+    worker += int(os.environ.get("HOOKLINE_TEST_PORT_BLOCKS_FROM", "0"))
     low = _FIRST_PORT + worker * _PORT_BLOCK
     for _ in range(_PORT_BLOCK):
         port = low + next(_next_port) % _PORT_BLOCK
