@@ -89,11 +89,12 @@ class Sink:
         return result
 
 
-def start_sink(work: Path, status: int = 204) -> Sink:
+def start_sink(work: Path, status: int = 204, delay_ms: int = 0) -> Sink:
     port = free_port()
     out = work / f"sink-{port}.json"
     process = subprocess.Popen(
-        [sys.executable, "-m", "bench.sink", str(port), str(out), str(status)], stdout=subprocess.PIPE
+        [sys.executable, "-m", "bench.sink", str(port), str(out), str(status), str(delay_ms)],
+        stdout=subprocess.PIPE,
     )
     assert process.stdout is not None
     process.stdout.readline()  # "ready"
@@ -108,6 +109,8 @@ class Services:
     dispatchers: list[subprocess.Popen[bytes]] = field(default_factory=list)
     ingest_port: int = 0
 
+    settings: dict[str, str] = field(default_factory=dict)  # over the bench's own (below)
+
     def env(self, **extra: str) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items() if not k.startswith("HOOKLINE_")}
         env.update(
@@ -117,8 +120,9 @@ class Services:
             HOOKLINE_ALLOW_PRIVATE_TARGETS="true",
             # Short retry steps, so that a failing endpoint's retries compete during the measurement.
             HOOKLINE_RETRY_SCHEDULE_S="1",
-            **extra,
         )
+        env.update(self.settings)
+        env.update(extra)
         return env
 
     def _spawn(self, command: str, port_variable: str, port: int, name: str) -> subprocess.Popen[bytes]:

@@ -1,7 +1,9 @@
 """A minimal keep-alive HTTP receiver for benchmarks: answers 204 and notes when each webhook-id arrived.
 ``GET /__count`` answers how many requests it has received so far.
 
-Usage: python -m bench.sink PORT OUT_JSON [STATUS]. On SIGTERM it writes {"count", "arrivals": {id: t}}.
+Usage: python -m bench.sink PORT OUT_JSON [STATUS [DELAY_MS]]. On SIGTERM it writes
+{"count", "arrivals": {id: t}}; a request to a path other than ``/`` or ``/hook`` is noted as
+``"<path> <id>"`` (several endpoints behind one sink). With DELAY_MS it answers that much later.
 """
 
 from __future__ import annotations
@@ -18,10 +20,13 @@ import uvloop
 
 
 class _Sink(asyncio.Protocol):
-    def __init__(self, arrivals: dict[str, float], counter: list[int], response: bytes) -> None:
+    def __init__(
+        self, arrivals: dict[str, float], counter: list[int], response: bytes, delay_s: float
+    ) -> None:
         self.arrivals = arrivals
         self.counter = counter
         self.response = response
+        self.delay_s = delay_s
         self.buffer = b""
         self.transport: asyncio.Transport | None = None
 
@@ -49,17 +54,26 @@ class _Sink(asyncio.Protocol):
                 continue
             self.counter[0] += 1
             if webhook_id is not None:
-                self.arrivals.setdefault(webhook_id, time.time())
+                path = head.split(b" ", 2)[1].decode()
+                key = webhook_id if path in ("/", "/hook") else f"{path} {webhook_id}"
+                self.arrivals.setdefault(key, time.time())
+            if self.delay_s:
+                asyncio.get_running_loop().call_later(self.delay_s, self._answer)
+            else:
+                self.transport.write(self.response)
+
+    def _answer(self) -> None:
+        if self.transport is not None and not self.transport.is_closing():
             self.transport.write(self.response)
 
 
-async def main(port: int, out_path: str, status: int) -> None:
+async def main(port: int, out_path: str, status: int, delay_ms: int) -> None:
     arrivals: dict[str, float] = {}
     counter = [0]
     response = f"HTTP/1.1 {status} X\r\nContent-Length: 0\r\n\r\n".encode()
     loop = asyncio.get_running_loop()
     server = await loop.create_server(
-        lambda: _Sink(arrivals, counter, response), "127.0.0.1", port, backlog=1024
+        lambda: _Sink(arrivals, counter, response, delay_ms / 1000), "127.0.0.1", port, backlog=4096
     )
     stop = asyncio.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
@@ -71,4 +85,5 @@ async def main(port: int, out_path: str, status: int) -> None:
 
 
 if __name__ == "__main__":
-    uvloop.run(main(int(sys.argv[1]), sys.argv[2], int(sys.argv[3]) if len(sys.argv) > 3 else 204))
+    status = int(sys.argv[3]) if len(sys.argv) > 3 else 204
+    uvloop.run(main(int(sys.argv[1]), sys.argv[2], status, int(sys.argv[4]) if len(sys.argv) > 4 else 0))

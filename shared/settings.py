@@ -239,7 +239,22 @@ class DispatcherSettings(DeliveryPolicySettings):
         32, ge=1, le=1000, description="Unacked deliveries one dispatcher holds per endpoint."
     )
     http_max_connections: int = Field(
-        512, ge=1, description="Outbound connections one dispatcher keeps open."
+        512,
+        ge=4,
+        description="Attempts (each an outbound connection) one dispatcher has under way at once.",
+    )
+    slow_share: float = Field(
+        0.25,
+        ge=0.05,
+        le=0.75,
+        description="Of those, the share slow endpoints may start attempts in; the rest is kept for "
+        "endpoints that answer.",
+    )
+    slow_attempt_s: float = Field(
+        2.0,
+        gt=0,
+        le=30,
+        description="An endpoint whose answer takes this long, or whose attempt has waited this long, is slow.",
     )
     retry_schedule_s: Annotated[tuple[float, ...], NoDecode] = Field(
         (30.0, 120.0, 600.0, 1800.0, 7200.0, 21600.0),

@@ -123,12 +123,13 @@ def exchange(result: AttemptResult, sealer: Sealer) -> ExchangeFields:
     }
 
 
-DeferralReason = Literal["ordering", "pacing"]
+DeferralReason = Literal["ordering", "pacing", "slow_share"]
 
 
 class Deferral(Model):
     """An event put back without an attempt, not its turn yet: behind an earlier event of its subject
-    (ordered endpoints), or paced by the endpoint's rate limit or a 429's Retry-After."""
+    (ordered endpoints), paced by the endpoint's rate limit or a 429's Retry-After, or waiting for the
+    dispatchers' share of connections for slow endpoints (its endpoint is slow and that share is busy)."""
 
     kind: Literal["deferral"] = "deferral"
     at_s: float

@@ -33,6 +33,7 @@ import structlog
 from aio_pika.abc import AbstractChannel, AbstractQueue
 
 from hookline.dispatcher import incoming, metrics
+from hookline.dispatcher.admission import Standing
 from hookline.dispatcher.handler import Handler, handle_safely
 from hookline.dispatcher.incoming import Incoming
 from hookline.shared import topology
@@ -59,6 +60,8 @@ ATTACH_CONCURRENCY = 16
 RECONCILE_RETRY_S = 2.0
 #: Deleted endpoints whose queues are still drained: the monitor removes drained queues well before.
 DELETED_DRAIN_WINDOW = timedelta(days=1)
+#: How often consumers whose prefetch no longer fits their endpoint's standing are consumed again.
+REFIT_EVERY_S = 5.0
 
 
 class Mode(Enum):
@@ -257,11 +260,28 @@ class Consumers:
 
     def _prefetch(self, endpoint: StoredEndpoint) -> int:
         """Unacked deliveries this dispatcher may hold for the endpoint: for a capped endpoint (served by
-        one dispatcher at a time) its ``max_in_flight``, and no more than 10 s of its rate limit."""
+        one dispatcher at a time) its ``max_in_flight``, no more than 10 s of its rate limit, and for a
+        slow endpoint its part of the slow share (admission.py)."""
         prefetch = endpoint.max_in_flight or self._default_prefetch
         if endpoint.rate_limit_per_s is not None:
             prefetch = min(prefetch, max(1, math.ceil(endpoint.rate_limit_per_s * 10)))
+        ledger = self._handler.admission.ledger
+        if ledger.standing(endpoint.id) is Standing.SLOW:
+            prefetch = min(prefetch, ledger.slow_prefetch())
         return prefetch
+
+    def refit(self) -> None:
+        """Endpoints whose prefetch should change (one turned slow or answers again, or the number of
+        slow endpoints halved or doubled) are consumed again with the new one. Called every few seconds,
+        not on every change of standing: an endpoint whose answers hover around the slow line is
+        re-attached at most that often."""
+        for consumer in self._active.values():
+            wanted = consumer.wanted
+            if wanted.mode is not Mode.DELIVER:
+                continue
+            endpoint = self._registry.get(wanted.endpoint_id)
+            if endpoint is not None and self._prefetch(endpoint) != wanted.prefetch:
+                self._changed.put_nowait(wanted.endpoint_id)
 
     async def _attach(self, queue_name: str, want: _Wanted) -> None:
         queue = await self._existing_queue(queue_name, want)
@@ -448,6 +468,13 @@ class Consumers:
         """Last: the settled deliveries are acked, whatever is still unacked goes back to its queue."""
         await self._handler.acks.flush()
         await self._forget_all()
+
+
+async def refit_prefetch(consumers: Consumers, loop: Loop) -> None:
+    while True:
+        consumers.refit()
+        loop.mark_up()
+        await asyncio.sleep(REFIT_EVERY_S)
 
 
 async def expire_breakers(breakers: BreakerView, consumers: Consumers, loop: Loop) -> None:

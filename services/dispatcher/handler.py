@@ -24,6 +24,7 @@ from opentelemetry.trace import SpanKind
 
 from hookline.dispatcher import inbound, metrics
 from hookline.dispatcher.acks import Acks
+from hookline.dispatcher.admission import Admission, Ledger, Ticket
 from hookline.dispatcher.backoff import Jitter, RetryPolicy, honoured_retry_after_s
 from hookline.dispatcher.delays import Delays
 from hookline.dispatcher.incoming import Incoming
@@ -62,6 +63,11 @@ _LOGGED_FIELDS = (
 #: A delivery that must wait longer than this for its turn (rate limit, Retry-After) is deferred
 #: through the delay queues instead of holding its message.
 MAX_LOCAL_WAIT_S = 10.0
+#: A delivery that waits this long for a connection slot (its endpoint is slow, and so are enough others
+#: to fill their share) is put off by SLOW_SHARE_DEFER_S instead: far from the broker's consumer_timeout
+#: (30 min by default), past which it would close the channel of every endpoint consumed on it.
+MAX_SLOT_WAIT_S = 60.0
+SLOW_SHARE_DEFER_S = 30.0
 
 
 def _order_key(event: Event, parsed: inbound.Inbound) -> int:
@@ -94,6 +100,13 @@ class Handler:
         random_unit: Callable[[], float] = random.random,
     ) -> None:
         self.acks = Acks()
+        self.admission = Admission(
+            Ledger(
+                slots=settings.http_max_connections,
+                slow_slots=max(1, round(settings.http_max_connections * settings.slow_share)),
+                slow_after_s=settings.slow_attempt_s,
+            )
+        )
         self._settings = settings
         self._registry = change_log.registry
         self._change_log = change_log
@@ -154,8 +167,21 @@ class Handler:
         if deferred is not None:
             await self._defer(message, endpoint, parsed, sequence, *deferred)
             return False
+        ticket = await self.admission.acquire(endpoint.id, max_wait_s=MAX_SLOT_WAIT_S)
+        if ticket is None:
+            await self._defer(message, endpoint, parsed, sequence, SLOW_SHARE_DEFER_S, "slow_share")
+            return False
+        if not probe and self._breakers.state(endpoint_id) is not None:
+            # The breaker opened while this delivery waited for its turn: back to the queue, unattempted
+            # (the consumer is cancelled by now, so the queue keeps it for the probe).
+            self.admission.release(ticket)
+            if sequence is not None:  # it is back in the queue: still ahead of its subject's later events
+                assert event.subject is not None
+                self._order.retrying(endpoint.id, event.subject, event.id, due_s=time.time())
+            await self.acks.nack(message, requeue=True)
+            return False
         try:
-            await self._attempt_and_settle(message, endpoint, parsed, sequence, probe=probe)
+            await self._attempt_and_settle(message, endpoint, parsed, sequence, ticket, probe=probe)
         except BaseException:
             if sequence is not None:  # never leave the subject blocked by an event that is not out
                 assert event.subject is not None
@@ -183,11 +209,15 @@ class Handler:
         endpoint: StoredEndpoint,
         parsed: inbound.Inbound,
         sequence: int | None,
+        ticket: Ticket,
         *,
         probe: bool,
     ) -> None:
         started_s = time.time()
-        result = await self._attempt(endpoint, parsed, message.body)
+        try:
+            result = await self._attempt(endpoint, parsed, message.body)
+        finally:
+            self.admission.release(ticket)
         outcome = classify(result.status, result.error)
         first_attempt_at_s = parsed.first_attempt_at_s or started_s
         settlement = settle(
@@ -286,9 +316,6 @@ class Handler:
             endpoint.id, endpoint.rate_limit_per_s, now_s=now_s, max_wait_s=MAX_LOCAL_WAIT_S
         )
         if wait_s > MAX_LOCAL_WAIT_S:
-            if sequence is not None:
-                assert parsed.event.subject is not None
-                self._order.retrying(endpoint.id, parsed.event.subject, parsed.event.id, due_s=now_s + wait_s)
             return wait_s, "pacing"
         if wait_s > 0:
             await asyncio.sleep(wait_s)
@@ -304,7 +331,12 @@ class Handler:
         reason: DeferralReason,
     ) -> None:
         """Not this event's turn yet: through the delay queues again, same attempt number, then ack; the
-        delivery log is told why (telemetry)."""
+        delivery log is told why (telemetry). Put off for its own endpoint's reasons (not behind an
+        earlier event of its subject), it keeps its place in its subject's order meanwhile."""
+        event = parsed.event
+        if sequence is not None and reason != "ordering":
+            assert event.subject is not None
+            self._order.retrying(endpoint.id, event.subject, event.id, due_s=time.time() + delay_s)
         await self._delays.schedule(
             message.body,
             content_type=message.content_type,
@@ -318,13 +350,13 @@ class Handler:
             trace=parsed.trace,
         )
         await self.acks.ack(message)
-        event = parsed.event
         behind = (
             self._order.holding(endpoint.id, event.subject, event.id)
             if reason == "ordering" and event.subject is not None
             else None
         )
         now_s = time.time()
+        metrics.DEFERRED.labels(reason).inc()
         self._telemetry.deferral(
             Deferral(
                 at_s=now_s, dispatcher_id=self._telemetry.dispatcher_id, event_id=event.id, endpoint_id=endpoint.id,

@@ -27,6 +27,21 @@ DEAD_LETTERS = prometheus_client.Counter(
 )
 # Read when scraped (service.py sets the function): counting on the delivery path costs a lock twice.
 IN_FLIGHT = prometheus_client.Gauge("hookline_dispatcher_in_flight", "Deliveries being handled now.")
+# Read when scraped too (service.py): the admission of attempts (admission.py).
+SLOTS_IN_USE = prometheus_client.Gauge(
+    "hookline_dispatcher_attempt_slots_in_use",
+    "Attempts under way, by the share of HOOKLINE_HTTP_MAX_CONNECTIONS they count against.",
+    ["share"],
+)
+SLOW_ENDPOINTS = prometheus_client.Gauge(
+    "hookline_dispatcher_slow_endpoints",
+    "Endpoints this dispatcher finds slow (an answer or a wait of HOOKLINE_SLOW_ATTEMPT_S or more).",
+)
+DEFERRED = prometheus_client.Counter(
+    "hookline_deliveries_deferred",
+    "Deliveries put back through the delay queues without an attempt, by reason (ordering, pacing, slow_share).",
+    ["reason"],
+)
 TELEMETRY_DROPPED = prometheus_client.Counter(
     "hookline_telemetry_dropped_records",
     "Telemetry records dropped: the broker was unreachable or refusing publishes (an alarm).",

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import resource
 import socket
 import time
 import uuid
@@ -25,7 +26,8 @@ from aio_pika.abc import AbstractIncomingMessage
 from pydantic import ValidationError
 
 from hookline.dispatcher import incoming, metrics
-from hookline.dispatcher.consumers import Consumers, expire_breakers
+from hookline.dispatcher.admission import Share
+from hookline.dispatcher.consumers import Consumers, expire_breakers, refit_prefetch
 from hookline.dispatcher.handler import USER_AGENT, Handler
 from hookline.dispatcher.telemetry import Telemetry
 from hookline.shared import lifecycle, registry, topology
@@ -146,6 +148,10 @@ def _assemble(
     )
     telemetry.load = consumers.load
     metrics.IN_FLIGHT.set_function(lambda: consumers.in_flight)
+    ledger = handler.admission.ledger
+    for share in Share:
+        metrics.SLOTS_IN_USE.labels(share.value).set_function(partial(ledger.in_use.__getitem__, share))
+    metrics.SLOW_ENDPOINTS.set_function(lambda: ledger.slow_count)
     return _Parts(breakers, telemetry, handler, consumers)
 
 
@@ -182,6 +188,7 @@ async def dispatching(
         consumers = parts.consumers
         await _follow_breakers(settings, broker, publisher, supervisor, parts)
         supervisor.spawn("breaker-leases", partial(expire_breakers, parts.breakers, consumers), stall_s=30)
+        supervisor.spawn("prefetch", partial(refit_prefetch, consumers), stall_s=30)
         change_log.registry.subscribe(consumers.on_change)
         supervisor.spawn("telemetry", parts.telemetry.run, stall_s=30)
         supervisor.spawn("consumers", consumers.run)
@@ -192,7 +199,7 @@ async def dispatching(
             # Shutdown, in order:
             # 1. stop taking work, so the drain below can finish;
             await consumers.stop_intake()
-            await supervisor.stop("consumers", "unroutable", "breaker-leases")
+            await supervisor.stop("consumers", "unroutable", "breaker-leases", "prefetch")
             # 2. let in-flight deliveries finish and settle within the grace period;
             cancelled = await consumers.drain(settings.shutdown_grace_s)
             log.info("dispatcher_drained", cancelled=cancelled)
@@ -204,9 +211,25 @@ async def dispatching(
             # 6. the tracing, which exports the last spans.
 
 
+def _raise_open_files_limit(settings: DispatcherSettings) -> None:
+    """Every attempt under way holds a socket, and attempts under way when their endpoint turned slow can
+    put the slow share over its size (admission.py): the soft limit on open files (often 1,024) is
+    raised to the hard one, and a hard limit too low for the attempts allowed is said at start."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != hard:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    if hard != resource.RLIM_INFINITY and hard < 2 * settings.http_max_connections:
+        log.warning(
+            "open_files_limit_low",
+            limit=hard,
+            detail=f"HOOKLINE_HTTP_MAX_CONNECTIONS={settings.http_max_connections} wants twice as many",
+        )
+
+
 def main() -> None:
     settings = load(DispatcherSettings)
     hookline_logging.configure(service="dispatcher", level=settings.log_level)
+    _raise_open_files_limit(settings)
 
     async def run() -> None:
         await serve(settings, lifecycle.stop_event())
@@ -227,9 +250,9 @@ async def serve(settings: DispatcherSettings, stopping: asyncio.Event) -> None:
         Broker(
             settings.amqp_url, name="hookline-dispatcher", connect_timeout_s=settings.connect_timeout_s
         ) as broker,
-        DeliveryClient.for_endpoints(
-            settings, max_connections=settings.http_max_connections, user_agent=USER_AGENT
-        ) as client,
+        # No limit of the client's own: the handler's admission is the limit (HOOKLINE_HTTP_MAX_CONNECTIONS),
+        # and an attempt's timeout must never include a wait for one of hookline's connections.
+        DeliveryClient.for_endpoints(settings, max_connections=0, user_agent=USER_AGENT) as client,
     ):
         await topology.declare(broker, settings.retention)
         publisher = Publisher(broker)

@@ -64,6 +64,11 @@ def standing(
         if deferral.reason == "ordering":
             behind = f" behind event {deferral.behind_event_id}" if deferral.behind_event_id else ""
             why = f"held back by ordering{behind} (same subject, published earlier) until {_clock(deferral.until_s)}"
+        elif deferral.reason == "slow_share":
+            why = (
+                "the endpoint answers slowly and the dispatchers' connections for slow endpoints are all "
+                f"busy; put back until {_clock(deferral.until_s)}"
+            )
         else:
             why = f"paced by the endpoint's rate limit (or a 429's Retry-After) until {_clock(deferral.until_s)}"
         return Standing(
