@@ -115,11 +115,16 @@ async def run(amqp_url: str, *, slow: int, healthy: int, events: int, rate_per_s
         services.stop_all()
         arrived = healthy_sink.finish()["arrivals"]
         slow_arrived = slow_sink.finish()["arrivals"]
-    latencies_ms = [
-        (at - sent[key.split(" ", 1)[1]]) * 1000
-        for key, at in arrived.items()
-        if key.split(" ", 1)[1] in sent
-    ]
+    by_event: dict[str, list[float]] = {}
+    for key, at in arrived.items():
+        event_id = key.split(" ", 1)[1]
+        if event_id in sent:
+            by_event.setdefault(event_id, []).append(at)
+    latencies_ms = [(at - sent[event_id]) * 1000 for event_id, ats in by_event.items() for at in ats]
+    # Where the time goes: until the first of an event's healthy deliveries (the broker writing it to
+    # every endpoint's queue, a dispatcher taking it), then until the last (the dispatchers' work).
+    first_ms = [(min(ats) - sent[event_id]) * 1000 for event_id, ats in by_event.items()]
+    spread_ms = [(max(ats) - min(ats)) * 1000 for ats in by_event.values()]
     healthy_set = set(healthy_ids)
     attempts = [r for r in log_lines(work, "dispatcher") if r.get("event") == "delivery_attempt"]
     healthy_attempts = [r for r in attempts if r.get("endpoint_id") in healthy_set]
@@ -140,6 +145,8 @@ async def run(amqp_url: str, *, slow: int, healthy: int, events: int, rate_per_s
         "healthy_p50_ms": round(percentile(latencies_ms, 0.50), 1),
         "healthy_p99_ms": round(percentile(latencies_ms, 0.99), 1),
         "healthy_max_ms": round(max(latencies_ms), 1),
+        "first_delivery_of_an_event_p50_ms": round(percentile(first_ms, 0.50), 1),
+        "first_to_last_delivery_of_an_event_p50_ms": round(percentile(spread_ms, 0.50), 1),
         "healthy_failed_attempts": sum(r.get("outcome") != "success" for r in healthy_attempts),
         "healthy_timeouts": sum(r.get("error") == "timeout" for r in healthy_attempts),
         "healthy_retries_scheduled": sum(r.get("next_attempt_in_s") is not None for r in healthy_attempts),
@@ -161,14 +168,26 @@ def main() -> None:
     parser.add_argument("--slow-ms", type=int, default=8000)
     parser.add_argument("--dispatchers", type=int, default=2)
     parser.add_argument("--wait-s", type=float, default=300.0, help="how long to wait for the healthy ones")
+    parser.add_argument(
+        "--alone-too", action="store_true", help="first the healthy endpoints alone: the same run's baseline"
+    )
     arguments = parser.parse_args()
-    with vhost(arguments.amqp_url) as amqp_url:
-        result = asyncio.run(
-            run(amqp_url, slow=arguments.slow, healthy=arguments.healthy, events=arguments.events,
-                rate_per_s=arguments.rate_per_s, slow_ms=arguments.slow_ms, dispatchers=arguments.dispatchers,
-                wait_s=arguments.wait_s)
-        )  # fmt: skip
-    print(json.dumps(result, indent=2))
+    print(json.dumps(measure(arguments), indent=2))
+
+
+def measure(arguments: argparse.Namespace) -> dict[str, Any]:
+    results: dict[str, Any] = {}
+    for label, slow in (("alone", 0), ("beside_slow", arguments.slow)):
+        if label == "alone" and not arguments.alone_too:
+            continue
+        print(f"{arguments.healthy} healthy endpoints {label.replace('_', ' ')}…", flush=True)
+        with vhost(arguments.amqp_url) as amqp_url:
+            results[label] = asyncio.run(
+                run(amqp_url, slow=slow, healthy=arguments.healthy, events=arguments.events,
+                    rate_per_s=arguments.rate_per_s, slow_ms=arguments.slow_ms,
+                    dispatchers=arguments.dispatchers, wait_s=arguments.wait_s)
+            )  # fmt: skip
+    return results
 
 
 if __name__ == "__main__":

@@ -276,6 +276,12 @@ class DispatcherSettings(DeliveryPolicySettings):
         gt=0,
         description="Ordered endpoints: how long after it was due an earlier event still holds its subject back.",
     )
+    consumer_check_s: float = Field(
+        60.0,
+        gt=0,
+        description="How often each queue a dispatcher consumes is checked with the broker (a consumer the "
+        "broker dropped without a cancel reaching the dispatcher is attached again).",
+    )
     breaker_lease_s: float = Field(
         30.0,
         ge=10,

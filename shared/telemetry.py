@@ -72,6 +72,9 @@ class Heartbeat(Model):
     # Messages this dispatcher holds unacked, per endpoint (only those with some): what a queue's
     # ready count does not show, for the ingest's "events pending" check before a delete.
     unacked: dict[str, int] = Field(default_factory=dict)
+    # The half-open breakers (endpoint id -> breaker version) this dispatcher has taken the probe of:
+    # a prober that has not is asked no longer than a heartbeat or two.
+    probing: dict[str, int] = Field(default_factory=dict)
 
 
 class ExchangeFields(TypedDict):

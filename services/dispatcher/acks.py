@@ -119,6 +119,14 @@ class Acks:
         if window is not None:
             self._settled_alone(window, message.delivery_tag)
 
+    def pending(self) -> int:
+        """Settled deliveries whose ack is not sent yet."""
+        return sum(
+            settled is not None
+            for window in self._windows.values()
+            for settled in window.outstanding.values()
+        )
+
     async def flush(self) -> None:
         """Send every settled ack now (shutdown, before the channels close)."""
         for window in list(self._windows.values()):

@@ -109,6 +109,11 @@ class Ledger:
     def share_for(self, endpoint_id: str) -> Share:
         return Share.SLOW if self.standing(endpoint_id) is Standing.SLOW else Share.ANSWERING
 
+    def on_probation(self, endpoint_id: str) -> bool:
+        """New, with its one attempt out: its next waits for that one to end, not for its share."""
+        endpoint = self._endpoints.get(endpoint_id)
+        return endpoint is not None and endpoint.standing is Standing.NEW and endpoint.in_flight > 0
+
     def slow_prefetch(self) -> int:
         """What one slow endpoint may hold of this dispatcher's deliveries: its part of the slow share
         (a power of two, so that it changes only when the number of slow endpoints halves or doubles).
@@ -119,10 +124,10 @@ class Ledger:
     def start(self, endpoint_id: str, *, now_s: float) -> Ticket | None:
         """A slot for an attempt now, or None: its share is full, or the endpoint is on probation with
         an attempt out already."""
+        if self.on_probation(endpoint_id):
+            return None
         endpoint = self._endpoints.setdefault(endpoint_id, _Endpoint())
         endpoint.last_s = now_s
-        if endpoint.standing is Standing.NEW and endpoint.in_flight:
-            return None
         share = Share.SLOW if endpoint.standing is Standing.SLOW else Share.ANSWERING
         if self.in_use[share] >= self.limit(share):
             return None
@@ -197,11 +202,19 @@ class Admission:
 
     async def acquire(self, endpoint_id: str, *, max_wait_s: float) -> Ticket | None:
         """A slot for an attempt to ``endpoint_id``, waited for up to ``max_wait_s`` (None: not in time)."""
+        ticket = self._start(endpoint_id)
+        if ticket is not None:
+            return ticket
         try:
             async with asyncio.timeout(max_wait_s):
-                while (ticket := self._start(endpoint_id)) is None:
+                while True:
                     await self._wait_turn(endpoint_id)
-                return ticket
+                    ticket = self._start(endpoint_id)
+                    if ticket is not None:
+                        return ticket
+                    # Woken for a slot it cannot take (it turned slow meanwhile): the slot is someone
+                    # else's, and this one waits again in its own line.
+                    self._wake_free()
         except TimeoutError:
             return None
 
@@ -221,7 +234,7 @@ class Admission:
         return ticket
 
     async def _wait_turn(self, endpoint_id: str) -> None:
-        probation = self.ledger.standing(endpoint_id) is Standing.NEW
+        probation = self.ledger.on_probation(endpoint_id)
         line = (
             self._on_probation.setdefault(endpoint_id, deque())
             if probation
@@ -258,6 +271,11 @@ class Admission:
     def _on_aging(self) -> None:
         self._age()
         self._schedule_aging()
+
+    def _wake_free(self) -> None:
+        for share, line in self._waiting.items():
+            for _ in range(min(len(line), self.ledger.limit(share) - self.ledger.in_use[share])):
+                self._wake(line)
 
     @staticmethod
     def _wake(line: deque[asyncio.Future[None]] | None) -> None:

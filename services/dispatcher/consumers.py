@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from enum import Enum
 from functools import partial
+from typing import Any
 
 import aiormq
 import structlog
@@ -62,6 +63,8 @@ RECONCILE_RETRY_S = 2.0
 DELETED_DRAIN_WINDOW = timedelta(days=1)
 #: How often consumers whose prefetch no longer fits their endpoint's standing are consumed again.
 REFIT_EVERY_S = 5.0
+#: Queues asked about per second when checking the consumers with the broker (passive declares).
+CHECKS_PER_S = 50
 
 
 class Mode(Enum):
@@ -104,6 +107,9 @@ class _Active:
 
     def values(self) -> list[_Consumer]:
         return list(self._by_queue.values())
+
+    def get(self, queue_name: str) -> _Consumer | None:
+        return self._by_queue.get(queue_name)
 
     def of_endpoint(self, endpoint_id: str) -> list[tuple[str, _Consumer]]:
         return [(name, self._by_queue[name]) for name in self._by_endpoint.get(endpoint_id, ())]
@@ -148,6 +154,7 @@ class Consumers:
         self._channels: dict[int, AbstractChannel] = {}
         self._opening = asyncio.Lock()  # one channel per prefetch value, also while attaching in parallel
         self._queues = QueueProbe(broker)  # declares: an error there closes its channel, not a consumer's
+        self._checks = QueueProbe(broker)  # the check with the broker's, apart from the attaching's
         self._probes: dict[str, int] = {}  # endpoint id -> the half-open version being probed
         self._changed: asyncio.Queue[str | None] = asyncio.Queue()
         self._connection_lost = asyncio.Event()
@@ -295,8 +302,11 @@ class Consumers:
         }[want.mode]
         tag = await incoming.consume(channel, queue_name, callback, timeout_s=CALL_TIMEOUT_S)
         self._active.add(queue_name, _Consumer(want, tag, channel))
-        if want.mode is not Mode.DELIVER:
-            log.info("queue_draining", queue=queue_name, endpoint_id=want.endpoint_id, mode=want.mode.value)
+        # With its tag: what the broker's cancel names, and `rabbitmqctl list_consumers` shows.
+        log.info(
+            "consumer_attached" if want.mode is Mode.DELIVER else "queue_draining",
+            queue=queue_name, endpoint_id=want.endpoint_id, mode=want.mode.value, tag=tag, prefetch=want.prefetch,
+        )  # fmt: skip
 
     async def _existing_queue(self, queue_name: str, want: _Wanted) -> AbstractQueue | None:
         """The queue, checked to exist first: consuming a missing queue would close the consumer channel
@@ -325,6 +335,10 @@ class Consumers:
     def _on_channel_closed(self, prefetch: int, *_: object) -> None:
         if self._stopping:
             return
+        if not self._broker.connected and not self._connection_lost.is_set():
+            # What the broker hands out again now, to this replica or another: whatever of it was
+            # delivered already is delivered twice (the fault suite counts duplicates against this).
+            log.warning("consumers_connection_lost", unacked=self.unacked())
         channel = self._channels.pop(prefetch, None)
         self._handler.acks.forget_closed()
         lost = [name for name, consumer in self._active.items() if consumer.channel is channel]
@@ -333,17 +347,45 @@ class Consumers:
         if not self._broker.connected:
             self._connection_lost.set()
         elif lost:
-            log.warning("consumer_channel_closed", consumers=len(lost))
+            log.warning("consumer_channel_closed", consumers=len(lost), unacked=self.unacked())
 
     def _on_consumer_cancelled(self, frame: aiormq.spec.Basic.Cancel) -> None:
         for name, consumer in self._active.items():
             if consumer.tag == frame.consumer_tag:
                 log.warning(
-                    "consumer_cancelled_by_broker", queue=name, endpoint_id=consumer.wanted.endpoint_id
-                )
+                    "consumer_cancelled_by_broker",
+                    queue=name, endpoint_id=consumer.wanted.endpoint_id, tag=frame.consumer_tag,
+                )  # fmt: skip
                 self._active.pop(name)
                 self._changed.put_nowait(consumer.wanted.endpoint_id)
                 return
+        # A consumer this replica had already let go of (cancelled it itself meanwhile).
+        log.info("consumer_cancelled_by_broker", tag=frame.consumer_tag, known=False)
+
+    async def check_with_broker(self, *, every_s: float) -> None:
+        """The safety net under the broker's cancel: each queue this replica consumes is asked how many
+        consumers it has (a passive declare), at most CHECKS_PER_S a second and each at least every
+        ``every_s``; one the broker finds gone, or with no consumer, is attached again (and provisioned,
+        if it is a current queue), as a cancel would have done."""
+        started_s = time.monotonic()
+        for name, consumer in self._active.items():
+            queue = await self._checks.find(name)
+            current = self._active.get(name)
+            if current is not consumer:
+                continue  # changed meanwhile: the reconcile that did it has looked
+            if queue is None or not queue.declaration_result.consumer_count:
+                log.error(
+                    "consumer_missing_at_broker",
+                    queue=name, endpoint_id=consumer.wanted.endpoint_id, tag=consumer.tag,
+                    queue_exists=queue is not None, alert=True,
+                )  # fmt: skip
+                metrics.CONSUMERS_REATTACHED.inc()
+                self._active.pop(name)
+                with contextlib.suppress(*BROKER_ERRORS):
+                    await incoming.cancel(consumer.channel, consumer.tag, timeout_s=CALL_TIMEOUT_S)
+                self._changed.put_nowait(consumer.wanted.endpoint_id)
+            await asyncio.sleep(1 / CHECKS_PER_S)
+        await asyncio.sleep(max(0.0, started_s + every_s - time.monotonic()))
 
     async def _forget_all(self) -> None:
         self._active.clear()
@@ -351,6 +393,7 @@ class Consumers:
         for channel in channels:
             await close_quietly(channel)
         await self._queues.close()
+        await self._checks.close()
 
     # --- the half-open probe ------------------------------------------------------------------------
 
@@ -435,9 +478,26 @@ class Consumers:
     def in_flight(self) -> int:
         return len(self._tasks)
 
-    def load(self) -> tuple[int, int, dict[str, int]]:
-        """For heartbeats: deliveries in flight, queues consumed, messages held per endpoint."""
-        return self.in_flight, self.consuming, {key: n for key, n in self._unacked.items() if key}
+    def unacked(self) -> int:
+        """Messages held without an ack at the broker: being handled, or settled with the ack to go."""
+        return sum(self._unacked.values()) + self._handler.acks.pending()
+
+    def load(self) -> dict[str, Any]:
+        """For heartbeats: deliveries in flight, queues consumed, messages held per endpoint, and the
+        half-open breakers whose probe this replica has taken on."""
+        probing = {}
+        for endpoint_id, version in list(self._probes.items()):
+            breaker = self._breakers.state(endpoint_id)
+            if breaker is not None and breaker.state is BreakerState.HALF_OPEN and breaker.version == version:
+                probing[endpoint_id] = version
+            else:
+                del self._probes[endpoint_id]  # decided: closed, or open again with a new version
+        return {
+            "in_flight": self.in_flight,
+            "consumers": self.consuming,
+            "unacked": {key: n for key, n in self._unacked.items() if key},
+            "probing": probing,
+        }
 
     # --- shutdown -----------------------------------------------------------------------------------
 
@@ -468,6 +528,13 @@ class Consumers:
         """Last: the settled deliveries are acked, whatever is still unacked goes back to its queue."""
         await self._handler.acks.flush()
         await self._forget_all()
+
+
+async def check_consumers(consumers: Consumers, every_s: float, loop: Loop) -> None:
+    loop.mark_up()
+    while True:
+        await consumers.check_with_broker(every_s=every_s)
+        loop.beat()
 
 
 async def refit_prefetch(consumers: Consumers, loop: Loop) -> None:

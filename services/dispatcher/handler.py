@@ -31,6 +31,7 @@ from hookline.dispatcher.incoming import Incoming
 from hookline.dispatcher.ordering import SubjectOrder
 from hookline.dispatcher.outcome import Ack, DeadLetter, Retry, Settlement, classify, settle
 from hookline.dispatcher.pacing import Pacer
+from hookline.dispatcher.settled import Settled
 from hookline.dispatcher.telemetry import Telemetry
 from hookline.shared import __version__, signing, topology
 from hookline.shared.amqp import BROKER_ERRORS, Publisher
@@ -68,6 +69,9 @@ MAX_LOCAL_WAIT_S = 10.0
 #: (30 min by default), past which it would close the channel of every endpoint consumed on it.
 MAX_SLOT_WAIT_S = 60.0
 SLOW_SHARE_DEFER_S = 30.0
+
+
+_SETTLED_AS = {Ack: "delivered", Retry: "retry_scheduled", DeadLetter: "dead_lettered"}
 
 
 def _order_key(event: Event, parsed: inbound.Inbound) -> int:
@@ -120,6 +124,7 @@ class Handler:
         self._signing_keys: dict[str, _Keys] = {}
         self._policies: dict[str, tuple[datetime, RetryPolicy]] = {}  # per endpoint, with its version
         self._pacer = Pacer()
+        self._settled = Settled()
         self._order = SubjectOrder(stale_s=settings.order_hold_s)
         self._sealer = sealer
 
@@ -162,6 +167,12 @@ class Handler:
             return False
 
         event = parsed.event
+        if (
+            message.redelivered
+            and parsed.origin is None
+            and await self._settled_before(message, endpoint, parsed)
+        ):
+            return False
         sequence = _order_key(event, parsed) if endpoint.ordered and event.subject else None
         deferred = await self._gate(endpoint, parsed, sequence, probe=probe)
         if deferred is not None:
@@ -187,6 +198,23 @@ class Handler:
                 assert event.subject is not None
                 self._order.done(endpoint.id, event.subject, event.id)
             raise
+        return True
+
+    async def _settled_before(
+        self, message: Incoming, endpoint: StoredEndpoint, parsed: inbound.Inbound
+    ) -> bool:
+        """A redelivery of a message this replica settled, whose ack the broker never got: acked now,
+        not attempted again (settled.py)."""
+        event = parsed.event
+        outcome = self._settled.outcome((endpoint.id, event.id, parsed.attempt), now_s=time.monotonic())
+        if outcome is None:
+            return False
+        await self.acks.ack(message)
+        metrics.REDELIVERIES_SETTLED.inc()
+        log.info(
+            "redelivery_already_settled",
+            event_id=event.id, endpoint_id=endpoint.id, attempt=parsed.attempt, outcome=outcome,
+        )  # fmt: skip
         return True
 
     def _catalog_check(self, parsed: inbound.Inbound) -> inbound.Inbound | inbound.Invalid:
@@ -461,6 +489,10 @@ class Handler:
                 await self._disable(endpoint.id, status=result.status)
         else:
             assert isinstance(settlement, Ack)
+        if parsed.origin is None:
+            self._settled.add(
+                (endpoint.id, event.id, parsed.attempt), _SETTLED_AS[type(settlement)], now_s=time.monotonic()
+            )
         await self.acks.ack(message)
         if sequence is not None:
             assert event.subject is not None

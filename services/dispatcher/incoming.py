@@ -40,6 +40,8 @@ class Incoming(Protocol):
     @property
     def delivery_tag(self) -> int | None: ...
     @property
+    def redelivered(self) -> bool | None: ...
+    @property
     def channel(self) -> aiormq.abc.AbstractChannel: ...
 
     async def ack(self) -> None: ...
@@ -59,6 +61,7 @@ class Delivery:
         "headers",
         "message_id",
         "processed",
+        "redelivered",
         "routing_key",
         "timestamp",
     )
@@ -74,6 +77,7 @@ class Delivery:
         self.exchange = message.exchange
         self.routing_key = message.routing_key
         self.delivery_tag = message.delivery_tag
+        self.redelivered = message.redelivered
         self.processed = False  # settled here, or for a batched ack (acks.py)
 
     def settle(self) -> int:

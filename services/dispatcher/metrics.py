@@ -49,6 +49,19 @@ TELEMETRY_DROPPED = prometheus_client.Counter(
 CONSUMERS = prometheus_client.Gauge(
     "hookline_dispatcher_consumers", "Endpoint queues this dispatcher consumes."
 )
+REDELIVERIES_SETTLED = prometheus_client.Counter(
+    "hookline_redeliveries_already_settled",
+    "Messages the broker handed out again that this replica had settled (its ack was lost): acked, not re-sent.",
+)
+UNACKED = prometheus_client.Gauge(
+    "hookline_dispatcher_unacked",
+    "Messages this replica holds that the broker has no ack for yet (being handled, or settled with the "
+    "ack still to go): what a fault now could deliver twice.",
+)
+CONSUMERS_REATTACHED = prometheus_client.Counter(
+    "hookline_dispatcher_consumers_reattached",
+    "Consumers the broker no longer had (found by the periodic check, not told by a cancel), attached again.",
+)
 QUEUES_REDECLARED = prometheus_client.Counter(
     "hookline_endpoint_queues_redeclared", "Endpoint queues found missing and declared again."
 )

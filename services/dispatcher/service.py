@@ -27,7 +27,7 @@ from pydantic import ValidationError
 
 from hookline.dispatcher import incoming, metrics
 from hookline.dispatcher.admission import Share
-from hookline.dispatcher.consumers import Consumers, expire_breakers, refit_prefetch
+from hookline.dispatcher.consumers import Consumers, check_consumers, expire_breakers, refit_prefetch
 from hookline.dispatcher.handler import USER_AGENT, Handler
 from hookline.dispatcher.telemetry import Telemetry
 from hookline.shared import lifecycle, registry, topology
@@ -148,6 +148,7 @@ def _assemble(
     )
     telemetry.load = consumers.load
     metrics.IN_FLIGHT.set_function(lambda: consumers.in_flight)
+    metrics.UNACKED.set_function(consumers.unacked)
     ledger = handler.admission.ledger
     for share in Share:
         metrics.SLOTS_IN_USE.labels(share.value).set_function(partial(ledger.in_use.__getitem__, share))
@@ -188,7 +189,11 @@ async def dispatching(
         consumers = parts.consumers
         await _follow_breakers(settings, broker, publisher, supervisor, parts)
         supervisor.spawn("breaker-leases", partial(expire_breakers, parts.breakers, consumers), stall_s=30)
-        supervisor.spawn("prefetch", partial(refit_prefetch, consumers), stall_s=30)
+        # Neither is needed for delivering (a replica without them is still ready).
+        supervisor.spawn("prefetch", partial(refit_prefetch, consumers), required=False, stall_s=30)
+        supervisor.spawn(
+            "consumer-check", partial(check_consumers, consumers, settings.consumer_check_s), required=False
+        )
         change_log.registry.subscribe(consumers.on_change)
         supervisor.spawn("telemetry", parts.telemetry.run, stall_s=30)
         supervisor.spawn("consumers", consumers.run)
@@ -199,7 +204,7 @@ async def dispatching(
             # Shutdown, in order:
             # 1. stop taking work, so the drain below can finish;
             await consumers.stop_intake()
-            await supervisor.stop("consumers", "unroutable", "breaker-leases", "prefetch")
+            await supervisor.stop("consumers", "unroutable", "breaker-leases", "prefetch", "consumer-check")
             # 2. let in-flight deliveries finish and settle within the grace period;
             cancelled = await consumers.drain(settings.shutdown_grace_s)
             log.info("dispatcher_drained", cancelled=cancelled)

@@ -40,7 +40,8 @@ class Telemetry:
         self.dispatcher_id = dispatcher_id
         # () -> (in flight, consumers, unacked per endpoint), for heartbeats: what the consumers report,
         # once they exist (they are built after the handler, which reports here).
-        self.load: Callable[[], tuple[int, int, dict[str, int]]] = lambda: (0, 0, {})
+        # What a heartbeat says of the consumers: in_flight, consumers, unacked, probing (Heartbeat).
+        self.load: Callable[[], dict[str, Any]] = dict
         # Records as they go on the wire (dicts): attempts are built so on the delivery path.
         self._buffer: list[_Wire] = []
         # Deferrals go in batches of their own: a monitor or ingest of an earlier version, which does
@@ -66,15 +67,11 @@ class Telemetry:
             while True:
                 loop.beat()
                 if time.monotonic() >= next_heartbeat_s:
-                    in_flight, consumers, unacked = self.load()
+                    load = {"in_flight": 0, "consumers": 0, **self.load()}
                     self._buffer.append(
-                        Heartbeat(
-                            at_s=time.time(),
-                            dispatcher_id=self.dispatcher_id,
-                            in_flight=in_flight,
-                            consumers=consumers,
-                            unacked=unacked,
-                        ).model_dump(mode="json")
+                        Heartbeat(at_s=time.time(), dispatcher_id=self.dispatcher_id, **load).model_dump(
+                            mode="json"
+                        )
                     )
                     next_heartbeat_s = time.monotonic() + HEARTBEAT_INTERVAL_S
                 await self.flush()

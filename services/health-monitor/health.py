@@ -37,6 +37,9 @@ DISPATCHER_STALE_S = 15.0
 DISPATCHER_FORGET_S = 3_600.0
 #: A probe that has not reported back after this long is asked for again.
 PROBE_TIMEOUT_S = 120.0
+#: A prober whose heartbeats this long after it was asked do not say it took the probe on is passed over
+#: (it is not attached, or its breaker view lags): two heartbeats.
+PROBE_ACK_S = 10.0
 #: Fewer samples than this in the short window say nothing about p95.
 MIN_SAMPLES = 5
 
@@ -99,6 +102,8 @@ class Health:
         self.types: dict[str, TypeHealth] = {}
         self.dispatchers: dict[str, Heartbeat] = {}
         self._last_version = 0
+        # Half-open endpoint -> the dispatchers that were asked to probe it and did not take it on.
+        self._passed_over: dict[str, set[str]] = {}
 
     def endpoint(self, endpoint_id: str) -> EndpointHealth:
         health = self.endpoints.get(endpoint_id)
@@ -166,19 +171,43 @@ class Health:
             before = health.breaker
             health.breaker = breakers.tick(before, now_s=now_s)
             if health.breaker.state is not BreakerState.HALF_OPEN:
+                self._passed_over.pop(endpoint_id, None)
                 continue
             prober = health.command.probe_by if health.command else None
             waiting_s = now_s - health.probe_asked_at_s
-            if before.state is BreakerState.HALF_OPEN and prober in live and waiting_s < PROBE_TIMEOUT_S:
+            if prober is not None and self._declined(prober, endpoint_id, health):
+                self._passed_over.setdefault(endpoint_id, set()).add(prober)
+            elif before.state is BreakerState.HALF_OPEN and prober in live and waiting_s < PROBE_TIMEOUT_S:
                 continue
             if not live:
                 continue  # nobody to probe: try again next tick
-            # A new prober when the cooldown has just ended, when the last one went silent, or when
-            # its probe has not reported back in time (it found nothing to deliver, or lost it).
-            probe_by = prober_for(endpoint_id, live, now_s=now_s)
+            # A new prober when the cooldown has just ended, when the last one went silent or did not
+            # take the probe on, or when its probe has not reported back in time (it found nothing to
+            # deliver, or lost it).
+            probe_by = self._prober(endpoint_id, live, now_s)
             health.probe_asked_at_s = now_s
             commands += self._command_if_changed(endpoint_id, health, before, probe_by=probe_by, now_s=now_s)
         return commands
+
+    def _declined(self, prober: str, endpoint_id: str, health: EndpointHealth) -> bool:
+        """The prober's heartbeats since it was asked do not say it took this probe on."""
+        beat = self.dispatchers.get(prober)
+        return (
+            beat is not None
+            and health.command is not None
+            and beat.at_s >= health.probe_asked_at_s + PROBE_ACK_S
+            and beat.probing.get(endpoint_id) != health.command.version
+        )
+
+    def _prober(self, endpoint_id: str, live: list[str], now_s: float) -> str:
+        """Of the live dispatchers not passed over for this probe, those holding messages of the endpoint
+        first (theirs come back to its queue, where the prober takes one)."""
+        candidates = [d for d in live if d not in self._passed_over.get(endpoint_id, ())]
+        if not candidates:
+            self._passed_over.pop(endpoint_id, None)  # every one was: ask them all again
+            candidates = live
+        holders = [d for d in candidates if self.dispatchers[d].unacked.get(endpoint_id)]
+        return prober_for(endpoint_id, holders or candidates, now_s=now_s)
 
     def live_dispatchers(self, now_s: float) -> list[str]:
         return sorted(d for d, beat in self.dispatchers.items() if now_s - beat.at_s <= DISPATCHER_STALE_S)

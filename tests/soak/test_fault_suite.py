@@ -18,7 +18,10 @@ What it proves, for the user: every event the broker confirmed to the upstream e
 came back for its ``webhook-id``) or listed in the dead letters; for these endpoints, which never answer
 4xx, only a ``delivery_limit`` dead letter is acceptable. lost == 0. After every fault every running
 service is ready (``/readyz`` 200) again within a bounded time, and delivery of new events resumes; at
-the end every service exits 0 on SIGTERM. Duplicates are allowed (at least once): counted, not failed.
+the end every service exits 0 on SIGTERM. Duplicates are allowed (at least once), but bounded: no more
+than the messages the faults could have delivered twice — those a dispatcher held without an ack at the
+broker when it was killed (read from its /metrics just before) or lost its connection (it logs how many),
+plus the upstream's own re-publishes of a publish whose confirm it did not get.
 
 ``pytest -s`` prints one line ``FAULT_SUITE_COUNTS {json}``: the counts and each fault's times.
 """
@@ -453,7 +456,19 @@ class Run:
             fault.extra["reconnected_s"] = round(time.time() - fault.ended_s, 2)
         fault.ready_s = await self.system.all_ready()
         await self.progress(since_s=fault.ended_s)
+        fault.extra["exposed"] = fault.extra.get("exposed", 0) + self.lost_unacked(since_s=fault.started_s)
         return fault
+
+    def lost_unacked(self, *, since_s: float) -> int:
+        """What the dispatchers held unacked when they lost their connection, since ``since_s`` (the
+        faults come one after another: each counts from its own start)."""
+        dispatchers = [s for s in self.system.services.values() if s.command == "dispatcher"]
+        since = datetime.fromtimestamp(since_s, UTC)
+        return sum(
+            int(r["unacked"])
+            for r in services.logged(dispatchers, "consumers_connection_lost")
+            if datetime.fromisoformat(r["ts"]) >= since
+        )
 
     async def reconnected(self, lost: dict[str, str]) -> None:
         """Every connection in ``lost`` is back; if not in time, fail naming those still missing and what
@@ -502,10 +517,20 @@ class Run:
 async def kill_dispatcher(run: Run, fault: Fault) -> None:
     await asyncio.sleep(run.rng.uniform(0.2, 2.0))  # a random moment of the load, not a synchronisation
     victim = run.rng.choice(run.system.running("dispatcher"))
+    fault.extra["exposed"] = await unacked_of(run, victim)
     victim.kill()
     fault.extra["killed"] = victim.name
     n = len(run.system.services)
     await run.system.start("dispatcher", f"dispatcher-{n + 1}")
+
+
+async def unacked_of(run: Run, dispatcher: services.Service) -> int:
+    """What the dispatcher holds without an ack at the broker now (its /metrics)."""
+    response = await run.system.http.get(f"{dispatcher.base_url}/metrics")
+    for line in response.text.splitlines():
+        if line.startswith("hookline_dispatcher_unacked "):
+            return int(float(line.split()[1]))
+    raise AssertionError(f"{dispatcher.name} reports no hookline_dispatcher_unacked")
 
 
 async def kill_ingest(run: Run, fault: Fault) -> None:
@@ -655,6 +680,8 @@ async def test_load_and_faults_together_lose_nothing(rabbitmq: Broker, tmp_path:
             for kind, report in summary["per_endpoint"].items():
                 # They never answer 4xx: the only acceptable dead letter is the broker's poison limit.
                 assert set(report["dead_letter_reasons"]) <= {"delivery_limit"}, (kind, report)
+            bound = summary["exposed"] + summary["publish_retries"]
+            assert summary["duplicates"] <= bound, f"more duplicates than the faults exposed (seed {seed})"
             codes = await system.stop_all()
             # A clean SIGTERM shutdown is part of the contract: every service exits 0.
             assert set(codes.values()) == {0}, f"exit codes {codes}\n{system.logs()}"
@@ -690,6 +717,8 @@ async def the_end(run: Run, seed: int) -> dict[str, Any]:
         "dead_lettered": sum(r["dead_lettered"] for r in latest.values()),
         "lost": sum(len(r["lost"]) for r in latest.values()),
         "duplicates": sum(r["duplicates"] for r in latest.values()),
+        # What the faults could have delivered twice (the bound on duplicates; the docstring says why).
+        "exposed": sum(f.extra.get("exposed", 0) for f in run.faults),
         "publish_retries": run.upstream.retried,
         "publish_gave_up": len(run.upstream.gave_up),
         "per_endpoint": {k: {x: v for x, v in r.items() if x != "lost"} for k, r in latest.items()},

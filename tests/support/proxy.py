@@ -16,6 +16,9 @@ so nothing closes behind the proxy's back and every socket is closed before ``__
   A client that gives up during a stall (a heartbeat timeout) is only seen to go once resumed.
 - ``refuse(True)`` resets every new connection as soon as it is accepted (broker unreachable);
   live connections are left alone.
+- ``drop_consumer_cancels(True)`` drops every ``basic.cancel`` the broker sends (it parses the AMQP
+  frames from the broker): a client then believes in consumers the broker has cancelled, as if the
+  notification had been lost.
 """
 
 from __future__ import annotations
@@ -28,6 +31,9 @@ from dataclasses import dataclass
 from urllib.parse import urlsplit, urlunsplit
 
 CHUNK = 64 * 1024
+_FRAME_HEADER = struct.Struct(">BHI")  # type, channel, payload size; then the payload and 0xCE
+_METHOD_FRAME = 1
+_BASIC_CANCEL = struct.pack(">HH", 60, 30)  # class basic, method cancel
 _LINGER_RESET = struct.pack("ii", 1, 0)  # l_onoff=1, l_linger=0: close() sends a RST
 
 
@@ -50,6 +56,8 @@ class TcpProxy:
         self.upstream_port = upstream_port
         self.port = 0
         self._refusing = False
+        self._dropping_cancels = False
+        self.cancels_dropped = 0
         self._flowing = asyncio.Event()
         self._flowing.set()
         self._listener: socket.socket | None = None
@@ -115,6 +123,10 @@ class TcpProxy:
         """While on, every new connection is reset as soon as it is accepted."""
         self._refusing = on
 
+    def drop_consumer_cancels(self, on: bool) -> None:
+        """While on, the broker's ``basic.cancel`` frames never reach the client."""
+        self._dropping_cancels = on
+
     async def _accept(self, listener: socket.socket) -> None:
         loop = asyncio.get_running_loop()
         while True:
@@ -155,7 +167,7 @@ class TcpProxy:
                 self._links.add(link)
                 pumps = {
                     asyncio.create_task(self._pump(client, upstream)),
-                    asyncio.create_task(self._pump(upstream, client)),
+                    asyncio.create_task(self._pump(upstream, client, frames=True)),
                 }
                 try:
                     done, _ = await asyncio.wait(pumps, return_when=asyncio.FIRST_COMPLETED)
@@ -171,13 +183,35 @@ class TcpProxy:
         finally:
             _close(client, reset=reset)
 
-    async def _pump(self, source: socket.socket, target: socket.socket) -> None:
-        """Copy ``source`` to ``target`` until end of stream; nothing moves while stalled."""
+    async def _pump(self, source: socket.socket, target: socket.socket, *, frames: bool = False) -> None:
+        """Copy ``source`` to ``target`` until end of stream; nothing moves while stalled. ``frames``: the
+        broker's side, whose whole frames are passed on (or dropped) one by one."""
         loop = asyncio.get_running_loop()
+        pending = b""
         while True:
             await self._flowing.wait()
             data = await loop.sock_recv(source, CHUNK)
             await self._flowing.wait()  # a stall that began while this read was pending holds its bytes
             if not data:
                 return
+            if frames:
+                pending, data = self._filter(pending + data)
             await loop.sock_sendall(target, data)
+
+    def _filter(self, data: bytes) -> tuple[bytes, bytes]:
+        """The whole frames of ``data`` to pass on, without the broker's cancels when they are dropped;
+        and the start of a frame still to come."""
+        out = bytearray()
+        at = 0
+        while len(data) - at >= _FRAME_HEADER.size:
+            kind, _, size = _FRAME_HEADER.unpack_from(data, at)
+            end = at + _FRAME_HEADER.size + size + 1
+            if end > len(data):
+                break
+            payload = data[at + _FRAME_HEADER.size : at + _FRAME_HEADER.size + 4]
+            if self._dropping_cancels and kind == _METHOD_FRAME and payload == _BASIC_CANCEL:
+                self.cancels_dropped += 1
+            else:
+                out += data[at:end]
+            at = end
+        return data[at:], bytes(out)

@@ -201,3 +201,21 @@ async def test_once_a_new_endpoint_answers_all_its_waiting_deliveries_go() -> No
         assert admission.ledger.in_use[Share.ANSWERING] == 3
     finally:
         admission.close()
+
+
+async def test_a_new_endpoint_with_nothing_out_waits_for_its_share_not_for_itself() -> None:
+    """Its first delivery finds the answering share full: it is woken when a slot frees, not by an
+    attempt of its own (it has none out)."""
+    admission = Admission(ledger(slots=2, slow_slots=1), clock=Clock())
+    try:
+        held = await admission.acquire("busy", max_wait_s=1)
+        assert held is not None
+        first = asyncio.ensure_future(admission.acquire("new", max_wait_s=5))
+        await asyncio.sleep(0)
+        assert not first.done(), "the one answering slot is taken"
+        admission.release(held)
+        ticket = await asyncio.wait_for(first, 1)
+        assert ticket is not None
+        assert ticket.endpoint_id == "new"
+    finally:
+        admission.close()

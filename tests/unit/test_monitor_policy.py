@@ -12,8 +12,9 @@ import pytest
 from support.factories import attempt_record, stored_endpoint
 
 from hookline.health_monitor.alerts import Alert, AlertPolicy, evaluate
-from hookline.health_monitor.health import PROBE_TIMEOUT_S, Health, HealthPolicy, prober_for
+from hookline.health_monitor.health import PROBE_ACK_S, PROBE_TIMEOUT_S, Health, HealthPolicy, prober_for
 from hookline.shared.models import EndpointStatus
+from hookline.shared.telemetry import Heartbeat
 
 NOW_S = 1_800_000_000.0
 EP = "ep_" + "1" * 26
@@ -50,6 +51,63 @@ def test_the_prober_is_the_same_in_every_process() -> None:
         for seed in ("1", "2", "3")
     }  # fmt: skip
     assert picks == {prober_for(EP, LIVE, now_s=NOW_S)}
+
+
+def _half_open(*, unacked: dict[str, dict[str, int]] | None = None) -> tuple[Health, float]:
+    """A health whose breaker for EP has just gone half-open, three dispatchers beating; when."""
+    health = Health(HealthPolicy())
+    held = unacked or {}
+    for n in range(HealthPolicy().breaker.failure_threshold):
+        record = attempt_record(NOW_S, endpoint_id=EP, event_id=f"e{n}", outcome="retry", status=503)
+        health.observe(record, now_s=NOW_S, live=True)
+    half_open_s = NOW_S + HealthPolicy().breaker.cooldown_s
+    for d in LIVE:  # beating when the cooldown ends
+        health.observe(heartbeat(d, half_open_s - 1, unacked=held.get(d, {})), now_s=half_open_s, live=True)
+    [command] = health.tick(now_s=half_open_s)
+    assert command.probe_by in LIVE
+    return health, half_open_s
+
+
+def heartbeat(dispatcher_id: str, at_s: float, **fields: object) -> Heartbeat:
+    return Heartbeat(at_s=at_s, dispatcher_id=dispatcher_id, in_flight=0, consumers=1, **fields)
+
+
+@pytest.mark.parametrize(
+    ("took_it_on", "heard_after_s", "asked_again"),
+    [
+        pytest.param(True, PROBE_ACK_S + 1, False, id="took-it-on"),
+        pytest.param(False, PROBE_ACK_S - 1, False, id="not-yet-heard-long-enough"),
+        pytest.param(False, PROBE_ACK_S + 1, True, id="did-not-take-it-on"),
+    ],
+)
+def test_a_prober_that_does_not_take_the_probe_on_is_passed_over(
+    took_it_on: bool, heard_after_s: float, asked_again: bool
+) -> None:
+    health, asked_s = _half_open()
+    command = health.endpoint(EP).command
+    assert command is not None
+    prober = command.probe_by
+    assert prober is not None
+    probing = {EP: command.version} if took_it_on else {}
+    now_s = asked_s + heard_after_s
+    for d in LIVE:
+        health.observe(heartbeat(d, now_s, probing=probing if d == prober else {}), now_s=now_s, live=True)
+    commands = health.tick(now_s=now_s)
+    if not asked_again:
+        assert commands == []
+        return
+    [again] = commands
+    assert again.probe_by in LIVE
+    assert again.probe_by != prober, "another dispatcher, long before PROBE_TIMEOUT_S"
+    assert now_s - asked_s < PROBE_TIMEOUT_S
+
+
+def test_a_dispatcher_holding_the_endpoints_messages_is_asked_first() -> None:
+    for holder in LIVE:
+        health, _ = _half_open(unacked={holder: {EP: 3}})
+        command = health.endpoint(EP).command
+        assert command is not None
+        assert command.probe_by == holder
 
 
 # --- the breaker's threshold --------------------------------------------------------------------------

@@ -1,0 +1,82 @@
+"""Slow endpoints cannot take a dispatcher's connections from the endpoints that answer, and waiting for
+one of hookline's own connections never counts against an attempt's timeout.
+
+Each dispatcher here has four attempt slots (one of them the slow share) and finds an endpoint slow
+after half a second: scaled down from 512 and 2 s, the same proportions as the defaults.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+import pytest
+from support.monitoring import get_json, publish
+from support.receiver import Received, Receiver, Reply
+from support.system import System, tenant
+from support.waiting import eventually
+
+pytestmark = pytest.mark.e2e
+
+SYSTEM_ENV = {
+    "HOOKLINE_HTTP_MAX_CONNECTIONS": "4",
+    "HOOKLINE_SLOW_SHARE": "0.25",
+    "HOOKLINE_SLOW_ATTEMPT_S": "0.5",
+}
+SLOW_ANSWER_S = 1.2
+
+
+async def attempts_of(system: System, endpoint_id: str) -> list[dict[str, Any]]:
+    page = await get_json(system.ingest, f"/v1/endpoints/{endpoint_id}/attempts", limit="500")
+    return [] if page is None else list(page["data"])
+
+
+async def test_slow_endpoints_do_not_make_the_others_time_out(system: System, receiver: Receiver) -> None:
+    """Four endpoints that answer after 1.2 s would fill both dispatchers' four connections many times
+    over (32 deliveries each held per dispatcher); an endpoint beside them whose timeout is 1 s gets
+    every event on its first attempt, none of them timed out waiting for a connection."""
+
+    def respond(request: Received) -> Reply:
+        return Reply(delay_s=SLOW_ANSWER_S) if request.path.startswith("/slow") else Reply()
+
+    receiver.responder = respond
+    who = tenant()
+    slow = [system.add_endpoint(who, receiver.url(f"/slow{n}"), ["tick.*"]) for n in range(4)]
+    healthy = system.add_endpoint(who, receiver.url("/healthy"), ["tick.*"], timeout_s=1)
+    ids = await publish(system, who, "tick.now", [f"evt_iso_{n}" for n in range(8)])
+
+    async def healthy_got_all() -> bool:
+        got = {r.headers["webhook-id"] for r in receiver.requests if r.path == "/healthy"}
+        return got >= set(ids)
+
+    await eventually(healthy_got_all, timeout_s=60)
+
+    async def all_recorded() -> list[dict[str, Any]] | None:
+        attempts = await attempts_of(system, healthy["id"])
+        return attempts if {a["event_id"] for a in attempts} >= set(ids) else None
+
+    attempts = await eventually(all_recorded)
+    failed = [(a["event_id"], a["outcome"], a.get("error")) for a in attempts if a["outcome"] != "success"]
+    assert failed == [], "a healthy endpoint's attempt failed beside slow ones"
+    assert sorted(a["event_id"] for a in attempts) == sorted(ids), "one attempt each"
+
+    # The slow ones are served too, within their share (nothing is lost or dropped for them).
+    async def slow_served() -> bool:
+        got = [r.headers["webhook-id"] for r in receiver.requests if r.path.startswith("/slow")]
+        return len(set(got)) == len(ids) and all(
+            {r.headers["webhook-id"] for r in receiver.requests if r.path == f"/slow{n}"} == set(ids)
+            for n in range(len(slow))
+        )
+
+    await eventually(slow_served, timeout_s=120, every_s=1)
+
+    # Each slow endpoint stands slow on the dispatchers that served it, and says so in /metrics.
+    async with httpx.AsyncClient(timeout=10) as client:
+        texts = [(await client.get(f"{d.base_url}/metrics")).text for d in system.dispatchers]
+    slow_counts = [
+        float(line.split()[-1])
+        for text in texts
+        for line in text.splitlines()
+        if line.startswith("hookline_dispatcher_slow_endpoints ")
+    ]
+    assert sum(slow_counts) >= len(slow), slow_counts
