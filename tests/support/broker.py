@@ -17,7 +17,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager, contextmanager
 from typing import Literal
-from urllib.parse import quote, urlsplit, urlunsplit
+from urllib.parse import quote, unquote, urlsplit, urlunsplit
 
 from support.waiting import eventually
 
@@ -101,13 +101,23 @@ class Broker:
     def vhost(self, label: str) -> Iterator[str]:
         """A new vhost (its URL yielded), deleted afterwards with everything in it."""
         name = f"hookline-test-{label[:40]}-{uuid.uuid4().hex[:8]}"
-        user = urlsplit(self.base_url).username or "guest"
-        self._run_ctl(["add_vhost", name])
-        self._run_ctl(["set_permissions", "-p", name, user, ".*", ".*", ".*"])
+        self._add_vhost(name)
         try:
             yield self.url_for(name)
         finally:
             self._run_ctl(["delete_vhost", name])
+
+    def recreate_vhost(self, url: str) -> None:
+        """Delete the vhost of ``url`` with everything in it, and create it again, empty (a broker that
+        lost its data)."""
+        name = unquote(urlsplit(url).path[1:])
+        self._run_ctl(["delete_vhost", name])
+        self._add_vhost(name)
+
+    def _add_vhost(self, name: str) -> None:
+        user = urlsplit(self.base_url).username or "guest"
+        self._run_ctl(["add_vhost", name])
+        self._run_ctl(["set_permissions", "-p", name, user, ".*", ".*", ".*"])
 
 
 def _local_ctl(arguments: list[str]) -> str:
