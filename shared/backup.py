@@ -42,6 +42,7 @@ from hookline.shared.models import (
     TenantQuota,
     error_summary,
 )
+from hookline.shared.sealing import SealedSecretError, Sealer
 from hookline.shared.settings import CommonSettings
 from hookline.shared.supervision import Supervisor
 
@@ -187,6 +188,18 @@ def restored(endpoint: StoredEndpoint) -> StoredEndpoint:
     return endpoint.model_copy(update={"retired_queues": [], "routed": True})
 
 
+def key_problem(backup: Snapshot, sealer: Sealer) -> str | None:
+    """Why the services could not sign with the backup's secrets under this key (None: they can): checked
+    before anything is written, since a restored system whose secrets do not open delivers nothing."""
+    for endpoint in backup.endpoints:
+        for secret in endpoint.secrets:
+            try:
+                sealer.open(secret.value)
+            except SealedSecretError as exc:
+                return f"endpoint {endpoint.id}: {exc}; give the key the backup's secrets were sealed with"
+    return None
+
+
 @dataclass(frozen=True)
 class Plan:
     """What an import writes, and what in the log stands in its way (``conflicts``)."""
@@ -280,8 +293,12 @@ async def export(settings: CommonSettings) -> tuple[str, Snapshot]:
 
 async def restore(settings: CommonSettings, backup: Snapshot, *, force: bool) -> Plan:
     """Write ``backup`` into the broker's change log (see the module's docstring); the plan it followed.
-    Raises :class:`BackupError` when the log holds other things and ``force`` is not given."""
+    Raises :class:`BackupError` when ``HOOKLINE_SECRET_KEY`` does not open the backup's secrets, or the
+    log holds other things and ``force`` is not given."""
     timeout_s = settings.connect_timeout_s
+    key = settings.secret_key.get_secret_value() if settings.secret_key else None
+    if (problem := key_problem(backup, Sealer(key))) is not None:
+        raise BackupError(problem)
     async with _broker(settings) as broker:
         await topology.declare(broker, settings.retention)
         async with _following(broker, timeout_s) as change_log:

@@ -94,9 +94,13 @@ async def test_a_backup_restores_a_working_system_into_a_broker_that_lost_everyt
             assert secret.encode() not in exported.stdout, "secrets stay sealed, tokens digested"
 
         rabbitmq.recreate_vhost(amqp_url)
+        wrong_key = {**env, "HOOKLINE_SECRET_KEY": "not-the-key-the-secrets-were-sealed-with"}
+        refused = await asyncio.to_thread(hookline, wrong_key, "import", str(backup_file))
+        assert refused.returncode == 1
+        assert "is not the key this secret was sealed with" in refused.stderr.decode()
         restored = await asyncio.to_thread(hookline, env, "import", str(backup_file))
         assert restored.returncode == 0, restored.stderr.decode()
-        assert json.loads(restored.stdout)["written"] == header["counts"]
+        assert json.loads(restored.stdout)["written"] == header["counts"], "all of it: nothing before"
         again = await asyncio.to_thread(hookline, env, "import", str(backup_file))
         assert again.returncode == 0, again.stderr.decode()
         assert (json.loads(again.stdout)["written"], json.loads(again.stdout)["already_there"]) == (

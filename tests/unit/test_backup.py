@@ -9,8 +9,9 @@ from datetime import UTC, datetime
 import pytest
 from support.factories import CREATED, stored_endpoint
 
-from hookline.shared.backup import BackupError, Snapshot, parse, plan, restored
+from hookline.shared.backup import BackupError, Snapshot, key_problem, parse, plan, restored
 from hookline.shared.models import EndpointStatus, EventTypeInfo, SigningSecret, StoredToken, TenantQuota
+from hookline.shared.sealing import Sealer
 
 A, B = "ep_" + "A" * 26, "ep_" + "B" * 26
 SEALED = "enc:v2:" + "x" * 60
@@ -122,3 +123,16 @@ def test_a_restored_endpoint_keeps_its_secrets_status_and_queue_but_not_the_old_
     assert rotated.secrets == backup().endpoints[0].secrets
     assert (rotated.queue_generation, rotated.retired_queues, rotated.routed) == (2, [], True)
     assert paused.status is EndpointStatus.PAUSED
+
+
+def test_an_import_checks_the_key_opens_every_secret_before_it_writes() -> None:
+    key, other = "k" * 32, "o" * 32
+    sealed = SigningSecret(value=Sealer(key).seal("whsec_" + "B" * 44), created_at=CREATED)
+    state = Snapshot(endpoints=[stored_endpoint(A), stored_endpoint(B, secrets=[sealed])])
+    assert key_problem(state, Sealer(key)) is None
+    assert key_problem(Snapshot(endpoints=[stored_endpoint(A)]), Sealer(None)) is None  # stored unsealed
+    for wrong, why in ((Sealer(None), "is not set"), (Sealer(other), "is not the key")):
+        problem = key_problem(state, wrong)
+        assert problem is not None
+        assert problem.startswith(f"endpoint {B}: ")
+        assert why in problem
