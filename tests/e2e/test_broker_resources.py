@@ -251,6 +251,10 @@ async def test_an_attempt_made_during_an_alarm_is_recorded_once_it_clears(
         assert endpoints.attempts["/steady"] == sent_before + 1, "attempted during the alarm"
         # Held, and counted: the attempt record and the resend's audit record.
         assert metric(await metrics(system.ingest), "hookline_held_publishes") == 2.0
+        # A verification's result could not be written: refused before the receiver is called.
+        verify = await post(system.ingest, f"/v1/endpoints/{endpoint['id']}/verify", {})
+        assert (verify.status_code, verify.json()["error"]) == (503, "broker_unavailable")
+        assert endpoints.attempts["/steady"] == sent_before + 1
 
     assert await eventually(lambda: _attempt_kinds(system, event_id, ["delivery", "manual"]), timeout_s=30), (
         "the attempt made during the alarm is in the delivery log once it clears"
