@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 export HOOKLINE_AMQP_URL ?= amqp://guest:guest@localhost:5672/
 
-.PHONY: install browser run test test-soak test-cluster lint unit bench clean
+.PHONY: install browser run test test-services test-soak test-cluster lint unit bench clean
 
 install: $(STAMP)
 
@@ -19,8 +19,16 @@ $(STAMP): pyproject.toml constraints.txt $(shell find shared services receiver c
 		>> $(VENV)/install.log 2>&1 || { cat $(VENV)/install.log; exit 1; }
 	@touch $(STAMP)
 
+# RabbitMQ (and for the tests PostgreSQL) started first when the address is this machine's and nothing
+# answers there; when it is not installed, one line says the command that installs it.
+LOCAL_SERVICES := $(BIN)/python -m hookline.cli.localservices
+
 run: $(STAMP)
+	@$(LOCAL_SERVICES) HOOKLINE_AMQP_URL
 	@scripts/run-local.sh
+
+test-services: $(STAMP)
+	@$(LOCAL_SERVICES) HOOKLINE_TEST_AMQP_URL HOOKLINE_TEST_POSTGRES_URL
 
 lint: $(STAMP)
 	$(BIN)/ruff check shared services receiver cli tests bench
@@ -36,13 +44,14 @@ browser:
 # Test modules run two at a time (each module's system, broker vhost and receivers are its own), then
 # the few that change the broker for everyone (an alarm, a restart: marked serial) run alone.
 TEST_WORKERS ?= 2
-test: lint browser
+test: test-services lint browser
 	$(BIN)/pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not serial"
 	$(BIN)/pytest -q -m serial
 
 # Every service killed, the broker restarted, connections cut and stalled, all under load (a few minutes):
 # published = delivered + dead-lettered, nothing lost.
 test-soak: $(STAMP)
+	@$(LOCAL_SERVICES) HOOKLINE_TEST_AMQP_URL
 	$(BIN)/pytest tests/soak -q -s
 
 # Three RabbitMQ nodes on this machine (scripts/start-rabbitmq-cluster.sh), one of them killed under load.

@@ -8,6 +8,7 @@
     hookline status [--degrading] [--json]
     hookline receive [--status 500]      (a receiver for trying it out)
     hookline broker-setup [--upstream NAME[:TENANT]] ...   (least-privilege broker users)
+    hookline export > backup.jsonl | hookline import backup.jsonl [--force]   (the change log)
 
 Admin commands: :mod:`hookline.cli.admin`. Each service also starts with ``python -m hookline.<service>``.
 """
@@ -85,6 +86,63 @@ def _broker_setup(args: argparse.Namespace) -> int:
         print(f"hookline: {exc}", file=sys.stderr)
         return 1
     admin.print_json({"vhost": vhost, "users": [user.model_dump(mode="json") for user in users]})
+    return 0
+
+
+def _export(_: argparse.Namespace) -> int:
+    import asyncio
+    from datetime import UTC, datetime
+
+    from hookline.shared import backup
+    from hookline.shared import logging as hookline_logging
+    from hookline.shared.settings import CommonSettings, load
+
+    settings = load(CommonSettings)
+    hookline_logging.configure(service="backup", level="warning", output=sys.stderr.buffer)
+    try:
+        vhost, snapshot = asyncio.run(backup.export(settings))
+    except backup.BackupError as exc:
+        print(f"hookline: {exc}", file=sys.stderr)
+        return 1
+    # Written only once the whole state is read: a failed export leaves an empty file, never half of one.
+    out = sys.stdout.buffer
+    for line in snapshot.lines(vhost=vhost, now=datetime.now(UTC)):
+        out.write(line + b"\n")
+    out.flush()
+    counts = ", ".join(f"{n} {kind.replace('_', ' ')}" for kind, n in snapshot.counts().items())
+    print(f"hookline: exported {counts} (offset {snapshot.offset} of vhost {vhost!r})", file=sys.stderr)
+    return 0
+
+
+def _import(args: argparse.Namespace) -> int:
+    import asyncio
+    from pathlib import Path
+
+    from hookline.shared import backup
+    from hookline.shared import logging as hookline_logging
+    from hookline.shared.settings import CommonSettings, load
+
+    settings = load(CommonSettings)
+    hookline_logging.configure(service="backup", level="warning", output=sys.stderr.buffer)
+    try:
+        if args.file == "-":
+            header, snapshot = backup.parse(sys.stdin.buffer)
+        else:
+            with Path(args.file).open("rb") as file:
+                header, snapshot = backup.parse(file)
+        steps = asyncio.run(backup.restore(settings, snapshot, force=args.force))
+    except (OSError, backup.BackupError) as exc:
+        print(f"hookline: {exc}", file=sys.stderr)
+        return 1
+    admin.print_json(
+        {
+            "offset": header.offset,
+            "exported_at": header.exported_at.isoformat(),
+            "written": steps.to_write.counts(),
+            "already_there": steps.already,
+            "overwritten": steps.conflicts,
+        }
+    )
     return 0
 
 
@@ -176,6 +234,28 @@ def _service_commands(commands: argparse._SubParsersAction[argparse.ArgumentPars
     setup.add_argument("--management-url", help="use the management API, e.g. http://admin:pw@host:15672")
     setup.add_argument("--rabbitmqctl", default="rabbitmqctl", help="the rabbitmqctl command line to run")
     setup.set_defaults(run=_broker_setup)
+
+    commands.add_parser(
+        "export",
+        help="write the change log (endpoints, sealed secrets, event types, tokens, quotas) to stdout",
+        description="One JSON object per line: a header (format, version, the stream offset of the state), "
+        "then each endpoint, event type, token and quota as of that offset, secrets sealed as stored. "
+        "Talks to the broker at HOOKLINE_AMQP_URL.",
+    ).set_defaults(run=_export)
+    restore = commands.add_parser(
+        "import",
+        help="restore a backup written by hookline export into the broker's change log",
+        description="Declares the topology and each endpoint's queue and bindings, then writes the records. "
+        "Refuses a change log that holds anything else unless --force; run again after a failure, it goes "
+        "on where it stopped. Needs the HOOKLINE_SECRET_KEY the backup's secrets were sealed with.",
+    )
+    restore.add_argument("file", help="the backup (- for stdin)")
+    restore.add_argument(
+        "--force",
+        action="store_true",
+        help="write the backup over what the change log holds (deletes nothing)",
+    )
+    restore.set_defaults(run=_import)
 
     receive = commands.add_parser("receive", help="a local webhook receiver for trying hookline out")
     receive.add_argument("--host", default="127.0.0.1")

@@ -21,7 +21,13 @@ else
   rabbitmq-server -detached
 fi
 for _ in $(seq 1 120); do
-  answers && exit 0
+  if answers; then
+    # Streams and at-least-once dead-lettering need these flags (on by default for new nodes; a node
+    # upgraded from before 3.10 may have them off). Idempotent.
+    rabbitmqctl -q enable_feature_flag quorum_queue >/dev/null
+    rabbitmqctl -q enable_feature_flag stream_queue >/dev/null
+    exit 0
+  fi
   sleep 1
 done
 echo "RabbitMQ did not start within 120 s" >&2

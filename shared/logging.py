@@ -17,8 +17,10 @@ import structlog
 import structlog.tracebacks
 
 
-def configure(*, service: str, level: str = "info") -> None:
+def configure(*, service: str, level: str = "info", output: BinaryIO | None = None) -> None:
+    """``output``: stdout unless given (a command whose stdout is its result logs to stderr)."""
     level_no = logging.getLevelNamesMapping()[level.upper()]
+    stream = output if output is not None else sys.stdout.buffer
     structlog.configure(
         processors=[
             _Stamp(service),
@@ -30,7 +32,7 @@ def configure(*, service: str, level: str = "info") -> None:
             structlog.processors.JSONRenderer(serializer=orjson.dumps),
         ],
         wrapper_class=structlog.make_filtering_bound_logger(level_no),
-        logger_factory=lambda *_: _Output(sys.stdout.buffer),
+        logger_factory=lambda *_: _Output(stream),
         cache_logger_on_first_use=True,
     )
     # Libraries log through the standard library; keep their warnings, in the same JSON shape.

@@ -145,6 +145,13 @@ class ChangeLog:
         self._follower = StreamFollower(broker, topology.ENDPOINT_LOG, self._on_record, publisher=publisher)
         self._user = broker.user
 
+    @property
+    def applied_offset(self) -> int | None:
+        """The stream offset of the last record applied (None: none yet): the state is that of the log
+        up to there (a backup names it)."""
+        next_offset = self._follower.next_offset
+        return next_offset - 1 if isinstance(next_offset, int) else None
+
     async def write(
         self, record: EndpointUpserted | EndpointDeleted, *, timeout_s: float
     ) -> StoredEndpoint | None:

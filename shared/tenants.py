@@ -74,3 +74,7 @@ class Tenants:
 
     def quota(self, tenant: str) -> TenantQuota:
         return self._quotas.get(tenant, NO_QUOTA)
+
+    def quotas(self) -> dict[str, TenantQuota]:
+        """Every quota set, by tenant (a backup's)."""
+        return dict(self._quotas)

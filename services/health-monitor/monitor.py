@@ -19,7 +19,6 @@ Start-up, in order:
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
 import time
 from collections.abc import AsyncIterator
@@ -47,6 +46,7 @@ from hookline.shared.capacity import BrokerCapacity, CapacityReader
 from hookline.shared.control import BreakerCommand, BreakerState, BreakerView, ControlRecord, control_record
 from hookline.shared.deadletters import DeadLetterIndex
 from hookline.shared.envelope import event_message
+from hookline.shared.heldpublishes import HeldPublishes
 from hookline.shared.ids import new_id
 from hookline.shared.models import EndpointStatus, Event, error_summary
 from hookline.shared.registry import ChangeLog
@@ -158,10 +158,8 @@ class Monitor:
         self.canaries = CanaryBook()
         self.capacity: BrokerCapacity | None = None  # the broker's last reading (None: unreadable)
         # Alerts and notifications the broker did not take (it refused publishes): sent, in order, once it
-        # takes them again. (message, exchange, routing key)
-        self._unsent: collections.deque[tuple[aio_pika.Message, str, str]] = collections.deque(
-            maxlen=UNSENT_MAX
-        )
+        # takes them again (at each evaluation).
+        self._unsent = HeldPublishes(publisher, max_held=UNSENT_MAX)
         self.alerts = AlertBook()
         self.dead_letters = dead_letters
         self.awaiting_retry = 0
@@ -513,7 +511,7 @@ class Monitor:
         fired, resolved = self.alerts.update(current)
         if not self.leader:
             return  # a standby knows what fires (its API says so); the leader tells the world
-        await self._send_unsent()
+        await self._unsent.flush()
         for state, changed in (("firing", fired), ("resolved", resolved)):
             for alert in changed:
                 await self._publish_alert(alert, state, now_s)
@@ -549,8 +547,7 @@ class Monitor:
             event_id=event.id,
         )
         queue = topology.endpoint_queue(notifier.id, notifier.queue_generation)
-        self._unsent.append((message, "", queue))
-        await self._send_unsent()
+        await self._unsent.publish(message, exchange="", routing_key=queue, what="notification")
 
     async def _publish_alert(self, alert: Alert, state: str, now_s: float) -> None:
         body = {
@@ -570,21 +567,9 @@ class Monitor:
         )
         assert message.message_id is not None
         self._sinks.send(message.message_id, body)
-        self._unsent.append((message, topology.ALERTS_EXCHANGE, message.type or ""))
-        await self._send_unsent()
-
-    async def _send_unsent(self) -> None:
-        """In order, until the broker refuses one; the rest wait for the next evaluation."""
-        while self._unsent:
-            message, exchange, routing_key = self._unsent[0]
-            try:
-                await self._publisher.publish(message, exchange=exchange, routing_key=routing_key)
-            except aiormq.exceptions.DeliveryError:
-                # Nowhere to go (a notifier's queue deleted with it): waiting would hold up the rest.
-                log.warning("unroutable", exchange=exchange, routing_key=routing_key, type=message.type)
-            except BROKER_ERRORS:
-                return
-            self._unsent.popleft()
+        await self._unsent.publish(
+            message, exchange=topology.ALERTS_EXCHANGE, routing_key=message.type or "", what="alert"
+        )
 
     async def watch_broker(self, reader: CapacityReader, loop: Loop) -> None:
         """The broker's alarms, free disk and file handles, read every few seconds (for alerts, /metrics

@@ -43,6 +43,7 @@ from hookline.shared.control import BREAKER_LOOKBACK, BreakerView, control_recor
 from hookline.shared.credentials import Credentials
 from hookline.shared.deadletters import DeadLetterIndex
 from hookline.shared.delivery import DeliveryClient
+from hookline.shared.heldpublishes import HeldPublishes
 from hookline.shared.models import error_summary
 from hookline.shared.sealing import Sealer
 from hookline.shared.settings import IngestSettings, load, metrics_tokens
@@ -54,6 +55,10 @@ from hookline.shared.views import RowView, follow_view
 log = structlog.get_logger(__name__)
 
 EXPIRY_INTERVAL_S = 600.0
+#: Attempt and audit records held while the broker refuses publishes. The ingest's own attempts are
+#: made by hand (resends, verifications), so this is far more than an alarm's worth; an attempt record
+#: with its receiver's answer is about 6 KiB sealed, so at most about 60 MB.
+HELD_RECORDS_MAX = 10_000
 # Enough for an event at the payload limit plus its envelope (ids, type, timestamps).
 _ENVELOPE_SLACK_BYTES = 8192
 
@@ -141,6 +146,7 @@ async def _running(settings: IngestSettings, stores: _Stores) -> AsyncIterator[I
     broker = stores.broker
     await topology.declare(broker, settings.retention)
     publisher = Publisher(broker)
+    held = HeldPublishes(publisher, max_held=HELD_RECORDS_MAX)
     try:
         endpoint_registry = registry.EndpointRegistry()
         change_log = await registry.follow(
@@ -169,7 +175,7 @@ async def _running(settings: IngestSettings, stores: _Stores) -> AsyncIterator[I
             publisher=publisher,
             dead_letters_log=dead_letter_log,
             dead_letters_index=stores.dead_letters,
-            attempts=Attempts(sealer, Credentials(sealer, stores.client), publisher),
+            attempts=Attempts(sealer, Credentials(sealer, stores.client), held),
             capacity=stores.capacity,
             delivery_log=stores.delivery_log,
             duplicates=Duplicates(stores.delivery_log, window_s=settings.dedupe_window_s),
@@ -181,12 +187,14 @@ async def _running(settings: IngestSettings, stores: _Stores) -> AsyncIterator[I
             ),
             quotas=quotas.Quotas(change_log.tenants, endpoint_registry, stores.delivery_log),
             audit=stores.audit_view,
-            trail=audit.AuditTrail(publisher, broker.user),
+            trail=audit.AuditTrail(held, broker.user),
         )
         supervisor.spawn("upgrade", partial(_upgrade_endpoints, state), required=False)
+        supervisor.spawn("held-records", partial(held.run, broker), required=False)
         yield state
     finally:
         await supervisor.stop()
+        await held.close()
         await publisher.close()
         await asyncio.to_thread(tracing.shutdown)  # the last spans (the exporter blocks)
 

@@ -1,6 +1,8 @@
 """Attempts the ingest makes itself (an endpoint's verification, an event sent again by hand): signed
 like every delivery, and recorded in the telemetry stream like the dispatchers' attempts, so that the
-delivery log has them. Beside the event's course (ASIDE_KINDS): no retry follows them."""
+delivery log has them. Beside the event's course (ASIDE_KINDS): no retry follows them. An attempt made
+while the broker refuses publishes (an alarm) is still made, and its record held until the broker takes
+it (:mod:`hookline.shared.heldpublishes`)."""
 
 from __future__ import annotations
 
@@ -13,9 +15,9 @@ import aio_pika
 import structlog
 
 from hookline.shared import signing, topology
-from hookline.shared.amqp import BROKER_ERRORS, Publisher
 from hookline.shared.credentials import Credentials
 from hookline.shared.delivery import AttemptResult
+from hookline.shared.heldpublishes import HeldPublishes
 from hookline.shared.models import StoredEndpoint
 from hookline.shared.sealing import Sealer
 from hookline.shared.telemetry import AttemptKind, AttemptRecord, Outcome, batch, exchange
@@ -36,7 +38,7 @@ def signing_keys(sealer: Sealer, endpoint: StoredEndpoint, now: datetime) -> lis
 class Attempts:
     sealer: Sealer  # opens the signing secrets; seals the response bodies kept in the record
     credentials: Credentials  # what a request carries besides the signature (the endpoint's auth)
-    publisher: Publisher  # the attempt records, to the telemetry exchange
+    records: HeldPublishes  # the attempt records, to the telemetry exchange (held while refused)
 
     async def make(
         self,
@@ -49,8 +51,8 @@ class Attempts:
         number: int,
         sequence: int | None = None,
     ) -> tuple[AttemptResult, AttemptRecord]:
-        """POST ``body`` to the endpoint now and record the attempt (a record that cannot be published
-        is only missing from the delivery log: the attempt itself happened)."""
+        """POST ``body`` to the endpoint now and record the attempt (a record the broker refuses now is
+        published once it takes it: the attempt itself happened)."""
         keys = signing_keys(self.sealer, endpoint, datetime.now(UTC))
         request = webhook_request(
             endpoint, keys, event_id, body, timestamp_s=int(time.time()), sequence=sequence
@@ -71,14 +73,10 @@ class Attempts:
             attempt_kind=kind,
             **exchange(result, self.sealer),
         )
-        try:
-            await self.publisher.publish(
-                aio_pika.Message(batch.dump_json([record]), content_type="application/json"),
-                exchange=topology.TELEMETRY_EXCHANGE,
-                routing_key="",
-            )
-        except BROKER_ERRORS as exc:
-            log.warning(
-                "attempt_unrecorded", event_id=event_id, endpoint_id=endpoint.id, error=type(exc).__name__
-            )
+        message = aio_pika.Message(batch.dump_json([record]), content_type="application/json")
+        published = await self.records.publish(
+            message, exchange=topology.TELEMETRY_EXCHANGE, routing_key="", what="attempt"
+        )
+        if not published:
+            log.warning("attempt_record_held", event_id=event_id, endpoint_id=endpoint.id, kind=kind)
         return result, record

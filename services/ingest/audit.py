@@ -8,7 +8,9 @@ never a secret, a header value or an auth credential. Every ingest replica follo
 local view (SQLite) that ``GET /v1/audit`` reads; a tenant token sees its own tenant's records.
 
 A record is written after its change succeeded, so that a refused change leaves none; should the broker
-refuse the record then, the change stands and ``audit_record_not_written`` is logged as an error.
+refuse the record then (an alarm that began meanwhile, or a resend by hand, which an alarm does not
+stop), the change stands and the record is held until the broker takes it
+(:mod:`hookline.shared.heldpublishes`).
 """
 
 from __future__ import annotations
@@ -27,8 +29,8 @@ from pydantic import AwareDatetime
 from hookline.ingest.auth import Caller, Principal
 from hookline.ingest.state import ingest_state
 from hookline.shared import permissions, topology
-from hookline.shared.amqp import BROKER_ERRORS, Publisher
 from hookline.shared.api import ApiError
+from hookline.shared.heldpublishes import HeldPublishes
 from hookline.shared.ids import new_id
 from hookline.shared.models import ErrorDetail, Model
 from hookline.shared.views import RowView, StreamMessage, ViewSchema
@@ -113,7 +115,7 @@ class AuditTrail:
     """Where the routes append their records: the ``hookline.audit`` stream, as the ingest's broker
     user (the followers keep only records a trusted writer wrote)."""
 
-    publisher: Publisher
+    records: HeldPublishes
     user: str
 
     async def record(
@@ -141,10 +143,8 @@ class AuditTrail:
             message_id=entry.id,
             user_id=self.user,
         )
-        try:
-            await self.publisher.publish(message, exchange="", routing_key=topology.AUDIT_LOG)
-        except BROKER_ERRORS as exc:
-            log.error("audit_record_not_written", action=action, target=target, error=type(exc).__name__)
+        if not await self.records.publish(message, exchange="", routing_key=topology.AUDIT_LOG, what="audit"):
+            log.warning("audit_record_held", action=action, target=target)
 
 
 async def _trail(request: Request) -> AuditTrail:

@@ -476,6 +476,9 @@ async def upgrade(state: IngestState, endpoint_id: str) -> None:
 async def verify_endpoint(endpoint_id: str, state: State, caller: Caller) -> Endpoint:
     """Run the verification handshake again (after fixing the receiver)."""
     before = _stored(state.registry, endpoint_id, caller)
+    if state.broker.blocked:
+        # Its result could not be written: refused before the receiver is called, as every write is.
+        raise broker_unavailable("the broker refuses writes for now (a memory or disk alarm)")
     after = await _record_verification(state, before)
     await _audit(state.trail, caller, "endpoint.verified", before, after)
     return after.public()

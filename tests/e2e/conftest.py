@@ -8,9 +8,8 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
-from support import services
 from support.broker import Broker
-from support.system import System
+from support.system import System, services_running
 
 
 @contextmanager
@@ -18,23 +17,8 @@ def running_system(
     rabbitmq: Broker, log_dir: Path, label: str, settings: Mapping[str, str]
 ) -> Iterator[System]:
     """Ingest, two dispatchers and the monitor in a vhost of their own, stopped (SIGTERM) afterwards."""
-    with rabbitmq.vhost(label) as amqp_url:
-        # Each replica's local views (SQLite) live with the logs, never in the checkout.
-        env = services.base_env(amqp_url, HOOKLINE_STATE_DIR=str(log_dir / "state"), **settings)
-        ingest = services.start("ingest", env, log_dir)
-        env["HOOKLINE_INGEST_URL"] = ingest.base_url  # the monitor's dashboard calls it
-        dispatchers = [services.start("dispatcher", env, log_dir, name=f"dispatcher-{n}") for n in (1, 2)]
-        monitor = services.start("health-monitor", env, log_dir)
-        running = System(amqp_url, env, log_dir, ingest, dispatchers, monitor)
-        try:
-            for service in (ingest, *dispatchers, monitor):
-                service.wait_ready()
-            yield running
-        finally:
-            every = (*running.extra, *dispatchers, ingest, running.monitor)
-            codes = {s.name: s.stop() for s in every if not s.killed}
-        # A clean SIGTERM shutdown is part of the contract: every service exits 0.
-        assert set(codes.values()) == {0}, f"exit codes {codes}\n{running.logs()}"
+    with rabbitmq.vhost(label) as amqp_url, services_running(amqp_url, log_dir, settings) as running:
+        yield running
 
 
 @pytest.fixture(scope="module")

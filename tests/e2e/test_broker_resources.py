@@ -228,6 +228,56 @@ async def test_a_disk_alarm_is_alerted_and_the_ingest_refuses_until_it_clears(
     await eventually(lambda: _lacks(firing(system.monitor), "broker_disk_alarm"), timeout_s=15)
 
 
+async def test_an_attempt_made_during_an_alarm_is_recorded_once_it_clears(
+    system: System, receiver: Receiver, rabbitmq: Broker
+) -> None:
+    """A resend by hand during an alarm reaches the receiver and is answered at once; its attempt record
+    (and the resend's audit record) are held and published when the broker takes publishes again, so the
+    delivery log has every attempt made."""
+    acme = tenant()
+    endpoints = Endpoints(receiver)
+    await eventually(lambda: _status(readyz(system.ingest), 200), timeout_s=15)
+    endpoint = system.add_endpoint(acme, receiver.url("/steady"), ["steady.*"])
+    [event_id] = await publish(system, acme, "steady.x", [f"evt_resent_{acme}"])
+    await endpoints.wait_accepted("/steady", {event_id})
+    assert await eventually(lambda: _attempt_kinds(system, event_id, ["delivery"]), timeout_s=30)
+
+    async with rabbitmq.alarm("memory"):
+        await eventually(lambda: _status(readyz(system.ingest), 503), timeout_s=15)
+        sent_before = endpoints.attempts["/steady"]
+        resent = await post(system.ingest, f"/v1/events/{event_id}/resend", {"endpoint_id": endpoint["id"]})
+        assert resent.status_code == 202, resent.text
+        assert (resent.json()["kind"], resent.json()["attempt"]) == ("manual", 2)
+        assert endpoints.attempts["/steady"] == sent_before + 1, "attempted during the alarm"
+        # Held, and counted: the attempt record and the resend's audit record.
+        assert metric(await metrics(system.ingest), "hookline_held_publishes") == 2.0
+        # A verification's result could not be written: refused before the receiver is called.
+        verify = await post(system.ingest, f"/v1/endpoints/{endpoint['id']}/verify", {})
+        assert (verify.status_code, verify.json()["error"]) == (503, "broker_unavailable")
+        assert endpoints.attempts["/steady"] == sent_before + 1
+
+    assert await eventually(lambda: _attempt_kinds(system, event_id, ["delivery", "manual"]), timeout_s=30), (
+        "the attempt made during the alarm is in the delivery log once it clears"
+    )
+    page = await get_json(system.ingest, f"/v1/endpoints/{endpoint['id']}/attempts")
+    assert [(a["event_id"], a["kind"]) for a in page["data"]] == [
+        (event_id, "manual"),
+        (event_id, "delivery"),
+    ]
+    audit = await get_json(system.ingest, "/v1/audit", tenant=acme)
+    assert [r["target"] for r in audit["data"] if r["action"] == "event.resent"] == [event_id]
+    text = await metrics(system.ingest)
+    assert metric(text, "hookline_held_publishes") == 0.0
+    assert metric(text, "hookline_held_publishes_dropped_total") == 0.0
+
+
+async def _attempt_kinds(system: System, event_id: str, kinds: list[str]) -> bool:
+    story = await get_json(system.ingest, f"/v1/events/{event_id}")
+    if story is None:
+        return False
+    return [a["kind"] for course in story["endpoints"] for a in course["attempts"]] == kinds
+
+
 async def test_file_handles_running_out_refuse_new_endpoints_and_are_alerted(
     system: System, receiver: Receiver
 ) -> None:

@@ -11,14 +11,14 @@ import asyncio
 import os
 import re
 import shutil
-import socket
 import subprocess
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager, contextmanager
 from typing import Literal
-from urllib.parse import quote, urlsplit, urlunsplit
+from urllib.parse import quote, unquote, urlsplit, urlunsplit
 
+from hookline.cli.localservices import docker_available
 from support.waiting import eventually
 
 LOCAL_DEFAULT_URL = "amqp://guest:guest@127.0.0.1:5672/"
@@ -101,13 +101,23 @@ class Broker:
     def vhost(self, label: str) -> Iterator[str]:
         """A new vhost (its URL yielded), deleted afterwards with everything in it."""
         name = f"hookline-test-{label[:40]}-{uuid.uuid4().hex[:8]}"
-        user = urlsplit(self.base_url).username or "guest"
-        self._run_ctl(["add_vhost", name])
-        self._run_ctl(["set_permissions", "-p", name, user, ".*", ".*", ".*"])
+        self._add_vhost(name)
         try:
             yield self.url_for(name)
         finally:
             self._run_ctl(["delete_vhost", name])
+
+    def recreate_vhost(self, url: str) -> None:
+        """Delete the vhost of ``url`` with everything in it, and create it again, empty (a broker that
+        lost its data)."""
+        name = unquote(urlsplit(url).path[1:])
+        self._run_ctl(["delete_vhost", name])
+        self._add_vhost(name)
+
+    def _add_vhost(self, name: str) -> None:
+        user = urlsplit(self.base_url).username or "guest"
+        self._run_ctl(["add_vhost", name])
+        self._run_ctl(["set_permissions", "-p", name, user, ".*", ".*", ".*"])
 
 
 def _local_ctl(arguments: list[str]) -> str:
@@ -118,35 +128,10 @@ def _local_ctl(arguments: list[str]) -> str:
     return done.stdout
 
 
-def _docker_available() -> bool:
-    """Whether a Docker engine answers ``GET /_ping``. Asked over a socket of our own: the docker
-    library leaks its socket when no engine listens (a ResourceWarning pytest turns into an error)."""
-    host = os.environ.get("DOCKER_HOST", "unix:///var/run/docker.sock")
-    parts = urlsplit(host)
-    try:
-        if parts.scheme == "unix":
-            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            sock.settimeout(2)
-            with sock:
-                sock.connect(parts.path)
-                return _pings(sock)
-        if parts.scheme == "tcp" and parts.hostname:
-            with socket.create_connection((parts.hostname, parts.port or 2375), timeout=2) as sock:
-                return _pings(sock)
-    except OSError:
-        return False
-    return False
-
-
-def _pings(sock: socket.socket) -> bool:
-    sock.sendall(b"GET /_ping HTTP/1.0\r\nHost: docker\r\n\r\n")
-    return sock.recv(64).split(b" ")[1:2] == [b"200"]
-
-
 @contextmanager
 def broker() -> Iterator[Broker]:
     url = os.environ.get("HOOKLINE_TEST_AMQP_URL")
-    if url or not _docker_available():
+    if url or not docker_available():
         yield Broker(url or LOCAL_DEFAULT_URL, _local_ctl)
         return
     from testcontainers.rabbitmq import RabbitMqContainer

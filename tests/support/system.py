@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import subprocess
 import uuid
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -61,6 +63,28 @@ class System:
         dispatcher.wait_ready()
         self.extra.append(dispatcher)
         return dispatcher
+
+
+@contextmanager
+def services_running(amqp_url: str, log_dir: Path, settings: Mapping[str, str]) -> Iterator[System]:
+    """Ingest, two dispatchers and the monitor on ``amqp_url``, stopped (SIGTERM) afterwards."""
+    log_dir.mkdir(parents=True, exist_ok=True)
+    # Each replica's local views (SQLite) live with the logs, never in the checkout.
+    env = services.base_env(amqp_url, HOOKLINE_STATE_DIR=str(log_dir / "state"), **settings)
+    ingest = services.start("ingest", env, log_dir)
+    env["HOOKLINE_INGEST_URL"] = ingest.base_url  # the monitor's dashboard calls it
+    dispatchers = [services.start("dispatcher", env, log_dir, name=f"dispatcher-{n}") for n in (1, 2)]
+    monitor = services.start("health-monitor", env, log_dir)
+    running = System(amqp_url, env, log_dir, ingest, dispatchers, monitor)
+    try:
+        for service in (ingest, *dispatchers, monitor):
+            service.wait_ready()
+        yield running
+    finally:
+        every = (*running.extra, *dispatchers, ingest, running.monitor)
+        codes = {s.name: s.stop() for s in every if not s.killed}
+    # A clean SIGTERM shutdown is part of the contract: every service exits 0.
+    assert set(codes.values()) == {0}, f"exit codes {codes}\n{running.logs()}"
 
 
 def tenant() -> str:
