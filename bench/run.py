@@ -638,6 +638,18 @@ async def main(arguments: argparse.Namespace) -> dict[str, Any]:
                 report["memory"] = await memory(services, work, 1000)
         finally:
             services.stop_all()
+    from bench import slow_endpoints
+
+    # After the other vhost is gone: 240 endpoint queues need most of a stock broker's 927 file handles.
+    print(
+        f"{arguments.slow_endpoints} slow endpoints beside {arguments.slow_beside} healthy ones…", flush=True
+    )
+    report["slow_endpoints"] = slow_endpoints.measure(
+        argparse.Namespace(
+            amqp_url=arguments.amqp_url, slow=arguments.slow_endpoints, healthy=arguments.slow_beside,
+            events=50, rate_per_s=2.0, slow_ms=8000, dispatchers=2, wait_s=120.0, alone_too=True,
+        )
+    )  # fmt: skip
     from bench import monitor_restart
 
     print(f"monitor restart with {arguments.monitor_records:,} telemetry records…", flush=True)
@@ -744,6 +756,17 @@ def markdown(report: dict[str, Any]) -> str:
             f"| dispatcher RSS, {mem['endpoints']:,} endpoints | {mem['dispatcher_rss_idle_mib']:.0f} MiB idle, "
             f"{mem['dispatcher_rss_after_traffic_mib']:.0f} MiB after traffic to all | |"
         )
+    isolation = report.get("slow_endpoints")
+    if isolation:
+        alone, beside = isolation["alone"], isolation["beside_slow"]
+        lines.append(
+            f"| {beside['healthy_endpoints']} healthy endpoints beside {beside['slow_endpoints']} answering after "
+            f"{beside['slow_ms'] / 1000:g} s, {beside['events']} events at {beside['events_per_s']:g}/s | "
+            f"{beside['healthy_delivered']:,}/{beside['healthy_expected']:,} in {beside['healthy_all_delivered_s']} s, "
+            f"p50 {beside['healthy_p50_ms']:.0f} ms, p99 {beside['healthy_p99_ms']:.0f} ms (alone: p50 "
+            f"{alone['healthy_p50_ms']:.0f} ms, p99 {alone['healthy_p99_ms']:.0f} ms); failed attempts "
+            f"{beside['healthy_failed_attempts']}, breakers moved {beside['healthy_breakers_changed']} | |"
+        )
     restart = report.get("monitor_restart")
     if restart:
         lines.append(
@@ -802,6 +825,8 @@ if __name__ == "__main__":
     parser.add_argument("--monitor-dead-letters", type=int, default=100_000)
     parser.add_argument("--delivery-log-attempts", type=int, default=1_000_000)
     parser.add_argument("--outbox-rows", type=int, default=10_000)
+    parser.add_argument("--slow-endpoints", type=int, default=200, help="answering after 8 s")
+    parser.add_argument("--slow-beside", type=int, default=40, help="healthy endpoints beside them")
     parser.add_argument(
         "--postgres-url",
         default=os.environ.get(
