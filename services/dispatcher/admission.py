@@ -11,8 +11,8 @@ dispatcher has ``HOOKLINE_HTTP_MAX_CONNECTIONS`` slots (512), in two shares:
 
 An endpoint is *slow* on a dispatcher when its last answer took ``slow_attempt_s`` or longer, or when one
 of its attempts has been waiting that long (an endpoint that starts to hang is moved at once, not after
-its timeout); it answers again once an attempt of it ends in time with none of its attempts still waiting
-that long. An endpoint the dispatcher has not heard from yet is on *probation*: one attempt at a time
+its timeout), or when an attempt timed out (whatever its timeout); it answers again once an attempt of
+it ends in time with none of its attempts still waiting that long. An endpoint the dispatcher has not heard from yet is on *probation*: one attempt at a time
 until its first answer, so a crowd of new endpoints that hang holds one answering slot each, and only
 for ``slow_attempt_s``.
 
@@ -46,6 +46,14 @@ FORGET_AFTER_S = 600.0
 class Share(Enum):
     ANSWERING = "answering"
     SLOW = "slow"
+
+
+class Ended(Enum):
+    """How an attempt that held a slot ended."""
+
+    ANSWERED = "answered"  # a response, or an error that came back (refused, reset): its time tells
+    TIMED_OUT = "timed_out"  # no answer within the endpoint's timeout: slow, however short that is
+    NOT_SENT = "not_sent"  # let go before the request (its breaker opened meanwhile): tells nothing
 
 
 class Standing(Enum):
@@ -137,8 +145,8 @@ class Ledger:
         self._tickets[ticket.number] = ticket
         return ticket
 
-    def end(self, ticket: Ticket, *, now_s: float) -> None:
-        """The attempt has its answer (or error): its slot is free; how long it took decides the
+    def end(self, ticket: Ticket, ended: Ended, *, now_s: float) -> None:
+        """The attempt is over: its slot is free; how it ended, and how long it took, decide the
         endpoint's standing."""
         self._tickets.pop(ticket.number, None)
         self.in_use[ticket.share] -= 1
@@ -148,8 +156,9 @@ class Ledger:
         endpoint.last_s = now_s
         if ticket.aged:
             endpoint.aged -= 1
-        endpoint.heard = True
-        endpoint.slow = now_s - ticket.started_s >= self.slow_after_s
+        if ended is not Ended.NOT_SENT:
+            endpoint.heard = True
+            endpoint.slow = ended is Ended.TIMED_OUT or now_s - ticket.started_s >= self.slow_after_s
         self.slow_count += (endpoint.standing is Standing.SLOW) - was_slow
 
     def age(self, *, now_s: float) -> None:
@@ -218,8 +227,8 @@ class Admission:
         except TimeoutError:
             return None
 
-    def release(self, ticket: Ticket) -> None:
-        self.ledger.end(ticket, now_s=self._clock())
+    def release(self, ticket: Ticket, ended: Ended) -> None:
+        self.ledger.end(ticket, ended, now_s=self._clock())
         on_probation = self._on_probation.get(ticket.endpoint_id)
         # Heard from now: all of its waiters may go (each to its share's line if that is full).
         while on_probation:

@@ -24,7 +24,7 @@ from opentelemetry.trace import SpanKind
 
 from hookline.dispatcher import inbound, metrics
 from hookline.dispatcher.acks import Acks
-from hookline.dispatcher.admission import Admission, Ledger, Ticket
+from hookline.dispatcher.admission import Admission, Ended, Ledger, Ticket
 from hookline.dispatcher.backoff import Jitter, RetryPolicy, honoured_retry_after_s
 from hookline.dispatcher.delays import Delays
 from hookline.dispatcher.incoming import Incoming
@@ -38,7 +38,7 @@ from hookline.shared.amqp import BROKER_ERRORS, Publisher
 from hookline.shared.control import BreakerView
 from hookline.shared.credentials import Credentials
 from hookline.shared.deadletters import dead_letter_message
-from hookline.shared.delivery import AttemptResult, DeliveryClient
+from hookline.shared.delivery import AttemptResult, DeliveryClient, ErrorKind
 from hookline.shared.models import DeadLetterReason, Event, StoredEndpoint
 from hookline.shared.registry import ChangeLog
 from hookline.shared.sealing import Sealer
@@ -185,7 +185,7 @@ class Handler:
         if not probe and self._breakers.state(endpoint_id) is not None:
             # The breaker opened while this delivery waited for its turn: back to the queue, unattempted
             # (the consumer is cancelled by now, so the queue keeps it for the probe).
-            self.admission.release(ticket)
+            self.admission.release(ticket, Ended.NOT_SENT)
             if sequence is not None:  # it is back in the queue: still ahead of its subject's later events
                 assert event.subject is not None
                 self._order.retrying(endpoint.id, event.subject, event.id, due_s=time.time())
@@ -244,8 +244,14 @@ class Handler:
         started_s = time.time()
         try:
             result = await self._attempt(endpoint, parsed, message.body)
-        finally:
-            self.admission.release(ticket)
+        except BaseException:
+            self.admission.release(
+                ticket, Ended.NOT_SENT
+            )  # cancelled (shutdown), or a crash: it says nothing
+            raise
+        self.admission.release(
+            ticket, Ended.TIMED_OUT if result.error is ErrorKind.TIMEOUT else Ended.ANSWERED
+        )
         outcome = classify(result.status, result.error)
         first_attempt_at_s = parsed.first_attempt_at_s or started_s
         settlement = settle(

@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from hookline.dispatcher.admission import FORGET_AFTER_S, Admission, Ledger, Share, Standing, Ticket
+from hookline.dispatcher.admission import FORGET_AFTER_S, Admission, Ended, Ledger, Share, Standing, Ticket
 
 SLOW_AFTER_S = 2.0
 
@@ -19,7 +19,7 @@ def ledger(slots: int = 8, slow_slots: int = 2) -> Ledger:
 def answered(book: Ledger, endpoint_id: str, *, took_s: float, at_s: float = 0.0) -> None:
     ticket = book.start(endpoint_id, now_s=at_s)
     assert ticket is not None
-    book.end(ticket, now_s=at_s + took_s)
+    book.end(ticket, Ended.ANSWERED, now_s=at_s + took_s)
 
 
 @pytest.mark.parametrize(
@@ -43,6 +43,23 @@ def test_an_endpoint_stands_by_how_long_its_last_answer_took(
     assert book.standing("ep") is standing
 
 
+@pytest.mark.parametrize(
+    ("ended", "took_s", "standing"),
+    [
+        (Ended.ANSWERED, 0.5, Standing.ANSWERING),
+        (Ended.TIMED_OUT, 0.5, Standing.SLOW),  # a 1 s timeout under the 2 s line: still slow
+        (Ended.NOT_SENT, 0.0, Standing.NEW),  # let go before the request: it says nothing of the endpoint
+    ],
+)
+def test_how_an_attempt_ended_decides_the_standing(ended: Ended, took_s: float, standing: Standing) -> None:
+    book = ledger()
+    ticket = book.start("ep", now_s=0.0)
+    assert ticket is not None
+    book.end(ticket, ended, now_s=took_s)
+    assert book.standing("ep") is standing
+    assert book.in_use == {Share.ANSWERING: 0, Share.SLOW: 0}
+
+
 def test_a_new_endpoint_has_one_attempt_at_a_time_until_it_answers() -> None:
     book = ledger()
     first = book.start("ep", now_s=0.0)
@@ -50,7 +67,7 @@ def test_a_new_endpoint_has_one_attempt_at_a_time_until_it_answers() -> None:
     assert first.share is Share.ANSWERING
     assert book.start("ep", now_s=0.0) is None, "probation: one attempt out"
     assert book.start("other", now_s=0.0) is not None, "only that endpoint waits"
-    book.end(first, now_s=0.01)
+    book.end(first, Ended.ANSWERED, now_s=0.01)
     assert [book.start("ep", now_s=0.02) is not None for _ in range(3)] == [True] * 3
 
 
@@ -84,11 +101,11 @@ def test_an_attempt_that_waits_too_long_frees_its_answering_slot_and_makes_its_e
     assert book.start("other", now_s=12.0) is not None
     for ticket in hanging[:3]:
         assert ticket is not None
-        book.end(ticket, now_s=13.0)
+        book.end(ticket, Ended.ANSWERED, now_s=13.0)
         assert book.standing("ep") is Standing.SLOW, "still slow: one of its attempts still waits"
     last = hanging[3]
     assert last is not None
-    book.end(last, now_s=13.0)
+    book.end(last, Ended.ANSWERED, now_s=13.0)
     assert book.standing("ep") is Standing.SLOW, "and its last answer took 3 s"
     answered(book, "ep", took_s=0.01, at_s=14.0)
     assert book.standing("ep") is Standing.ANSWERING
@@ -145,7 +162,7 @@ async def test_waiters_get_slots_in_turn_and_give_up_after_their_wait() -> None:
         for name in ("a", "b", "c"):  # answering endpoints
             ticket = await admission.acquire(name, max_wait_s=1)
             assert ticket is not None
-            admission.release(ticket)
+            admission.release(ticket, Ended.ANSWERED)
         held: list[Ticket] = []
         for name in ("a", "b", "c"):
             ticket = await admission.acquire(name, max_wait_s=1)
@@ -154,13 +171,13 @@ async def test_waiters_get_slots_in_turn_and_give_up_after_their_wait() -> None:
         waiting = [asyncio.ensure_future(admission.acquire(name, max_wait_s=5)) for name in ("a", "b")]
         await asyncio.sleep(0)
         assert not any(task.done() for task in waiting), "the three answering slots are taken"
-        admission.release(held.pop(0))
+        admission.release(held.pop(0), Ended.ANSWERED)
         first = await waiting[0]
         assert first is not None
         assert first.endpoint_id == "a", "first in line, first served"
         assert not waiting[1].done()
         assert await asyncio.wait_for(admission.acquire("c", max_wait_s=0.01), 1) is None, "gave up"
-        admission.release(held.pop(0))
+        admission.release(held.pop(0), Ended.ANSWERED)
         second = await waiting[1]
         assert second is not None
     finally:
@@ -172,17 +189,17 @@ async def test_a_waiter_cancelled_after_its_turn_passes_the_turn_on() -> None:
     try:
         warm = await admission.acquire("a", max_wait_s=1)
         assert warm is not None
-        admission.release(warm)
+        admission.release(warm, Ended.ANSWERED)
         held = await admission.acquire("a", max_wait_s=1)
         assert held is not None
         first = asyncio.ensure_future(admission.acquire("a", max_wait_s=5))
         second = asyncio.ensure_future(admission.acquire("a", max_wait_s=5))
         await asyncio.sleep(0)
-        admission.release(held)  # wakes the first...
+        admission.release(held, Ended.ANSWERED)  # wakes the first...
         first.cancel()  # ...which is cancelled before it runs
         ticket = await asyncio.wait_for(second, 1)
         assert ticket is not None
-        admission.release(ticket)
+        admission.release(ticket, Ended.ANSWERED)
     finally:
         admission.close()
 
@@ -195,7 +212,7 @@ async def test_once_a_new_endpoint_answers_all_its_waiting_deliveries_go() -> No
         waiting = [asyncio.ensure_future(admission.acquire("new", max_wait_s=5)) for _ in range(3)]
         await asyncio.sleep(0)
         assert not any(task.done() for task in waiting), "on probation"
-        admission.release(first)
+        admission.release(first, Ended.ANSWERED)
         tickets = await asyncio.wait_for(asyncio.gather(*waiting), 1)
         assert all(ticket is not None for ticket in tickets)
         assert admission.ledger.in_use[Share.ANSWERING] == 3
@@ -213,7 +230,7 @@ async def test_a_new_endpoint_with_nothing_out_waits_for_its_share_not_for_itsel
         first = asyncio.ensure_future(admission.acquire("new", max_wait_s=5))
         await asyncio.sleep(0)
         assert not first.done(), "the one answering slot is taken"
-        admission.release(held)
+        admission.release(held, Ended.ANSWERED)
         ticket = await asyncio.wait_for(first, 1)
         assert ticket is not None
         assert ticket.endpoint_id == "new"
