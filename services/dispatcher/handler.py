@@ -57,7 +57,7 @@ BREAKER_NACK_PAUSE_S = 1.0
 #: The attempt record's fields that its log line repeats (never the response: it may hold customer data).
 _LOGGED_FIELDS = (
     "event_id", "endpoint_id", "tenant", "type", "attempt", "status", "outcome", "error", "duration_ms",
-    "dns_ms", "connect_ms", "first_byte_ms", "dead_letter_reason",
+    "dns_ms", "connect_ms", "first_byte_ms", "dead_letter_reason", "paused_until_s",
 )  # fmt: skip
 #: A delivery that must wait longer than this for its turn (rate limit, Retry-After) is deferred
 #: through the delay queues instead of holding its message.
@@ -204,7 +204,6 @@ class Handler:
         ended_s = time.time()
         metrics.attempts(outcome.value).inc()
         metrics.ATTEMPT_SECONDS.observe(result.timings.total_ms / 1000)
-        self._report(endpoint, parsed, outcome, settlement, result, first_attempt_at_s, ended_s, probe=probe)
         # A 429's Retry-After also pauses the endpoint (a 503's delays this event only).
         pause_s = (
             honoured_retry_after_s(
@@ -216,7 +215,13 @@ class Handler:
             if result.status == 429
             else None
         )
-        self._pacer.record(endpoint.id, status=result.status, retry_after_s=pause_s, now_s=ended_s)
+        paused_until_s = self._pacer.record(
+            endpoint.id, status=result.status, retry_after_s=pause_s, now_s=ended_s
+        )
+        self._report(
+            endpoint, parsed, outcome, settlement, result, first_attempt_at_s, ended_s, paused_until_s,
+            probe=probe,
+        )  # fmt: skip
         await self._apply(settlement, message, endpoint, parsed, first_attempt_at_s, result, sequence)
 
     def _report(
@@ -228,6 +233,7 @@ class Handler:
         result: AttemptResult,
         first_attempt_at_s: float,
         ended_s: float,
+        paused_until_s: float | None,
         *,
         probe: bool,
     ) -> None:
@@ -249,6 +255,7 @@ class Handler:
             "outcome": outcome.value,
             "first_attempt_at_s": first_attempt_at_s,
             "next_attempt_at_s": ended_s + next_attempt_in_s if next_attempt_in_s is not None else None,
+            "paused_until_s": paused_until_s,
             "dead_letter_reason": settlement.reason.value if isinstance(settlement, DeadLetter) else None,
             "probe": probe,
             "attempt_kind": "probe"

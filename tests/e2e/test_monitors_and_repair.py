@@ -8,7 +8,6 @@ for 10 s is closed by the dispatchers themselves (the lease).
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from collections import defaultdict
 from collections.abc import Iterable
@@ -20,6 +19,7 @@ import httpx
 import pytest
 from support import services
 from support.broker import Broker
+from support.logs import logged, records
 from support.monitoring import get_json, publish, set_status, wait_leader
 from support.receiver import Received, Receiver, Reply
 from support.system import System, tenant
@@ -90,27 +90,6 @@ async def wait_breaker(
         return await breaker_state(monitor, endpoint_id) == state
 
     await eventually(reached, timeout_s=timeout_s)
-
-
-def records(*every: services.Service) -> list[dict[str, Any]]:
-    """The JSON log lines of these services."""
-    found = []
-    for service in every:
-        for line in service.log().splitlines():
-            if line.startswith("{"):
-                try:
-                    found.append(json.loads(line))
-                except json.JSONDecodeError:
-                    continue
-    return found
-
-
-def logged(every: Iterable[services.Service], name: str, **fields: Any) -> list[dict[str, Any]]:
-    return [
-        r
-        for r in records(*every)
-        if r.get("event") == name and all(r.get(key) == value for key, value in fields.items())
-    ]
 
 
 def vhost_of(system: System) -> str:
