@@ -9,8 +9,11 @@ apart than hookline made them).
 from __future__ import annotations
 
 import asyncio
+import itertools
 from datetime import datetime
 from typing import Any
+
+import pytest
 
 from support.system import System
 from support.waiting import eventually
@@ -73,3 +76,14 @@ async def attempts_at(
 
     found = await eventually(enough, timeout_s=timeout_s, explain=lambda: f"{len(read())} logged")
     return sorted(found, key=sent_s)
+
+
+def assert_retried_after(attempts: list[Attempt], delays_s: list[float]) -> None:
+    """Each failed attempt but the last was followed by a retry due ``delays_s`` later, as hookline
+    decided it (``next_attempt_at`` less ``at``, exact without jitter), and the retry was not sent
+    before it was due."""
+    assert len(attempts) == len(delays_s) + 1, attempts
+    for (failed, retry), delay_s in zip(itertools.pairwise(attempts), delays_s, strict=True):
+        due_s = moment_s(failed, "next_attempt_at")
+        assert due_s - moment_s(failed, "at") == pytest.approx(delay_s, abs=0.002), failed
+        assert sent_s(retry) >= due_s - 0.002, f"attempt {retry['attempt']} sent before it was due: {retry}"
