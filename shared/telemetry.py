@@ -56,9 +56,6 @@ class AttemptRecord(Model):
     first_byte_ms: float | None = None
     first_attempt_at_s: float
     next_attempt_at_s: float | None = None
-    # A 429 paused the whole endpoint until then (its Retry-After, capped, or 1 s): nothing is sent to it
-    # before. None for any other answer.
-    paused_until_s: float | None = None
     dead_letter_reason: str | None = None
     probe: bool = False  # the one delivery a half-open breaker lets through
     attempt_kind: AttemptKind = "delivery"
@@ -103,7 +100,6 @@ class AttemptFields(ExchangeFields):
     outcome: str
     first_attempt_at_s: float
     next_attempt_at_s: float | None
-    paused_until_s: float | None
     dead_letter_reason: str | None
     probe: bool
     attempt_kind: AttemptKind

@@ -42,7 +42,6 @@ class AttemptView(Model):
     first_byte_ms: float | None
     dispatcher_id: str
     next_attempt_at: datetime | None
-    paused_until: datetime | None  # a 429 paused the endpoint until then
     dead_letter_reason: str | None
     response_headers: dict[str, str]
     response_body: str | None  # the start of it (HOOKLINE_RESPONSE_CAPTURE_BYTES)
@@ -269,9 +268,6 @@ def _view(sealer: Sealer, record: AttemptRecord) -> AttemptView:
         dispatcher_id=record.dispatcher_id,
         next_attempt_at=datetime.fromtimestamp(record.next_attempt_at_s, UTC)
         if record.next_attempt_at_s
-        else None,
-        paused_until=datetime.fromtimestamp(record.paused_until_s, UTC)
-        if record.paused_until_s is not None
         else None,
         dead_letter_reason=record.dead_letter_reason,
         response_headers=record.response_headers,

@@ -26,7 +26,7 @@ def test_a_record_built_as_fields_validates_as_the_model() -> None:
         "kind": "attempt", "at_s": 1_700_000_000.0, "dispatcher_id": "d1", "event_id": "evt_1",
         "endpoint_id": "ep_1", "tenant": "acme", "type": "order.created", "attempt": 2, "outcome": "retry",
         "first_attempt_at_s": 1_699_999_990.0, "next_attempt_at_s": 1_700_000_005.0,
-        "paused_until_s": None, "dead_letter_reason": None, "probe": False, "attempt_kind": "retry",
+        "dead_letter_reason": None, "probe": False, "attempt_kind": "retry",
         **exchange(result, Sealer(None)),
     }  # fmt: skip
     [record] = batch.validate_json(orjson.dumps([fields]))
