@@ -268,7 +268,6 @@ class Handler:
         ended_s = time.time()
         metrics.attempts(outcome.value).inc()
         metrics.ATTEMPT_SECONDS.observe(result.timings.total_ms / 1000)
-        self._report(endpoint, parsed, outcome, settlement, result, first_attempt_at_s, ended_s, probe=probe)
         # A 429's Retry-After also pauses the endpoint (a 503's delays this event only).
         pause_s = (
             honoured_retry_after_s(
@@ -280,7 +279,13 @@ class Handler:
             if result.status == 429
             else None
         )
-        self._pacer.record(endpoint.id, status=result.status, retry_after_s=pause_s, now_s=ended_s)
+        paused_until_s = self._pacer.record(
+            endpoint.id, status=result.status, retry_after_s=pause_s, now_s=ended_s
+        )
+        self._report(
+            endpoint, parsed, outcome, settlement, result, first_attempt_at_s, ended_s, paused_until_s,
+            probe=probe,
+        )  # fmt: skip
         await self._apply(settlement, message, endpoint, parsed, first_attempt_at_s, result, sequence)
 
     def _report(
@@ -292,6 +297,7 @@ class Handler:
         result: AttemptResult,
         first_attempt_at_s: float,
         ended_s: float,
+        paused_until_s: float | None,
         *,
         probe: bool,
     ) -> None:
@@ -328,6 +334,9 @@ class Handler:
             "delivery_attempt",
             **{name: fields[name] for name in _LOGGED_FIELDS},
             next_attempt_in_s=next_attempt_in_s,
+            # A 429's pause of the whole endpoint: on the line only, not the telemetry record, which
+            # the monitor and ingest of the version before would refuse whole (an unknown field).
+            paused_until_s=paused_until_s,
             probe=probe or None,
         )
 

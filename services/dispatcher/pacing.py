@@ -68,15 +68,19 @@ class Pacer:
 
     def record(
         self, endpoint_id: str, *, status: int | None, retry_after_s: float | None, now_s: float
-    ) -> None:
+    ) -> float | None:
+        """Learn from an answer; after a 429, returns when the endpoint's pause ends (the attempt record
+        says so: what a support engineer, and a test, read instead of guessing from arrival times)."""
         pace = self._paces.setdefault(endpoint_id, EndpointPace())
         if status == 429:
             pace.factor = max(MIN_FACTOR, pace.factor / 2)
             pace.not_before_s = max(
                 pace.not_before_s, now_s + (retry_after_s if retry_after_s is not None else 1.0)
             )
-        elif status is not None and 200 <= status < 300:
+            return pace.not_before_s
+        if status is not None and 200 <= status < 300:
             pace.factor = min(1.0, pace.factor * RECOVERY)
+        return None
 
     def forget(self, endpoint_id: str) -> None:
         self._paces.pop(endpoint_id, None)

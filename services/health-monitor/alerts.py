@@ -99,8 +99,11 @@ def evaluate(
 def _failing(
     endpoint: StoredEndpoint, state: EndpointHealth, *, now_s: float, policy: AlertPolicy
 ) -> list[tuple[str, str]]:
-    """An open breaker, and (at half the time after which the endpoint is disabled) the warning."""
-    if state.breaker.state is BreakerState.CLOSED:
+    """An open breaker, and (at half the time after which the endpoint is disabled) the warning. Not
+    for a disabled endpoint: nothing is attempted there, ``endpoint_disabled`` says so, and a breaker
+    opened again by attempts that were under way as it was disabled must not tell its tenant
+    ``endpoint.failing`` after ``endpoint.disabled``."""
+    if state.breaker.state is BreakerState.CLOSED or endpoint.status is EndpointStatus.DISABLED:
         return []
     failing = [
         (

@@ -48,7 +48,7 @@ from hookline.shared.deadletters import DeadLetterIndex
 from hookline.shared.envelope import event_message
 from hookline.shared.heldpublishes import HeldPublishes
 from hookline.shared.ids import new_id
-from hookline.shared.models import EndpointStatus, Event, error_summary
+from hookline.shared.models import EndpointStatus, Event, StoredEndpoint, error_summary
 from hookline.shared.registry import ChangeLog
 from hookline.shared.settings import MonitorSettings
 from hookline.shared.streams import StreamFollower, follow_synced, offset_of
@@ -421,15 +421,21 @@ class Monitor:
         )
 
     async def _disable(self, endpoint_id: str, *, now_s: float) -> None:
-        """Open longer than the limit: disable the endpoint and tell its tenant with an event."""
-        for command in self.health.reset(endpoint_id, now_s=now_s):
-            self._outbox.put_nowait(command)
+        """Open longer than the limit: disable the endpoint and tell its tenant with an event; then
+        forget its breaker. In that order: a breaker closed while the endpoint is still active lets the
+        dispatchers attempt what waits in its queue, and those failures opened the breaker of the
+        disabled endpoint again, which told its tenant ``endpoint.failing`` after ``endpoint.disabled``."""
         # A paused endpoint stays paused: its tenant stopped it, the breaker did not.
         endpoint = await self._change_log.disable(
             endpoint_id, unless=frozenset({EndpointStatus.PAUSED}), timeout_s=self.settings.connect_timeout_s
         )
-        if endpoint is None:
-            return
+        if endpoint is not None:
+            await self._tell_disabled(endpoint)
+        for command in self.health.reset(endpoint_id, now_s=now_s):
+            self._outbox.put_nowait(command)
+
+    async def _tell_disabled(self, endpoint: StoredEndpoint) -> None:
+        """The tenant's event ``hookline.endpoint.disabled``, and the alert's log line."""
         now = endpoint.updated_at
         reason = f"circuit breaker open for more than {self.settings.disable_after_s:.0f} s"
         event = Event(

@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import json
 import subprocess
-import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -139,11 +138,11 @@ async def test_a_memory_alarm_is_alerted_refused_at_the_door_and_loses_nothing(
         unready = await eventually(ingest_unready, timeout_s=15)
         assert "refusing publishes" in unready.json()["message"]
         flaky_attempts = endpoints.attempts["/flaky"]
-        started = time.monotonic()
         refused = await post(system.ingest, "/v1/events", {"tenant": acme, "type": "steady.x", "data": {}})
-        assert time.monotonic() - started < 5, "refused at once, not after the publish deadline"
         assert refused.status_code == 503, refused.text
         assert refused.json()["error"] == "broker_unavailable"
+        # Refused at once for the alarm, not after the publish deadline ("the broker did not confirm it").
+        assert "refuses publishes" in refused.json()["message"], refused.text
         assert int(refused.headers["retry-after"]) > 0
         created = await post(
             system.ingest,

@@ -4,6 +4,8 @@ canary_late; both resolve once canaries arrive again."""
 
 from __future__ import annotations
 
+import time
+
 import httpx
 import pytest
 from support.monitoring import AUTH, get_json
@@ -27,6 +29,7 @@ async def test_canaries_measure_the_whole_path_and_say_when_it_breaks(
 ) -> None:
     status, delay_s = 204, 0.0
     receiver.responder = lambda _: Reply(status=status, delay_s=delay_s)
+    created_s = time.time()
     canary = system.add_endpoint("canary", receiver.url("/canary"), ["hookline.canary"])
 
     async def latency() -> float | None:
@@ -40,7 +43,9 @@ async def test_canaries_measure_the_whole_path_and_say_when_it_breaks(
         return None
 
     measured = await eventually(latency, timeout_s=20)
-    assert 0 <= measured < 5
+    # Seconds, from a canary published after the endpoint existed to its delivery: no more than the
+    # time since (a stopwatch bound would measure the machine).
+    assert 0 <= measured <= time.time() - created_s
     arrived = await receiver.wait_for(2, path="/canary")
     assert all(r.headers["webhook-id"].startswith("evt_") for r in arrived)
 

@@ -1,17 +1,25 @@
-"""Per-endpoint flow control and ordering with three dispatcher replicas and real receivers."""
+"""Per-endpoint flow control and ordering with three dispatcher replicas and real receivers.
+
+Timing is read from what hookline recorded (the delivery log's attempts, the dispatchers' log lines):
+when it sent each request and what it decided (a pause, a deferral), never from when requests reached
+the receiver, which a busy machine shifts. Concurrency is what the receiver saw open at once.
+"""
 
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import pytest
 from support import services
 from support.amqp import event, publish_event
+from support.deliverylog import Attempt, attempts_at, moment_s, sent_s
+from support.logs import logged
 from support.receiver import Received, Receiver, Reply
 from support.system import System, tenant
+from support.waiting import eventually
 
-# Rates, concurrency caps and Retry-After pauses measured in wall time: alone, not beside another module.
-pytestmark = [pytest.mark.e2e, pytest.mark.serial]
+pytestmark = pytest.mark.e2e
 
 # Ordering retries quickly; no breaker interferes with the deliberate failures.
 SYSTEM_ENV = {"HOOKLINE_RETRY_SCHEDULE_S": "1", "HOOKLINE_BREAKER_FAILURE_THRESHOLD": "1000"}
@@ -24,38 +32,67 @@ def third_dispatcher(system: System) -> services.Service:
 
 async def test_max_in_flight_holds_across_three_replicas(system: System, receiver: Receiver) -> None:
     acme = tenant()
-    receiver.responder = lambda _: Reply(status=204, delay_s=0.2)
+    # Each request is held until three are open at once, then 0.5 s more: the cap is reached whatever
+    # the machine's speed, and a fourth request let through meanwhile would show.
+    receiver.responder = lambda _: Reply(status=204, delay_s=0.5, hold_until_open=3)
     system.add_endpoint(acme, receiver.url("/capped"), ["#"], max_in_flight=3)
-    for n in range(45):
-        await publish_event(system.amqp_url, event(acme, "a.b", f"evt_cap_{n}"), f"{acme}.a.b")
-    await receiver.wait_for(45, path="/capped", timeout_s=60)
+    ids = {f"evt_cap_{n}" for n in range(45)}
+    for event_id in sorted(ids):
+        await publish_event(system.amqp_url, event(acme, "a.b", event_id), f"{acme}.a.b")
+    await receiver.wait_for_ids(ids, path="/capped", timeout_s=90)
     assert receiver.max_in_flight == 3, "the cap is reached and never exceeded"
 
 
 async def test_the_rate_limit_holds_across_three_replicas(system: System, receiver: Receiver) -> None:
     acme = tenant()
-    system.add_endpoint(acme, receiver.url("/paced"), ["#"], rate_limit_per_s=10)
-    for n in range(40):
-        await publish_event(system.amqp_url, event(acme, "a.b", f"evt_rate_{n}"), f"{acme}.a.b")
-    arrivals = [r.at for r in await receiver.wait_for(40, path="/paced", timeout_s=60)]
-    busiest = max(sum(1 for t in arrivals if start <= t < start + 1.0) for start in arrivals)
-    overall = (len(arrivals) - 1) / (arrivals[-1] - arrivals[0])
-    assert busiest <= 11, f"{busiest} deliveries within one second"
-    assert 8 <= overall <= 10.5, overall
+    endpoint = system.add_endpoint(acme, receiver.url("/paced"), ["#"], rate_limit_per_s=2)
+    ids = {f"evt_rate_{n}" for n in range(12)}
+    for event_id in sorted(ids):
+        await publish_event(system.amqp_url, event(acme, "a.b", event_id), f"{acme}.a.b")
+    await receiver.wait_for_ids(ids, path="/paced", timeout_s=60)
+    # When hookline sent each one (its own stamps): 2/s is a request every 0.5 s, whichever replica.
+    attempts = await attempts_at(system, endpoint["id"], at_least=len(ids))
+    assert {a["event_id"] for a in attempts} == ids
+    sent = [sent_s(a) for a in attempts]
+    busiest = max(sum(1 for t in sent if start <= t < start + 1.0) for start in sent)
+    overall = (len(sent) - 1) / (sent[-1] - sent[0])
+    # A one-second window holds two sends (one more if the dispatcher was held up for up to 0.5 s and
+    # two went together after it); unpaced or paced per replica, all 12 would go within a second or two.
+    assert busiest <= 3, f"{busiest} requests sent within one second: {_sends(attempts)}"
+    assert overall <= 2 * 1.25, f"{overall:.2f}/s: {_sends(attempts)}"
 
 
 async def test_a_429_slows_the_endpoint_down(system: System, receiver: Receiver) -> None:
     acme = tenant()
-    replies = [Reply(status=429, headers={"Retry-After": "2"})]
+    replies = [Reply(status=429, headers={"Retry-After": "4"})]
     receiver.responder = lambda _: replies.pop(0) if replies else Reply(status=204)
-    # 1/s: the second request is due a second after the first, long after its 429 is known (at 50/s it
-    # was due 20 ms later, and on a loaded machine it left before the 429 came back).
-    system.add_endpoint(acme, receiver.url("/throttled"), ["#"], rate_limit_per_s=1)
-    for n in range(5):
-        await publish_event(system.amqp_url, event(acme, "a.b", f"evt_throttle_{n}"), f"{acme}.a.b")
-    arrivals = await receiver.wait_for(6, path="/throttled", timeout_s=30)
-    first = arrivals[0].at
-    assert all(r.at - first >= 2.0 - 0.05 for r in arrivals[1:]), "nothing goes out before Retry-After"
+    endpoint = system.add_endpoint(acme, receiver.url("/throttled"), ["#"], rate_limit_per_s=1)
+    ids = [f"evt_throttle_{n}" for n in range(5)]
+    await publish_event(system.amqp_url, event(acme, "a.b", ids[0]), f"{acme}.a.b")
+
+    # The rest are published once the dispatcher has the 429 (its attempt line is written after it
+    # paused the endpoint): each of them is then paced by that pause, however slow the machine is. (A
+    # request already waiting for its turn when the 429 comes back is not held back again.)
+    every = [*system.dispatchers, *system.extra]
+
+    async def throttled() -> list[dict[str, Any]] | None:
+        return logged(every, "delivery_attempt", endpoint_id=endpoint["id"], status=429) or None
+
+    [line] = await eventually(throttled, timeout_s=30)
+    for event_id in ids[1:]:
+        await publish_event(system.amqp_url, event(acme, "a.b", event_id), f"{acme}.a.b")
+    await receiver.wait_for_ids(set(ids), path="/throttled", timeout_s=60)
+
+    attempts = await attempts_at(system, endpoint["id"], at_least=len(ids) + 1)
+    [limited] = [a for a in attempts if a["status"] == 429]
+    # What hookline decided: the endpoint paused for the Retry-After, and this event's retry after it too.
+    paused_until_s = line["paused_until_s"]
+    assert paused_until_s - moment_s(limited, "at") == pytest.approx(4.0, abs=0.002)
+    assert moment_s(limited, "next_attempt_at") - moment_s(limited, "at") == pytest.approx(4.0, abs=0.002)
+    # And did it: nothing was sent to the endpoint before the pause ended.
+    early = [a for a in attempts if a is not limited and sent_s(a) < paused_until_s - 0.002]
+    assert not early, f"sent during the pause (until {paused_until_s}): {_sends(early)}"
+    assert {a["event_id"] for a in attempts if a["status"] == 204} == set(ids)
 
 
 async def test_an_ordered_endpoint_keeps_each_subjects_order(system: System, receiver: Receiver) -> None:
@@ -70,7 +107,7 @@ async def test_an_ordered_endpoint_keeps_each_subjects_order(system: System, rec
         return Reply(status=204)
 
     receiver.responder = respond
-    system.add_endpoint(acme, receiver.url("/ordered"), ["#"], ordered=True)
+    endpoint = system.add_endpoint(acme, receiver.url("/ordered"), ["#"], ordered=True)
     for n in range(5):
         for subject in ("s1", "s2"):
             body = {**event(acme, "a.b", f"evt_{subject}_{n}"), "subject": subject}
@@ -91,6 +128,19 @@ async def test_an_ordered_endpoint_keeps_each_subjects_order(system: System, rec
 
     assert delivered("s1") == [f"evt_s1_{n}" for n in range(5)], "s1 waited for its failed event"
     assert delivered("s2") == [f"evt_s2_{n}" for n in range(5)]
-    s2_done = max(r.at for r in receiver.requests if r.headers["webhook-id"] == "evt_s2_4")
-    s1_retry = max(r.at for r in receiver.requests if r.headers["webhook-id"] == "evt_s1_1")
-    assert s2_done < s1_retry, "the other subject was not held back"
+    # What the dispatchers decided: an event put off for its order waits for an earlier event of its own
+    # subject, never for one of another (s1's failed event held back s1 alone).
+    every = [*system.dispatchers, *system.extra]
+    held = logged(every, "delivery_deferred", endpoint_id=endpoint["id"], reason="ordering")
+    behind = {(line["event_id"], line["behind_event_id"]) for line in held}
+    crossed = {(w, e) for w, e in behind if e is not None and _subject(w) != _subject(e)}
+    assert not crossed, f"held back by another subject: {sorted(crossed)}"
+
+
+def _sends(attempts: list[Attempt]) -> list[tuple[str, int, float]]:
+    """What a failure message needs of attempts: the event, the attempt, when hookline sent it."""
+    return [(a["event_id"], a["attempt"], round(sent_s(a), 3)) for a in attempts]
+
+
+def _subject(event_id: str) -> str:
+    return event_id.split("_")[1]  # evt_s1_3: s1

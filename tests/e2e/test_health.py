@@ -115,14 +115,14 @@ async def test_an_endpoint_slowing_down_is_flagged_before_it_fails(
     await receiver.wait_for(10, path="/slowing")
     fast = await wait_health(system, endpoint["id"], lambda v: v["samples"] >= 10)
     assert fast["slow"] is False
-    assert fast["p95_ms"] < 1000
 
     delay_s = 3.0
     for n in range(12):
         await publish_event(system.amqp_url, event(acme, "a.b", f"evt_slow_{n}"), f"{acme}.a.b")
     flagged = await wait_health(system, endpoint["id"], lambda v: v["slow"], timeout_s=30)
     assert flagged["breaker_state"] == "closed", "flagged while every delivery still succeeds"
-    assert flagged["last_5m"]["p95_ms"] > 2000
+    assert flagged["last_5m"]["p95_ms"] > 2000  # each took 3 s at least
+    assert 0 < fast["p95_ms"] < flagged["last_5m"]["p95_ms"], (fast, flagged)
     assert flagged["success_rate"] == 1.0
 
     async def alert_firing() -> bool:

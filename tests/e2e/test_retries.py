@@ -7,7 +7,6 @@ settings), so the delays between attempts are exactly 1 s, then 2 s, 2 s, ...
 from __future__ import annotations
 
 import asyncio
-import itertools
 import json
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -15,6 +14,7 @@ from typing import Any
 import pytest
 from standardwebhooks.webhooks import Webhook
 from support.amqp import event, publish_event
+from support.deliverylog import assert_retried_after, attempts_of
 from support.receiver import Received, Receiver, Reply
 from support.system import System, tenant
 from support.waiting import eventually
@@ -62,19 +62,23 @@ async def test_failing_n_times_then_succeeding_gives_n_plus_one_attempts(
     assert len({r.headers["webhook-signature"] for r in attempts}) == 4, "each attempt is signed afresh"
     for attempt in attempts:
         Webhook(endpoint["secret"]).verify(attempt.body, attempt.headers)
-    gaps = [later.at - earlier.at for earlier, later in itertools.pairwise(attempts)]
-    for gap, step in zip(gaps, (1, 2, 2), strict=True):
-        assert step - 0.1 <= gap <= step + 1.5, gaps
+    # The schedule as hookline applied it: each failure's next attempt due 1 s, then 2 s, 2 s after it
+    # (no jitter here), and no attempt sent before it was due (by hookline's own stamps).
+    logged = await attempts_of(system, "evt_flaky_1", endpoint["id"], at_least=4)
+    assert [(a["attempt"], a["status"]) for a in logged] == [(1, 500), (2, 503), (3, 408), (4, 204)]
+    assert_retried_after(logged, [1, 2, 2])
     assert dead_letters(system, endpoint_id=endpoint["id"]) == []
 
 
 async def test_retry_after_on_429_is_honoured(system: System, receiver: Receiver) -> None:
     acme = tenant()
     receiver.responder = scripted(Reply(status=429, headers={"Retry-After": "3"}))
-    system.add_endpoint(acme, receiver.url("/limited"), ["#"])
+    endpoint = system.add_endpoint(acme, receiver.url("/limited"), ["#"])
     await publish_event(system.amqp_url, event(acme, "a.b", "evt_limited_1"), f"{acme}.a.b")
-    first, second = await receiver.wait_for(2, path="/limited", timeout_s=30)
-    assert second.at - first.at >= 3.0 - 0.05, "not earlier than Retry-After (the schedule says 1 s)"
+    await receiver.wait_for(2, path="/limited", timeout_s=30)
+    logged = await attempts_of(system, "evt_limited_1", endpoint["id"], at_least=2)
+    assert [a["status"] for a in logged] == [429, 204]
+    assert_retried_after(logged, [3])  # Retry-After, not the schedule's 1 s
 
 
 async def test_a_400_is_dead_lettered_at_once(system: System, receiver: Receiver) -> None:
@@ -176,18 +180,18 @@ async def test_replay_resends_a_window_with_the_original_ids(system: System, rec
         system.amqp_url, event(acme, "order.updated", "evt_replay_amqp"), f"{acme}.order.updated"
     )
     first_pass = await receiver.wait_for(4, path="/replayed")
-    await asyncio.sleep(1.1)
-    later = datetime.now(UTC)
     with system.api() as api:
-        api.post(
+        late = api.post(
             "/v1/events", json={"id": "evt_replay_late", "tenant": acme, "type": "order.created", "data": {}}
-        )
+        ).json()
     await receiver.wait_for(5, path="/replayed")
+    # The window ends just before hookline accepted the late event (its own stamp, to the millisecond).
+    until = datetime.fromisoformat(late["accepted_at"]) - timedelta(milliseconds=1)
 
     with system.api() as api:
         answer = api.post(
             f"/v1/endpoints/{endpoint['id']}/replay",
-            json={"since": (before - timedelta(seconds=1)).isoformat(), "until": later.isoformat()},
+            json={"since": (before - timedelta(seconds=1)).isoformat(), "until": until.isoformat()},
         )
     assert answer.status_code == 200, answer.text
     assert answer.json()["replayed"] == 4

@@ -70,19 +70,24 @@ async def test_rotation_signs_with_both_secrets_during_the_overlap(
     endpoint = system.add_endpoint(acme, receiver.url("/rotated"), ["#"])
     old_secret = endpoint["secret"]
     with system.api() as api:
-        rotated = api.post(f"/v1/endpoints/{endpoint['id']}/rotate-secret", json={"overlap_s": 3}).json()
+        rotated = api.post(f"/v1/endpoints/{endpoint['id']}/rotate-secret", json={"overlap_s": 8}).json()
         assert api.get(f"/v1/endpoints/{endpoint['id']}/secret").json()["secret"] == rotated["secret"]
     new_secret = rotated["secret"]
     assert new_secret != old_secret
+    expires_at = datetime.fromisoformat(rotated["previous_expires_at"])
 
+    # Published at once, signed well within the 8 s overlap (a delivery takes milliseconds, a second or
+    # two on a loaded machine): hookline stamps when it signed, and that is what the check is about.
     await publish_event(system.amqp_url, event(acme, "a.b", "evt_overlap"), f"{acme}.a.b")
     [during] = await receiver.wait_for(1, path="/rotated")
+    signed_s = int(during.headers["webhook-timestamp"])  # whole seconds, rounded down
+    assert signed_s + 1 <= expires_at.timestamp(), "signed after the overlap: the machine took over 7 s"
     assert len(during.headers["webhook-signature"].split()) == 2
     Webhook(old_secret).verify(during.body, during.headers)
     Webhook(new_secret).verify(during.body, during.headers)
 
-    # Until the overlap is over (by this machine's clock, which the dispatchers share).
-    expires_at = datetime.fromisoformat(rotated["previous_expires_at"])
+    # Once the overlap is over (hookline's expiry, by this machine's clock, which the dispatchers share),
+    # an event published then is signed with the new secret alone.
     await asyncio.sleep(max(0.0, (expires_at - datetime.now(UTC)).total_seconds()) + 0.1)
     await publish_event(system.amqp_url, event(acme, "a.b", "evt_after_overlap"), f"{acme}.a.b")
     after = (await receiver.wait_for(2, path="/rotated"))[1]

@@ -53,13 +53,14 @@ async def test_a_token_works_on_every_replica_until_revoked_and_is_shown_once(
         assert [(t["id"], t["prefix"], t["active"]) for t in listed] == [(token["id"], token["prefix"], True)]
         assert secret not in admin.get("/v1/tokens").text, "a token is shown once, never listed"
 
-    # Another replica knows it within a second (it follows the change log), limited to its tenant.
+    # Another replica knows it once it has followed the change log to it (milliseconds; the deadline
+    # is for a loaded machine), limited to its tenant.
     with _client(second_ingest.base_url, secret) as api:
 
         async def known() -> bool:
             return (await asyncio.to_thread(api.get, "/v1/whoami")).status_code == 200
 
-        await eventually(known, timeout_s=1)
+        await eventually(known)
         assert api.get("/v1/whoami").json() == {"admin": False, "tenant": acme}
         assert _publish(api, acme, "evt_token_1").status_code == 202
         assert _publish(api, "someone-else", "evt_token_2").status_code == 403

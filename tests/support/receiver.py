@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from aiohttp import web
+
+#: The longest a request waits for others to be open with it (Reply.hold_until_open).
+HOLD_LONGEST_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -25,6 +29,10 @@ class Reply:
     delay_s: float = 0.0
     close: bool = False  # drop the connection without answering
     body: bytes = b""
+    # Held until this many requests are open at once (at most HOLD_LONGEST_S), then delay_s more: a
+    # concurrency cap is then reached however slowly requests come (they overlap by construction), and
+    # one more request let through shows as one more open meanwhile.
+    hold_until_open: int = 0
 
 
 Responder = Callable[[Received], Reply]
@@ -37,6 +45,8 @@ class Receiver:
         self.max_in_flight = 0  # the most requests that were being answered at once
         self.responder: Responder = responder or (lambda _: Reply())
         self._arrived = asyncio.Condition()
+        self._crowded = asyncio.Condition()  # notified when the open requests reach a hold's count
+        self._crowds = 0  # how many times they did
         self._runner: web.AppRunner | None = None
         self.port = 0
 
@@ -71,6 +81,8 @@ class Receiver:
         self.in_flight += 1
         self.max_in_flight = max(self.max_in_flight, self.in_flight)
         try:
+            if reply.hold_until_open:
+                await self._hold(reply.hold_until_open)
             if reply.delay_s:
                 await asyncio.sleep(reply.delay_s)
         finally:
@@ -80,6 +92,18 @@ class Receiver:
             request.transport.close()
             return web.Response(status=500)
         return web.Response(status=reply.status, headers=reply.headers, body=reply.body or None)
+
+    async def _hold(self, count: int) -> None:
+        """Until ``count`` requests are open at once (this one among them), or HOLD_LONGEST_S passed."""
+        async with self._crowded:
+            if self.in_flight >= count:
+                self._crowds += 1
+                self._crowded.notify_all()
+                return
+            before = self._crowds
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(HOLD_LONGEST_S):
+                    await self._crowded.wait_for(lambda: self._crowds > before)
 
     async def wait_for(
         self, count: int, *, timeout_s: float = 20.0, path: str | None = None

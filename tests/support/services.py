@@ -83,7 +83,9 @@ class Service:
     def base_url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def wait_ready(self, timeout_s: float = 30.0) -> None:
+    def wait_ready(self, timeout_s: float = 60.0) -> None:
+        # Four services importing their libraries at once on a loaded two-core machine took 20-30 s to
+        # log a first line (issue 23): the deadline is for that machine, a quiet one takes seconds.
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.process.poll() is not None:

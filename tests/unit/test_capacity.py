@@ -403,7 +403,8 @@ async def test_a_hung_command_is_killed_with_its_children(tmp_path: Path) -> Non
     async with reader:
         with pytest.raises(CapacityUnreadableError, match=r"no answer within 0\.5s"):
             await reader.read()
-    assert time.monotonic() - started_s < 5
+    # Not held until the orphaned `sleep 30` lets go of the pipes: killed with its children at the timeout.
+    assert time.monotonic() - started_s < 15
     pid = int(child.read_text())
     for _ in range(50):  # SIGKILL is delivered asynchronously
         if gone(pid):

@@ -174,6 +174,11 @@ def _observed(*records: dict[str, object]) -> Health:
             _observed({}), {"endpoint": stored_endpoint(EP, status=EndpointStatus.DISABLED)},
             {"endpoint_disabled"}, id="disabled",
         ),
+        pytest.param(
+            _observed(*[{"outcome": "retry", "status": 503}] * 20),
+            {"endpoint": stored_endpoint(EP, status=EndpointStatus.DISABLED)},
+            {"endpoint_disabled"}, id="disabled-with-its-breaker-open-again",
+        ),
         pytest.param(_observed({}), {"missing": {"hookline.events.log": None}}, {"topology_missing"}, id="core-missing"),
         pytest.param(_observed({}), {"missing": {"hookline.ep.x": EP}}, {"queue_missing"}, id="queue-missing"),
         pytest.param(

@@ -41,6 +41,30 @@ def test_a_429_halves_the_rate_and_honours_retry_after() -> None:
     assert pace.factor == 1.0, "successes give the rate back"
 
 
+@pytest.mark.parametrize(
+    ("answers", "paused_until_s"),
+    [
+        ([(429, 3.0, 10.0)], 13.0),  # Retry-After: 3, at 10 s
+        ([(429, None, 10.0)], 11.0),  # no Retry-After: a second
+        ([(429, 5.0, 10.0), (429, 1.0, 11.0)], 15.0),  # a shorter Retry-After never shortens the pause
+        ([(429, 1.0, 10.0), (429, 5.0, 10.5)], 15.5),  # a longer one lengthens it
+        ([(204, None, 10.0)], None),  # only a 429 pauses the endpoint
+        ([(503, 30.0, 10.0)], None),  # a 503's Retry-After delays its event only
+        ([(None, None, 10.0)], None),  # no answer
+    ],
+)
+def test_recording_a_429_says_until_when_the_endpoint_is_paused(
+    answers: list[tuple[int | None, float | None, float]], paused_until_s: float | None
+) -> None:
+    """What the attempt record tells (``paused_until_s``) is the pause the pacer then holds."""
+    pacer = Pacer()
+    said = [pacer.record("ep", status=s, retry_after_s=r, now_s=at) for s, r, at in answers]
+    assert said[-1] == paused_until_s
+    if paused_until_s is not None:
+        now_s = answers[-1][2]
+        assert pacer.wait_s("ep", None, now_s=now_s, max_wait_s=60) == pytest.approx(paused_until_s - now_s)
+
+
 def test_a_429_without_a_rate_limit_still_pauses_the_endpoint() -> None:
     pacer = Pacer()
     pacer.record("ep", status=429, retry_after_s=None, now_s=5.0)
