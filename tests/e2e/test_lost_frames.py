@@ -13,10 +13,10 @@ from urllib.parse import unquote, urlsplit
 import pytest
 from support import services
 from support.broker import Broker
+from support.logs import logged
 from support.monitoring import publish
 from support.proxy import TcpProxy
 from support.receiver import Received, Receiver, Reply
-from support.services import logged
 from support.system import System, tenant
 from support.waiting import eventually
 

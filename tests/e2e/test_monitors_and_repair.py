@@ -22,7 +22,6 @@ from support.broker import Broker
 from support.logs import logged, records
 from support.monitoring import get_json, publish, set_status, wait_leader
 from support.receiver import Received, Receiver, Reply
-from support.services import logged, records
 from support.system import System, tenant
 from support.waiting import eventually
 

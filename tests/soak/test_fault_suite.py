@@ -51,6 +51,7 @@ from aio_pika.abc import AbstractChannel, AbstractConnection, AbstractExchange
 from aiohttp import web
 from support import services
 from support.broker import Broker
+from support.logs import logged
 from support.proxy import TcpProxy
 from support.waiting import eventually
 
@@ -466,7 +467,7 @@ class Run:
         since = datetime.fromtimestamp(since_s, UTC)
         return sum(
             int(r["unacked"])
-            for r in services.logged(dispatchers, "consumers_connection_lost")
+            for r in logged(dispatchers, "consumers_connection_lost")
             if datetime.fromisoformat(r["ts"]) >= since
         )
 

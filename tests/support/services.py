@@ -3,16 +3,14 @@
 from __future__ import annotations
 
 import itertools
-import json
 import os
 import signal
 import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
 
 import httpx
 
@@ -132,25 +130,3 @@ def start(command: str, env: Mapping[str, str], log_dir: Path, *, name: str | No
         "outbox-relay": "HOOKLINE_OUTBOX_METRICS_PORT",
     }[command]
     return Service(command, {**env, port_variable: str(port)}, log_dir, port=port, name=name or command)
-
-
-def records(*every: Service) -> list[dict[str, Any]]:
-    """The JSON log lines of these services."""
-    found = []
-    for service in every:
-        for line in service.log().splitlines():
-            if line.startswith("{"):
-                try:
-                    found.append(json.loads(line))
-                except json.JSONDecodeError:
-                    continue
-    return found
-
-
-def logged(every: Iterable[Service], name: str, **fields: Any) -> list[dict[str, Any]]:
-    """The log lines named ``name`` with these fields, of these services."""
-    return [
-        r
-        for r in records(*every)
-        if r.get("event") == name and all(r.get(key) == value for key, value in fields.items())
-    ]
