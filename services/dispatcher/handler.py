@@ -167,29 +167,15 @@ class Handler:
             return False
 
         event = parsed.event
-        if (
-            message.redelivered
-            and parsed.origin is None
-            and await self._settled_before(message, endpoint, parsed)
-        ):
+        if await self._settled_before(message, endpoint, parsed):
             return False
         sequence = _order_key(event, parsed) if endpoint.ordered and event.subject else None
         deferred = await self._gate(endpoint, parsed, sequence, probe=probe)
         if deferred is not None:
             await self._defer(message, endpoint, parsed, sequence, *deferred)
             return False
-        ticket = await self.admission.acquire(endpoint.id, max_wait_s=MAX_SLOT_WAIT_S)
+        ticket = await self._admitted(message, endpoint, parsed, sequence, probe=probe)
         if ticket is None:
-            await self._defer(message, endpoint, parsed, sequence, SLOW_SHARE_DEFER_S, "slow_share")
-            return False
-        if not probe and self._breakers.state(endpoint_id) is not None:
-            # The breaker opened while this delivery waited for its turn: back to the queue, unattempted
-            # (the consumer is cancelled by now, so the queue keeps it for the probe).
-            self.admission.release(ticket, Ended.NOT_SENT)
-            if sequence is not None:  # it is back in the queue: still ahead of its subject's later events
-                assert event.subject is not None
-                self._order.retrying(endpoint.id, event.subject, event.id, due_s=time.time())
-            await self.acks.nack(message, requeue=True)
             return False
         try:
             await self._attempt_and_settle(message, endpoint, parsed, sequence, ticket, probe=probe)
@@ -200,11 +186,46 @@ class Handler:
             raise
         return True
 
+    async def _admitted(
+        self,
+        message: Incoming,
+        endpoint: StoredEndpoint,
+        parsed: inbound.Inbound,
+        sequence: int | None,
+        *,
+        probe: bool,
+    ) -> Ticket | None:
+        """A connection slot for the attempt (admission.py); None when the message was handled instead:
+        put off (no slot within MAX_SLOT_WAIT_S, or a 429 pause began while it waited) or handed back
+        (its breaker opened while it waited)."""
+        ticket = await self.admission.acquire(endpoint.id, max_wait_s=MAX_SLOT_WAIT_S)
+        if ticket is None:
+            await self._defer(message, endpoint, parsed, sequence, SLOW_SHARE_DEFER_S, "slow_share")
+            return None
+        event = parsed.event
+        if not probe and self._breakers.state(endpoint.id) is not None:
+            # Back to the queue, unattempted (the consumer is cancelled by now: the queue keeps it for
+            # the probe).
+            self.admission.release(ticket, Ended.NOT_SENT)
+            if sequence is not None:  # back in the queue: still ahead of its subject's later events
+                assert event.subject is not None
+                self._order.retrying(endpoint.id, event.subject, event.id, due_s=time.time())
+            await self.acks.nack(message, requeue=True)
+            return None
+        paused_s = 0.0 if probe else self._pacer.paused_for_s(endpoint.id, now_s=time.time())
+        if paused_s > 0:
+            self.admission.release(ticket, Ended.NOT_SENT)
+            await self._defer(message, endpoint, parsed, sequence, paused_s, "pacing")
+            return None
+        return ticket
+
     async def _settled_before(
         self, message: Incoming, endpoint: StoredEndpoint, parsed: inbound.Inbound
     ) -> bool:
         """A redelivery of a message this replica settled, whose ack the broker never got: acked now,
         not attempted again (settled.py)."""
+        if not message.redelivered or parsed.origin is not None:
+            return False
         event = parsed.event
         outcome = self._settled.outcome((endpoint.id, event.id, parsed.attempt), now_s=time.monotonic())
         if outcome is None:

@@ -82,5 +82,11 @@ class Pacer:
             pace.factor = min(1.0, pace.factor * RECOVERY)
         return None
 
+    def paused_for_s(self, endpoint_id: str, *, now_s: float) -> float:
+        """How long the endpoint's 429 pause still lasts (0: none): a delivery that waited for its turn
+        or for a connection while a 429 came back is checked again right before it goes."""
+        pace = self._paces.get(endpoint_id)
+        return 0.0 if pace is None else max(0.0, pace.not_before_s - now_s)
+
     def forget(self, endpoint_id: str) -> None:
         self._paces.pop(endpoint_id, None)

@@ -7,6 +7,7 @@ the receiver, which a busy machine shifts. Concurrency is what the receiver saw 
 
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import Any
 
@@ -90,6 +91,32 @@ async def test_a_429_slows_the_endpoint_down(system: System, receiver: Receiver)
     assert paused_until_s - moment_s(limited, "at") == pytest.approx(4.0, abs=0.002)
     assert moment_s(limited, "next_attempt_at") - moment_s(limited, "at") == pytest.approx(4.0, abs=0.002)
     # And did it: nothing was sent to the endpoint before the pause ended.
+    early = [a for a in attempts if a is not limited and sent_s(a) < paused_until_s - 0.002]
+    assert not early, f"sent during the pause (until {paused_until_s}): {_sends(early)}"
+    assert {a["event_id"] for a in attempts if a["status"] == 204} == set(ids)
+
+
+async def test_deliveries_already_waiting_when_a_429_comes_back_wait_for_its_pause(
+    system: System, receiver: Receiver
+) -> None:
+    """Published together at 1/s: the first is answered 429 while the others wait for their turn (or
+    for a connection); each is checked again right before it goes, so none is sent during the pause."""
+    acme = tenant()
+    # The 429 takes 1.5 s to come back: the others are waiting for their turn by then.
+    replies = [Reply(status=429, headers={"Retry-After": "4"}, delay_s=1.5)]
+    receiver.responder = lambda _: replies.pop(0) if replies else Reply(status=204)
+    endpoint = system.add_endpoint(acme, receiver.url("/waiting"), ["#"], rate_limit_per_s=1)
+    ids = [f"evt_waiting_{n}" for n in range(5)]
+    await asyncio.gather(
+        *(publish_event(system.amqp_url, event(acme, "a.b", event_id), f"{acme}.a.b") for event_id in ids)
+    )
+    await receiver.wait_for_ids(set(ids), path="/waiting", timeout_s=60)
+
+    every = [*system.dispatchers, *system.extra]
+    [line] = logged(every, "delivery_attempt", endpoint_id=endpoint["id"], status=429)
+    paused_until_s = line["paused_until_s"]
+    attempts = await attempts_at(system, endpoint["id"], at_least=len(ids) + 1)
+    [limited] = [a for a in attempts if a["status"] == 429]
     early = [a for a in attempts if a is not limited and sent_s(a) < paused_until_s - 0.002]
     assert not early, f"sent during the pause (until {paused_until_s}): {_sends(early)}"
     assert {a["event_id"] for a in attempts if a["status"] == 204} == set(ids)

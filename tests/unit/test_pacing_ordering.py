@@ -149,3 +149,11 @@ def test_the_publishers_sequence_orders_a_subject_in_place_of_arrival() -> None:
     assert by_arrival.admit("ep", "s", "e7", 100, now_s=0) is None
     by_arrival.retrying("ep", "s", "e7", due_s=60)
     assert by_arrival.admit("ep", "s", "e6", 200, now_s=1) == 59
+
+
+@pytest.mark.parametrize(("now_s", "paused_s"), [(0.0, 3.0), (1.0, 2.0), (3.0, 0.0), (9.0, 0.0)])
+def test_the_pause_left_after_a_429(now_s: float, paused_s: float) -> None:
+    pacer = Pacer()
+    pacer.record("ep", status=429, retry_after_s=3.0, now_s=0.0)
+    assert pacer.paused_for_s("ep", now_s=now_s) == pytest.approx(paused_s)
+    assert pacer.paused_for_s("unknown", now_s=now_s) == 0.0
