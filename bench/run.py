@@ -640,7 +640,7 @@ async def main(arguments: argparse.Namespace) -> dict[str, Any]:
             services.stop_all()
     from bench import slow_endpoints
 
-    # After the other vhost is gone: 240 endpoint queues need most of a stock broker's 927 file handles.
+    # After the other vhost is gone: 220 endpoint queues need most of a stock broker's 927 file handles.
     print(
         f"{arguments.slow_endpoints} slow endpoints beside {arguments.slow_beside} healthy ones…", flush=True
     )
@@ -826,7 +826,7 @@ if __name__ == "__main__":
     parser.add_argument("--delivery-log-attempts", type=int, default=1_000_000)
     parser.add_argument("--outbox-rows", type=int, default=10_000)
     parser.add_argument("--slow-endpoints", type=int, default=200, help="answering after 8 s")
-    parser.add_argument("--slow-beside", type=int, default=40, help="healthy endpoints beside them")
+    parser.add_argument("--slow-beside", type=int, default=20, help="healthy endpoints beside them")
     parser.add_argument(
         "--postgres-url",
         default=os.environ.get(
