@@ -28,6 +28,7 @@ from hookline.health_monitor.health import EndpointHealth, Health, HealthPolicy,
 from hookline.health_monitor.sketch import LatencySketch
 from hookline.health_monitor.stats import RollingStats, Stats
 from hookline.shared.control import BreakerCommand, BreakerState
+from hookline.shared.statefiles import StateFile, StateFileReplacedError
 from hookline.shared.telemetry import Heartbeat
 
 __all__ = ["FORMAT_VERSION", "CheckpointError", "CheckpointStore", "dump", "load"]
@@ -198,17 +199,19 @@ class CheckpointStore:
 
     Use it as ``async with CheckpointStore(path) as store``. SQLite runs on one worker thread of the
     store's own, never on the event loop; one thread also keeps the writes in the order they were asked.
+    A file found damaged is set aside (:mod:`hookline.shared.statefiles`): at start the monitor then
+    rebuilds its statistics from the telemetry log; in use, the next save writes the whole checkpoint
+    into the fresh file.
     """
 
     def __init__(self, path: Path | None) -> None:
-        self._path = path
+        self._file = StateFile(path, prepare=_prepare)
         self._executor: ThreadPoolExecutor | None = None
-        self._connection: sqlite3.Connection | None = None
 
     async def __aenter__(self) -> Self:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint")
         try:
-            self._connection = await self._run(partial(_open, self._path))
+            await self._run(self._file.open)
         except BaseException:
             self._executor.shutdown(wait=False)
             self._executor = None
@@ -217,26 +220,30 @@ class CheckpointStore:
 
     async def __aexit__(self, *exc_info: object) -> None:
         executor, self._executor = self._executor, None
-        connection, self._connection = self._connection, None
         if executor is None:
             return
-        if connection is not None:
-            try:
-                await asyncio.get_running_loop().run_in_executor(executor, connection.close)
-            except BaseException:
-                executor.shutdown(wait=False)  # cancelled while closing: the thread ends after close()
-                raise
+        try:
+            await asyncio.get_running_loop().run_in_executor(executor, self._file.close)
+        except BaseException:
+            executor.shutdown(wait=False)  # cancelled while closing: the thread ends after close()
+            raise
         executor.shutdown(wait=True)  # the thread is idle now: this returns at once
 
     async def save(self, data: bytes, *, offset: int, identity: str) -> None:
         """Replace the checkpoint with ``data``, which includes every record of the stream ``identity``
         up to ``offset``."""
-        connection = self._opened()
-        await self._run(partial(_save, connection, data, offset, identity))
+        save = partial(self._file.run, partial(_save, data=data, offset=offset, identity=identity))
+        try:
+            await self._run(save)
+        except StateFileReplacedError:
+            await self._run(save)  # the whole checkpoint, into the fresh file
 
     async def read(self, identity: str) -> tuple[bytes, int] | None:
         """The checkpoint and its offset, or None when there is none for the stream ``identity``."""
-        row = await self._run(partial(_read, self._opened()))
+        try:
+            row = await self._run(partial(self._file.run, _read))
+        except StateFileReplacedError:
+            return None  # set aside: rebuilt from the stream, as without a checkpoint
         if row is None:
             return None
         stored_identity, offset, data = row
@@ -249,9 +256,9 @@ class CheckpointStore:
         return data, offset
 
     def _opened(self) -> sqlite3.Connection:
-        if self._connection is None:
+        if self._executor is None:
             raise RuntimeError("CheckpointStore is used inside `async with` only")
-        return self._connection
+        return self._file.connection
 
     async def _run(self, call: Callable[[], T]) -> T:
         if self._executor is None:
@@ -262,22 +269,11 @@ class CheckpointStore:
 # These run on the store's thread; the connection is created there and never leaves it.
 
 
-def _open(path: Path | None) -> sqlite3.Connection:
-    connection = sqlite3.connect(":memory:" if path is None else path)
-    try:
-        # WAL: a reader never waits for the writer. NORMAL: a power cut may lose the last checkpoint,
-        # never corrupt the file, and the one before it is as good (it only means a longer catch-up).
-        connection.execute("PRAGMA journal_mode=WAL")
-        connection.execute("PRAGMA synchronous=NORMAL")
-        with connection:
-            connection.execute(_SCHEMA)
-    except BaseException:
-        connection.close()
-        raise
-    return connection
+def _prepare(connection: sqlite3.Connection) -> None:
+    connection.execute(_SCHEMA)
 
 
-def _save(connection: sqlite3.Connection, data: bytes, offset: int, identity: str) -> None:
+def _save(connection: sqlite3.Connection, *, data: bytes, offset: int, identity: str) -> None:
     with connection:
         connection.execute(_SAVE, (identity, offset, data))
 
