@@ -1,26 +1,37 @@
-"""Local state never stops a service, with the real services: every SQLite file the ingest and the
+"""Local state, with the real services. It never stops a service: every SQLite file the ingest and the
 monitor keep is overwritten with garbage (one truncated instead) while they are stopped; started again
 on their ports, they set each file aside, say so once, count it, are ready, and answer from views
-rebuilt from the streams with what they answered before."""
+rebuilt from the streams with what they answered before. And a restart does not repeat itself: the
+monitor's alert book is kept with its checkpoint, so a restarted monitor tells nothing twice and still
+resolves what ended while it was down."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
+import aio_pika
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from support import services
+from support.monitoring import set_status
 from support.receiver import Received, Receiver, Reply
 from support.system import System, tenant
 from support.waiting import eventually
 
 pytestmark = pytest.mark.e2e
 
-SYSTEM_ENV = {"HOOKLINE_TICK_S": "0.2"}
+SYSTEM_ENV = {
+    "HOOKLINE_TICK_S": "0.2",
+    "HOOKLINE_BREAKER_FAILURE_THRESHOLD": "3",
+    "HOOKLINE_RETRY_SCHEDULE_S": "1",
+}
 AUTH = {"authorization": f"Bearer {services.TOKEN}"}
 
 
@@ -139,3 +150,101 @@ async def test_garbage_over_every_local_file_costs_a_rebuild_not_the_service(
     check_said(said, files, truncated)
     counted = await set_aside_counted(system.ingest) | await set_aside_counted(system.monitor)
     assert counted == {path.name: 1.0 for path in files}
+
+
+@asynccontextmanager
+async def alerts_heard(amqp_url: str) -> AsyncIterator[list[dict[str, Any]]]:
+    """Every message on the ``alerts`` exchange while inside, once each (by message id), in order."""
+    heard: list[dict[str, Any]] = []
+    seen: set[str | None] = set()
+    connection = await aio_pika.connect(amqp_url)
+    async with connection:
+        channel = await connection.channel()
+        queue = await channel.declare_queue(exclusive=True)
+        await queue.bind("alerts", routing_key="#")
+
+        async def on_message(message: aio_pika.abc.AbstractIncomingMessage) -> None:
+            if message.message_id not in seen:
+                seen.add(message.message_id)
+                heard.append(json.loads(message.body))
+            await message.ack()
+
+        await queue.consume(on_message)
+        yield heard
+
+
+def told(heard: list[dict[str, Any]], endpoint_id: str) -> list[tuple[str, str]]:
+    """What the alerts exchange said of the endpoint's breaker and status (its dead letters aside)."""
+    return [
+        (body["alert"], body["state"])
+        for body in heard
+        if body["endpoint_id"] == endpoint_id and body["alert"] in {"breaker_open", "endpoint_disabled"}
+    ]
+
+
+def notified(receiver: Receiver, endpoint_id: str) -> list[str]:
+    """The notifications of ``endpoint_id``'s tenant about it, once each (by webhook id), in order."""
+    kinds: dict[str, str] = {}
+    for request in receiver.requests:
+        if request.path == "/notify":
+            event = json.loads(request.body)
+            if event["data"]["endpoint_id"] == endpoint_id:
+                kinds.setdefault(request.headers["webhook-id"], event["type"])
+    return list(kinds.values())
+
+
+async def test_a_restarted_monitor_tells_nothing_twice_and_resolves_what_ended_meanwhile(
+    system: System, receiver: Receiver
+) -> None:
+    status = {"/broken": 503, "/gone": 410, "/later": 503, "/notify": 204}
+    receiver.responder = lambda request: Reply(status=status[request.path])
+    acme = tenant()
+    broken = system.add_endpoint(acme, receiver.url("/broken"), ["a.*"], notify_url=receiver.url("/notify"))
+    gone = system.add_endpoint(acme, receiver.url("/gone"), ["b.*"])
+    async with alerts_heard(system.amqp_url) as heard:
+        with system.api() as api:
+            for event_type in ("a.x", "a.x", "a.x", "a.x", "b.x"):
+                answer = api.post("/v1/events", json={"tenant": acme, "type": event_type, "data": {}})
+                assert answer.status_code == 202, answer.text
+
+        async def both_firing() -> bool:
+            return (
+                told(heard, broken["id"]) == [("breaker_open", "firing")]
+                and told(heard, gone["id"]) == [("endpoint_disabled", "firing")]
+                and notified(receiver, broken["id"]) == ["endpoint.failing"]
+            )
+
+        await eventually(
+            both_firing, timeout_s=40, explain=lambda: f"{heard} {notified(receiver, broken['id'])}"
+        )
+
+        # Down for a while; meanwhile the disabled endpoint is resumed (the 410 endpoint gets no event).
+        assert system.monitor.stop() == 0
+        await set_status(system, gone["id"], "resume")
+        system.monitor = await asyncio.to_thread(system.start_again, system.monitor)
+
+        async def resolved() -> bool:
+            return told(heard, gone["id"]) == [
+                ("endpoint_disabled", "firing"),
+                ("endpoint_disabled", "resolved"),
+            ]
+
+        await eventually(resolved, timeout_s=30, explain=lambda: str(heard))
+        # The sentinel: an alert and a notification that fire after the restart, heard after anything the
+        # restart would have repeated.
+        later = system.add_endpoint(acme, receiver.url("/later"), ["c.*"], notify_url=receiver.url("/notify"))
+        with system.api() as api:
+            for _ in range(4):
+                answer = api.post("/v1/events", json={"tenant": acme, "type": "c.x", "data": {}})
+                assert answer.status_code == 202, answer.text
+
+        async def sentinel() -> bool:
+            return told(heard, later["id"]) == [("breaker_open", "firing")] and notified(
+                receiver, later["id"]
+            ) == ["endpoint.failing"]
+
+        await eventually(sentinel, timeout_s=40, explain=lambda: str(heard))
+    assert told(heard, broken["id"]) == [("breaker_open", "firing")], "not told again"
+    assert notified(receiver, broken["id"]) == ["endpoint.failing"], "its tenant not told again"
+    assert told(heard, gone["id"]) == [("endpoint_disabled", "firing"), ("endpoint_disabled", "resolved")]
+    assert log_lines(system.monitor, "alert_book_restored")[0]["firing"] >= 2
