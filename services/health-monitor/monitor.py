@@ -48,8 +48,8 @@ from hookline.shared.control import BreakerCommand, BreakerState, BreakerView, C
 from hookline.shared.deadletters import DeadLetterIndex
 from hookline.shared.envelope import event_message
 from hookline.shared.ids import new_id
-from hookline.shared.models import EndpointStatus, Event, error_summary
-from hookline.shared.registry import ChangeLog
+from hookline.shared.models import EndpointDeleted, EndpointStatus, Event, error_summary
+from hookline.shared.registry import ChangeLog, StaleWriteError
 from hookline.shared.settings import MonitorSettings
 from hookline.shared.streams import StreamFollower, follow_synced, offset_of
 from hookline.shared.supervision import Loop, Supervisor
@@ -183,6 +183,7 @@ class Monitor:
         self._breaker_log = BreakerView()  # the breaker states as the log says (a standby mirrors them)
         self._outbox: asyncio.Queue[BreakerCommand] = asyncio.Queue()
         self._empty_since_s: dict[str, float] = {}  # retired queue -> when it was first seen empty
+        self._unnamed_since_s: dict[str, float] = {}  # notifier -> when no endpoint named it any more
         self._probe = QueueProbe(broker)
 
     @property
@@ -372,6 +373,7 @@ class Monitor:
             if depth is None:
                 missing[queue] = endpoint.id
         await self._sweep_retired()
+        await self._sweep_notifiers()
         self.missing = missing
         self._missing_since_evaluation.update(missing)
         if missing and self.leader:
@@ -416,6 +418,42 @@ class Monitor:
                     await channel.queue_delete(name, timeout=CALL_TIMEOUT_S)
                 self._empty_since_s.pop(name, None)
                 log.info("queue_removed", queue=name, endpoint_id=topology.endpoint_of(name))
+
+    async def _sweep_notifiers(self) -> None:
+        """A notifier no endpoint names any more (a notify_url changed or removed, its endpoints deleted)
+        is removed once it has stayed unnamed for the grace period (named again meanwhile, it stays, its
+        secret unchanged). Removed as an endpoint is deleted: what its queue still holds is dead-lettered,
+        and the queue goes once drained (:meth:`_sweep_retired`)."""
+        unnamed = {notifier.id: notifier for notifier in notifications.unnamed_notifiers(self.registry.all())}
+        for notifier_id in set(self._unnamed_since_s) - set(unnamed):
+            del self._unnamed_since_s[notifier_id]
+        now_s = time.monotonic()
+        for notifier in unnamed.values():
+            unnamed_since_s = self._unnamed_since_s.setdefault(notifier.id, now_s)
+            if self.leader and now_s - unnamed_since_s >= self.settings.notifier_grace_s:
+                await self._remove_notifier(notifier.id)
+
+    async def _remove_notifier(self, notifier_id: str) -> None:
+        # Up to date first: an endpoint may have named it a moment ago on an ingest.
+        await self._change_log.sync(timeout_s=self.settings.connect_timeout_s)
+        unnamed = {n.id: n for n in notifications.unnamed_notifiers(self.registry.all())}
+        notifier = unnamed.get(notifier_id)
+        if notifier is None:
+            return
+        record = EndpointDeleted(
+            change_id=new_id("chg"),
+            at=datetime.now(UTC),
+            endpoint_id=notifier.id,
+            base_version=notifier.version,
+        )
+        try:
+            await self._change_log.write(record, timeout_s=self.settings.connect_timeout_s)
+        except StaleWriteError:
+            return  # changed meanwhile (an ingest resumed it): looked at again at the next poll
+        async with self._broker.channel() as channel:
+            await topology.unroute(channel, notifier)
+        self._unnamed_since_s.pop(notifier.id, None)
+        log.info("notifier_removed", endpoint_id=notifier.id, description=notifier.description)
 
     # --- actions -------------------------------------------------------------------------------
 
