@@ -26,11 +26,14 @@ from hookline.shared.amqp import BrokerBlockedError, ChannelLostError
 from hookline.shared.bearer import UNAUTHORIZED_MESSAGE, presents_token
 from hookline.shared.models import ErrorBody, ErrorDetail
 from hookline.shared.probes import ProbeAnswer, exposition, liveness, readiness, unauthorized
+from hookline.shared.statefiles import StateFileReplacedError
 
 log = structlog.get_logger(__name__)
 
 #: What a 503 for a write the broker did not take tells the client to wait before sending it again.
 BROKER_RETRY_AFTER_S = 5
+#: What a 503 for a read of a local view being rebuilt (its file was damaged) tells the client.
+VIEW_RETRY_AFTER_S = 2
 
 
 class ApiError(Exception):
@@ -93,6 +96,14 @@ def install_error_handlers(app: FastAPI) -> None:
         log.warning("broker_write_failed", path=request.url.path, error=type(exc).__name__)
         return await on_api_error(request, broker_unavailable(f"the broker did not take it: {exc}"))
 
+    async def on_state_file_replaced(request: Request, exc: Exception) -> Response:
+        # The local view it reads was found damaged and is being rebuilt from its stream (logged there).
+        log.warning("view_rebuilding", path=request.url.path)
+        return error_response(
+            503, "view_rebuilding", "a local view is being rebuilt; try again in a moment",
+            headers={"Retry-After": str(VIEW_RETRY_AFTER_S)},
+        )  # fmt: skip
+
     async def on_request_validation(_: Request, exc: Exception) -> Response:
         assert isinstance(exc, RequestValidationError)
         return await on_api_error(_, invalid_input(exc.errors()))
@@ -113,6 +124,7 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(ApiError, on_api_error)
     for broker_error in (BrokerBlockedError, ChannelLostError, aio_pika.exceptions.AMQPConnectionError):
         app.add_exception_handler(broker_error, on_broker_lost)
+    app.add_exception_handler(StateFileReplacedError, on_state_file_replaced)
     app.add_exception_handler(RequestValidationError, on_request_validation)
     app.add_exception_handler(ValidationError, on_pydantic_validation)
     app.add_exception_handler(StarletteHTTPException, on_http_error)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import aio_pika
@@ -48,15 +49,30 @@ class HeldPublishes:
     """Publishes through ``publisher`` in order; what the broker refuses waits for :meth:`flush` (called
     by the owner's own loop, or by :meth:`run` as a supervised loop of its own)."""
 
-    def __init__(self, publisher: Publisher, *, max_held: int) -> None:
+    def __init__(
+        self,
+        publisher: Publisher,
+        *,
+        max_held: int,
+        held: Iterable[tuple[aio_pika.Message, str, str]] = (),
+    ) -> None:
+        """``held``: (message, exchange, routing key) still to publish, as :meth:`items` gave them to be
+        saved (the monitor keeps its alert book's on disk)."""
         self._publisher = publisher
-        self._held: collections.deque[_Held] = collections.deque()
+        self._held: collections.deque[_Held] = collections.deque(
+            _Held(message, exchange, routing_key, message.type or "restored")
+            for message, exchange, routing_key in held
+        )
         self._max_held = max_held
         self._flushing = asyncio.Lock()  # two flushes at once would publish the head twice
         HELD.set_function(lambda: len(self._held))
 
     def __len__(self) -> int:
         return len(self._held)
+
+    def items(self) -> list[tuple[aio_pika.Message, str, str]]:
+        """What is held, in order: (message, exchange, routing key)."""
+        return [(held.message, held.exchange, held.routing_key) for held in self._held]
 
     def hold(self, message: aio_pika.Message, *, exchange: str, routing_key: str, what: str) -> None:
         """Queue ``message`` behind those already held (published at the next flush)."""

@@ -4,14 +4,17 @@ disabled, or leaving dead letters.
 They go to the endpoint's ``notify_url``, delivered by hookline itself (signed, retried, in the delivery
 log) through a *notifier*: an endpoint of the reserved operator tenant, one per (tenant, URL, format),
 whose id is derived from those three so that every ingest replica and the monitor agree on it without
-asking. The ingest registers notifiers; the leading monitor publishes notification events straight into
-the notifier's queue, never through ``events``, so a tenant whose only endpoint is broken still hears.
+asking. The ingest registers notifiers (and resumes a disabled one when an endpoint names its URL again);
+the leading monitor publishes notification events straight into the notifier's queue, never through
+``events``, so a tenant whose only endpoint is broken still hears, and removes a notifier that no
+endpoint names any more (:func:`unnamed_notifiers`).
 """
 
 from __future__ import annotations
 
 import enum
 import hashlib
+from collections.abc import Iterable
 from datetime import datetime
 from typing import Any
 
@@ -66,6 +69,15 @@ def notifier_of(endpoint: StoredEndpoint) -> str | None:
     if endpoint.notify_url is None:
         return None
     return notifier_id(endpoint.tenant, endpoint.notify_url, endpoint.notify_format)
+
+
+def unnamed_notifiers(endpoints: Iterable[StoredEndpoint]) -> list[StoredEndpoint]:
+    """The notifiers no endpoint names any more: every endpoint that named one changed its notify_url
+    or notify_format, dropped it, or was deleted."""
+    every = list(endpoints)
+    named = {notifier_of(endpoint) for endpoint in every if endpoint.tenant != OPERATOR_TENANT}
+    # Only notifiers live in the operator tenant: the ingest refuses it to every caller.
+    return [e for e in every if e.tenant == OPERATOR_TENANT and e.id not in named]
 
 
 def notification(notice: Notice, endpoint: StoredEndpoint, detail: str, *, now: datetime) -> Event:

@@ -114,6 +114,10 @@ class EndpointRegistry:
         if isinstance(record, EndpointUpserted):
             after = record.endpoint.model_copy(update={"version": (before.version if before else 0) + 1})
             self._endpoints[endpoint_id] = after
+            # Created again under the id of a deleted one (a notifier's id is derived from its tenant and
+            # URL): no longer deleted, so nothing drains or removes the queues it uses again.
+            self._deleted.pop(endpoint_id, None)
+            self._deleted_at.pop(endpoint_id, None)
             self._notify(before, after)
             return after
         if before is not None:

@@ -410,6 +410,12 @@ class MonitorSettings(CommonSettings):
         gt=0,
         description="A queue an endpoint left (moved or deleted) is removed after staying empty this long.",
     )
+    notifier_grace_s: float = Field(
+        300.0,
+        gt=0,
+        description="A notifier no endpoint names any more (its notify_url changed or went) is removed "
+        "after this long.",
+    )
     ingest_url: str = Field(
         "http://127.0.0.1:8000",
         description="Where the dashboard (/ui/) reaches the ingest API, with the logged-in user's token.",

@@ -8,7 +8,9 @@ written in one transaction, so after a crash the view is never ahead of, nor beh
 Every SQLite call runs on one worker thread per store: writes stay in the order they were asked for,
 and the event loop never waits on the disk. The file belongs to its view: when it holds another view
 (another identity or schema version), every table in it is dropped and the view is rebuilt from the
-stream.
+stream. A file found damaged is set aside and replaced by :mod:`hookline.shared.statefiles`: at open
+the view then starts empty; while in use the store refuses writes until its view has been reset, and
+:func:`follow_view` reads the stream again from its first record.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from typing import Any, Literal, Protocol, Self, TypeVar
 
 import structlog
 
+from hookline.shared.statefiles import StateFile, StateFileReplacedError
 from hookline.shared.streams import StreamFollower
 from hookline.shared.supervision import Loop
 
@@ -109,14 +112,17 @@ class ViewStore:
     """
 
     def __init__(self, path: str | Path | None, *, schema: ViewSchema, identity: str) -> None:
+        self._file = StateFile(path, prepare=self._prepare)
         self._path = str(path) if path is not None else ":memory:"
         self._schema = schema
         self._identity = identity
         self._executor: ThreadPoolExecutor | None = None
-        self._connection: sqlite3.Connection | None = None  # used on the worker thread only
         # Set by the worker thread after each commit; a reference assignment, so readers on the event
         # loop see either the old or the new value.
         self._last_applied: Applied | None = None
+        # Set when the file was found damaged in use and replaced: writes that record an offset are
+        # refused until reset(), so that no offset is recorded in a file that lacks the rows before it.
+        self.replaced = False
 
     async def __aenter__(self) -> Self:
         await self.open()
@@ -128,11 +134,12 @@ class ViewStore:
         await self.close()
 
     async def open(self) -> None:
-        """Open (creating) the file; rebuild the view's tables if the file holds another view."""
+        """Open (creating) the file; rebuild the view's tables if the file holds another view (or was
+        damaged, and set aside)."""
         assert self._executor is None, "already open"
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="view")
         try:
-            reason = await self._run(self._open)
+            reason = await self._run(self._file.open)
         except BaseException:
             await self.close()
             raise
@@ -146,7 +153,7 @@ class ViewStore:
         if executor is None:
             return
         try:
-            await asyncio.get_running_loop().run_in_executor(executor, self._close)
+            await asyncio.get_running_loop().run_in_executor(executor, self._file.close)
         finally:
             # The worker has nothing left to run: joining it is immediate.
             executor.shutdown(wait=True)
@@ -163,18 +170,23 @@ class ViewStore:
 
     async def write(self, fn: Callable[[sqlite3.Connection], T], *, applied: Applied | None = None) -> T:
         """Run ``fn`` in a transaction, recording ``applied`` as the last record applied in the same
-        transaction; roll back if ``fn`` raises. Offsets only move forward."""
+        transaction; roll back if ``fn`` raises. Offsets only move forward. Raises
+        :class:`~hookline.shared.statefiles.StateFileReplacedError` once the file was found damaged, until
+        :meth:`reset`."""
         if applied is not None and self._last_applied is not None and applied[0] < self._last_applied[0]:
             raise ValueError(f"offset {applied[0]} is before the applied offset {self._last_applied[0]}")
-        return await self._run(partial(self._write, fn, applied))
+        return await self._run(partial(self._guarded, partial(self._write, fn, applied)))
 
     async def read(self, fn: Callable[[sqlite3.Connection], T]) -> T:
         """Run ``fn`` on the worker thread; it sees every write asked for before it."""
-        return await self._run(partial(self._read, fn))
+        return await self._run(partial(self._guarded, fn))
 
     async def reset(self, *, reason: str) -> None:
         """Empty the view (e.g. its stream was recreated): it is then rebuilt from the first offset."""
-        await self._run(self._rebuild)
+        # Damaged: the fresh file that replaced it is as empty as a rebuild makes it.
+        with contextlib.suppress(StateFileReplacedError):
+            await self._run(partial(self._file.run, self._rebuild))
+        self.replaced = False
         log.info("view_rebuilt", path=self._path, identity=self._identity, reason=reason)
 
     async def _run(self, job: Callable[[], T]) -> T:
@@ -187,13 +199,14 @@ class ViewStore:
 
     # --- on the worker thread ------------------------------------------------------------------------
 
-    def _open(self) -> str | None:
-        self._connection = connection = sqlite3.connect(self._path, isolation_level=None)
-        # Autocommit (isolation_level=None): transactions are begun and committed here, explicitly.
-        connection.execute("PRAGMA journal_mode=WAL")
-        # With WAL, NORMAL loses at most the last commits on a power cut, never consistency: the view
-        # then resumes from an earlier offset and re-applies them.
-        connection.execute("PRAGMA synchronous=NORMAL")
+    def _guarded(self, fn: Callable[[sqlite3.Connection], T]) -> T:
+        try:
+            return self._file.run(fn)
+        except StateFileReplacedError:
+            self.replaced, self._last_applied = True, None
+            raise
+
+    def _prepare(self, connection: sqlite3.Connection) -> str | None:
         has_tables = bool(_table_names(connection))
         reason = rebuild_reason(
             _stored_meta(connection),
@@ -202,13 +215,12 @@ class ViewStore:
             has_tables=has_tables,
         )
         if reason is not None:
-            self._rebuild()
+            self._rebuild(connection)
         row = connection.execute("SELECT applied_offset, applied_message_id FROM meta").fetchone()
         self._last_applied = (row[0], row[1]) if row[0] is not None else None
         return reason
 
-    def _rebuild(self) -> None:
-        connection = self._require_connection()
+    def _rebuild(self, connection: sqlite3.Connection) -> None:
         connection.execute("BEGIN IMMEDIATE")
         try:
             for kind, name in _table_names(connection):
@@ -226,8 +238,11 @@ class ViewStore:
             raise
         self._last_applied = None
 
-    def _write(self, fn: Callable[[sqlite3.Connection], T], applied: Applied | None) -> T:
-        connection = self._require_connection()
+    def _write(
+        self, fn: Callable[[sqlite3.Connection], T], applied: Applied | None, connection: sqlite3.Connection
+    ) -> T:
+        if self.replaced and applied is not None:
+            raise StateFileReplacedError(f"{self._path} was replaced: reset the view before applying to it")
         connection.execute("BEGIN IMMEDIATE")
         try:
             result = fn(connection)
@@ -242,18 +257,6 @@ class ViewStore:
         if applied is not None:
             self._last_applied = applied
         return result
-
-    def _read(self, fn: Callable[[sqlite3.Connection], T]) -> T:
-        return fn(self._require_connection())
-
-    def _close(self) -> None:
-        connection, self._connection = self._connection, None
-        if connection is not None:
-            connection.close()
-
-    def _require_connection(self) -> sqlite3.Connection:
-        assert self._connection is not None, "the view store is not open"
-        return self._connection
 
 
 def _table_names(connection: sqlite3.Connection) -> list[tuple[str, str]]:
@@ -296,10 +299,23 @@ FLUSH_INTERVAL_S = 0.5
 
 async def follow_view(follower: StreamFollower, view: View, loop: Loop) -> None:
     """A supervised loop body: ``follower`` (whose handler applies to ``view``) consumes the stream, and
-    the view is flushed every half second, so a restart resumes after the last offset written."""
+    the view is flushed every half second, so a restart resumes after the last offset written.
+
+    When the view's file is found damaged in use (and replaced by an empty one), the view is reset and
+    the loop fails: the supervisor runs it again, from the stream's first record."""
     if follower.next_offset == "first" and view.last_applied is not None:
         # The follower saw its stream deleted (offsets start over when it is declared again).
         await view.reset(reason="the stream was deleted and declared again")
+    try:
+        await _consume(follower, view, loop)
+    except StateFileReplacedError:
+        # After the consumer has stopped, so that no record read before is applied after the reset.
+        await view.reset(reason="its file was damaged and set aside")
+        follower.next_offset = "first"
+        raise
+
+
+async def _consume(follower: StreamFollower, view: View, loop: Loop) -> None:
     consuming = asyncio.create_task(follower.run(loop), name=f"follow:{follower.stream}")
     try:
         while not consuming.done():

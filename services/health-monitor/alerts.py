@@ -186,8 +186,8 @@ def broker_alerts(capacity: BrokerCapacity | None, *, blocked: bool, policy: Ale
 class AlertBook:
     """Deduplicates: each condition fires once while it lasts and resolves once when it ends."""
 
-    def __init__(self) -> None:
-        self.firing: dict[AlertKey, Alert] = {}
+    def __init__(self, firing: Mapping[AlertKey, Alert] | None = None) -> None:
+        self.firing: dict[AlertKey, Alert] = dict(firing or {})
 
     def update(self, current: Mapping[AlertKey, Alert]) -> tuple[list[Alert], list[Alert]]:
         fired = [alert for key, alert in current.items() if key not in self.firing]

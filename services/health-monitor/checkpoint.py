@@ -7,6 +7,12 @@ awaiting a retry, heartbeats, the last command version) turned into bytes by :fu
 includes and the identity of the stream that offset belongs to. A restarted monitor loads it with
 :func:`load` and resumes at offset + 1. A checkpoint it cannot use (missing, another format, another
 stream) means rebuilding from the stream, as without one.
+
+Beside it, in a row of its own, the alert book (:func:`dump_alerts`): which alerts fire, as the world
+was told, and the alerts and notifications the broker has not taken yet. It is not derived from any
+stream and changes at other moments than the statistics, so it is saved whenever it changes, before what
+it records is sent: a restarted monitor neither fires again what it had fired nor forgets to resolve
+what ended while it was down, nor loses what it had yet to send.
 """
 
 from __future__ import annotations
@@ -14,28 +20,37 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import sqlite3
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
+from datetime import datetime
 from functools import partial
 from pathlib import Path
 from typing import Any, Self, TypeVar
 
+import aio_pika
 import orjson
 import structlog
 
+from hookline.health_monitor.alerts import Alert, AlertKey
 from hookline.health_monitor.breaker import Breaker
 from hookline.health_monitor.health import EndpointHealth, Health, HealthPolicy, TypeHealth
 from hookline.health_monitor.sketch import LatencySketch
 from hookline.health_monitor.stats import RollingStats, Stats
 from hookline.shared.control import BreakerCommand, BreakerState
+from hookline.shared.statefiles import StateFile, StateFileReplacedError
 from hookline.shared.telemetry import Heartbeat
 
-__all__ = ["FORMAT_VERSION", "CheckpointError", "CheckpointStore", "dump", "load"]
+__all__ = [
+    "FORMAT_VERSION", "AlertState", "CheckpointError", "CheckpointStore", "Unsent", "dump", "dump_alerts",
+    "load", "load_alerts",
+]  # fmt: skip
 
 log = structlog.get_logger(__name__)
 
 #: Incremented whenever what :func:`dump` writes changes meaning; other versions are not loaded.
 FORMAT_VERSION = 1
+#: Incremented whenever what :func:`dump_alerts` writes changes meaning.
+ALERTS_FORMAT_VERSION = 1
 #: The counters of a :class:`Stats`, in the order a stored slot lists them (the sketch is stored apart).
 _COUNTERS = tuple(f.name for f in dataclasses.fields(Stats) if f.name != "sketch")
 
@@ -174,6 +189,72 @@ def _load_window(window: RollingStats, rows: list[list[Any]]) -> None:
         window._slots[slot] = Stats(sketch, **dict(zip(_COUNTERS, counters, strict=True)))
 
 
+# --- the alert book -----------------------------------------------------------------------------
+
+#: A message the broker has not taken yet: (message, exchange, routing key).
+Unsent = tuple[aio_pika.Message, str, str]
+
+
+@dataclasses.dataclass(frozen=True)
+class AlertState:
+    """The alerts firing (as told) and the messages about them still to send, in order."""
+
+    firing: dict[AlertKey, Alert]
+    unsent: list[Unsent]
+
+
+def dump_alerts(firing: Mapping[AlertKey, Alert], unsent: Iterable[Unsent]) -> bytes:
+    return orjson.dumps(
+        {
+            "format": ALERTS_FORMAT_VERSION,
+            "firing": [[a.name, a.endpoint_id, a.tenant, a.detail] for a in firing.values()],
+            "unsent": [_dump_message(*item) for item in unsent],
+        }
+    )
+
+
+def load_alerts(data: bytes) -> AlertState:
+    """What :func:`dump_alerts` wrote; :class:`CheckpointError` for another format or damaged data."""
+    try:
+        document = orjson.loads(data)
+        if not isinstance(document, dict) or document.get("format") != ALERTS_FORMAT_VERSION:
+            raise CheckpointError(f"alert book format {document.get('format')!r}")
+        alerts = [
+            Alert(str(name), endpoint_id, tenant, str(detail))
+            for name, endpoint_id, tenant, detail in document["firing"]
+        ]
+        return AlertState(
+            {alert.key: alert for alert in alerts}, [_load_message(m) for m in document["unsent"]]
+        )
+    except (orjson.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise CheckpointError(f"damaged alert book ({type(exc).__name__})") from exc
+
+
+def _dump_message(message: aio_pika.Message, exchange: str, routing_key: str) -> dict[str, Any]:
+    return {
+        "exchange": exchange,
+        "routing_key": routing_key,
+        "body": message.body.decode(),  # alerts and notifications are JSON
+        "content_type": message.content_type,
+        "persistent": message.delivery_mode == aio_pika.DeliveryMode.PERSISTENT,
+        "message_id": message.message_id,
+        "timestamp": message.timestamp.isoformat() if message.timestamp else None,
+        "type": message.type,
+    }
+
+
+def _load_message(fields: dict[str, Any]) -> Unsent:
+    message = aio_pika.Message(
+        fields["body"].encode(),
+        content_type=fields["content_type"],
+        delivery_mode=aio_pika.DeliveryMode.PERSISTENT if fields["persistent"] else None,
+        message_id=fields["message_id"],
+        timestamp=datetime.fromisoformat(fields["timestamp"]) if fields["timestamp"] else None,
+        type=fields["type"],
+    )
+    return message, str(fields["exchange"]), str(fields["routing_key"])
+
+
 # --- storage ------------------------------------------------------------------------------------
 
 # One row: a checkpoint replaces the last one, and its data and offset are written in one transaction.
@@ -191,6 +272,19 @@ ON CONFLICT (id) DO UPDATE
 SET identity = excluded.identity, stream_offset = excluded.stream_offset, data = excluded.data
 """
 _READ = "SELECT identity, stream_offset, data FROM checkpoint WHERE id = 1"
+# The alert book: a row of its own (a file written before it existed gets the table at open).
+_ALERTS_SCHEMA = """
+CREATE TABLE IF NOT EXISTS alert_book (
+    id INTEGER PRIMARY KEY CHECK (id = 1),
+    identity TEXT NOT NULL,
+    data BLOB NOT NULL
+)
+"""
+_SAVE_ALERTS = """
+INSERT INTO alert_book (id, identity, data) VALUES (1, ?, ?)
+ON CONFLICT (id) DO UPDATE SET identity = excluded.identity, data = excluded.data
+"""
+_READ_ALERTS = "SELECT identity, data FROM alert_book WHERE id = 1"
 
 
 class CheckpointStore:
@@ -198,17 +292,19 @@ class CheckpointStore:
 
     Use it as ``async with CheckpointStore(path) as store``. SQLite runs on one worker thread of the
     store's own, never on the event loop; one thread also keeps the writes in the order they were asked.
+    A file found damaged is set aside (:mod:`hookline.shared.statefiles`): at start the monitor then
+    rebuilds its statistics from the telemetry log; in use, the next save writes the whole checkpoint
+    into the fresh file.
     """
 
     def __init__(self, path: Path | None) -> None:
-        self._path = path
+        self._file = StateFile(path, prepare=_prepare)
         self._executor: ThreadPoolExecutor | None = None
-        self._connection: sqlite3.Connection | None = None
 
     async def __aenter__(self) -> Self:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint")
         try:
-            self._connection = await self._run(partial(_open, self._path))
+            await self._run(self._file.open)
         except BaseException:
             self._executor.shutdown(wait=False)
             self._executor = None
@@ -217,26 +313,30 @@ class CheckpointStore:
 
     async def __aexit__(self, *exc_info: object) -> None:
         executor, self._executor = self._executor, None
-        connection, self._connection = self._connection, None
         if executor is None:
             return
-        if connection is not None:
-            try:
-                await asyncio.get_running_loop().run_in_executor(executor, connection.close)
-            except BaseException:
-                executor.shutdown(wait=False)  # cancelled while closing: the thread ends after close()
-                raise
+        try:
+            await asyncio.get_running_loop().run_in_executor(executor, self._file.close)
+        except BaseException:
+            executor.shutdown(wait=False)  # cancelled while closing: the thread ends after close()
+            raise
         executor.shutdown(wait=True)  # the thread is idle now: this returns at once
 
     async def save(self, data: bytes, *, offset: int, identity: str) -> None:
         """Replace the checkpoint with ``data``, which includes every record of the stream ``identity``
         up to ``offset``."""
-        connection = self._opened()
-        await self._run(partial(_save, connection, data, offset, identity))
+        save = partial(self._file.run, partial(_save, data=data, offset=offset, identity=identity))
+        try:
+            await self._run(save)
+        except StateFileReplacedError:
+            await self._run(save)  # the whole checkpoint, into the fresh file
 
     async def read(self, identity: str) -> tuple[bytes, int] | None:
         """The checkpoint and its offset, or None when there is none for the stream ``identity``."""
-        row = await self._run(partial(_read, self._opened()))
+        try:
+            row = await self._run(partial(self._file.run, _read))
+        except StateFileReplacedError:
+            return None  # set aside: rebuilt from the stream, as without a checkpoint
         if row is None:
             return None
         stored_identity, offset, data = row
@@ -248,10 +348,28 @@ class CheckpointStore:
             return None
         return data, offset
 
+    async def save_alerts(self, data: bytes, *, identity: str) -> None:
+        """Replace the alert book with ``data``, the book of the monitors of ``identity`` (a vhost)."""
+        save = partial(self._file.run, partial(_save_alerts, data=data, identity=identity))
+        try:
+            await self._run(save)
+        except StateFileReplacedError:
+            await self._run(save)  # into the fresh file (its checkpoint follows within 30 s)
+
+    async def read_alerts(self, identity: str) -> bytes | None:
+        """The alert book of ``identity``; None when there is none (or the file was set aside)."""
+        try:
+            row = await self._run(partial(self._file.run, _read_alerts))
+        except StateFileReplacedError:
+            return None
+        if row is None or row[0] != identity:
+            return None
+        return row[1]
+
     def _opened(self) -> sqlite3.Connection:
-        if self._connection is None:
+        if self._executor is None:
             raise RuntimeError("CheckpointStore is used inside `async with` only")
-        return self._connection
+        return self._file.connection
 
     async def _run(self, call: Callable[[], T]) -> T:
         if self._executor is None:
@@ -262,26 +380,25 @@ class CheckpointStore:
 # These run on the store's thread; the connection is created there and never leaves it.
 
 
-def _open(path: Path | None) -> sqlite3.Connection:
-    connection = sqlite3.connect(":memory:" if path is None else path)
-    try:
-        # WAL: a reader never waits for the writer. NORMAL: a power cut may lose the last checkpoint,
-        # never corrupt the file, and the one before it is as good (it only means a longer catch-up).
-        connection.execute("PRAGMA journal_mode=WAL")
-        connection.execute("PRAGMA synchronous=NORMAL")
-        with connection:
-            connection.execute(_SCHEMA)
-    except BaseException:
-        connection.close()
-        raise
-    return connection
+def _prepare(connection: sqlite3.Connection) -> None:
+    connection.execute(_SCHEMA)
+    connection.execute(_ALERTS_SCHEMA)
 
 
-def _save(connection: sqlite3.Connection, data: bytes, offset: int, identity: str) -> None:
+def _save(connection: sqlite3.Connection, *, data: bytes, offset: int, identity: str) -> None:
     with connection:
         connection.execute(_SAVE, (identity, offset, data))
 
 
 def _read(connection: sqlite3.Connection) -> tuple[str, int, bytes] | None:
     row: tuple[str, int, bytes] | None = connection.execute(_READ).fetchone()
+    return row
+
+
+def _save_alerts(connection: sqlite3.Connection, *, data: bytes, identity: str) -> None:
+    connection.execute(_SAVE_ALERTS, (identity, data))
+
+
+def _read_alerts(connection: sqlite3.Connection) -> tuple[str, bytes] | None:
+    row: tuple[str, bytes] | None = connection.execute(_READ_ALERTS).fetchone()
     return row

@@ -35,7 +35,7 @@ from aio_pika.abc import AbstractIncomingMessage
 from pydantic import ValidationError
 
 from hookline.health_monitor import checkpoint
-from hookline.health_monitor.alerts import Alert, AlertBook, AlertPolicy, broker_alerts, evaluate
+from hookline.health_monitor.alerts import Alert, AlertBook, AlertKey, AlertPolicy, broker_alerts, evaluate
 from hookline.health_monitor.breaker import Breaker, BreakerPolicy
 from hookline.health_monitor.canary import CANARY_TYPE, CanaryBook
 from hookline.health_monitor.health import Health, HealthPolicy
@@ -48,8 +48,8 @@ from hookline.shared.deadletters import DeadLetterIndex
 from hookline.shared.envelope import event_message
 from hookline.shared.heldpublishes import HeldPublishes
 from hookline.shared.ids import new_id
-from hookline.shared.models import EndpointStatus, Event, StoredEndpoint, error_summary
-from hookline.shared.registry import ChangeLog
+from hookline.shared.models import EndpointDeleted, EndpointStatus, Event, StoredEndpoint, error_summary
+from hookline.shared.registry import ChangeLog, StaleWriteError
 from hookline.shared.settings import MonitorSettings
 from hookline.shared.streams import StreamFollower, follow_synced, offset_of
 from hookline.shared.supervision import Loop, Supervisor
@@ -126,10 +126,14 @@ class Monitor:
         publisher: Publisher,
         change_log: ChangeLog,
         dead_letters: DeadLetterIndex,
-        health: Health | None,
         sinks: AlertSinks,
+        store: checkpoint.CheckpointStore,
+        restored: tuple[Health | None, checkpoint.AlertState | None] = (None, None),
     ) -> None:
+        """``restored``: the statistics and the alert book a checkpoint gave back (None: none)."""
+        health, alert_state = restored
         self._sinks = sinks
+        self._store = store
         self.settings = settings
         self.registry = change_log.registry
         self._broker = broker
@@ -157,10 +161,14 @@ class Monitor:
         )
         self.canaries = CanaryBook()
         self.capacity: BrokerCapacity | None = None  # the broker's last reading (None: unreadable)
-        # Alerts and notifications the broker did not take (it refused publishes): sent, in order, once it
-        # takes them again (at each evaluation).
-        self._unsent = HeldPublishes(publisher, max_held=UNSENT_MAX)
-        self.alerts = AlertBook()
+        # Alerts and notifications the broker has not taken yet (it refused publishes, or they were just
+        # written down): sent, in order, once it takes them. Saved with the alert book.
+        self._unsent = HeldPublishes(
+            publisher, max_held=UNSENT_MAX, held=alert_state.unsent if alert_state else ()
+        )
+        # What fires, as the world was told (a restart goes on from the saved book).
+        self.alerts = AlertBook(alert_state.firing if alert_state else None)
+        self._alerts_saved: bytes | None = None
         self.dead_letters = dead_letters
         self.awaiting_retry = 0
         self.missing: dict[str, str | None] = {}  # queue or stream -> its endpoint (None: core)
@@ -169,9 +177,13 @@ class Monitor:
         self._missing_since_evaluation: dict[str, str | None] = {}
         self.live = False  # caught up with telemetry: records now move breakers (when leading)
         self.leader = False
+        # Whether this monitor has tried for the lead once: until then an alert evaluation would take
+        # into the book, untold, what a leader is about to tell.
+        self._contended = False
         self._breaker_log = BreakerView()  # the breaker states as the log says (a standby mirrors them)
         self._outbox: asyncio.Queue[BreakerCommand] = asyncio.Queue()
         self._empty_since_s: dict[str, float] = {}  # retired queue -> when it was first seen empty
+        self._unnamed_since_s: dict[str, float] = {}  # notifier -> when no endpoint named it any more
         self._probe = QueueProbe(broker)
 
     @property
@@ -238,8 +250,9 @@ class Monitor:
                         topology.MONITOR_LEADER_LOCK, exclusive=True, timeout=CALL_TIMEOUT_S
                     )
                 except aiormq.exceptions.ChannelLockedResource:
-                    pass  # another monitor leads
+                    self._contended = True  # another monitor leads
                 else:
+                    self._contended = True
                     self._take_over()
                     try:
                         await until_closed(channel)
@@ -316,26 +329,25 @@ class Monitor:
                 next_evaluation_s = now_s + max(self.settings.tick_s, EVALUATION_INTERVAL_S)
             await asyncio.sleep(self.settings.tick_s)
 
-    async def checkpoint_loop(
-        self, store: checkpoint.CheckpointStore, telemetry: StreamFollower, loop: Loop
-    ) -> None:
+    async def checkpoint_loop(self, telemetry: StreamFollower, loop: Loop) -> None:
         """The statistics and the telemetry offset they include, to local disk every few seconds."""
         loop.mark_up()
         while True:
             await asyncio.sleep(CHECKPOINT_INTERVAL_S)
-            await self.save_checkpoint(store, telemetry)
+            await self.save_checkpoint(telemetry)
             await self.dead_letters.expire(datetime.now(UTC) - DEAD_LETTER_RETENTION)
             loop.beat()
 
-    async def save_checkpoint(self, store: checkpoint.CheckpointStore, telemetry: StreamFollower) -> None:
+    async def save_checkpoint(self, telemetry: StreamFollower) -> None:
         """Once a telemetry record has been read: the statistics, with the offset of the last record
-        they include (a restart reads on from the next)."""
+        they include (a restart reads on from the next); and the alert book, if it changed."""
         offset = telemetry.next_offset
         if isinstance(offset, int) and offset > 0:
             self.health.prune(now_s=time.time())
             # dump() runs on the loop: it must see a consistent Health, which only the loop changes.
             data = checkpoint.dump(self.health)
-            await store.save(data, offset=offset - 1, identity=_telemetry_identity(self._broker))
+            await self._store.save(data, offset=offset - 1, identity=_telemetry_identity(self._broker))
+        await self._save_alerts()
 
     async def poll_queues(self, loop: Loop) -> None:
         """Queue depths by passive declares; missing queues and streams found (and, when leading,
@@ -361,6 +373,7 @@ class Monitor:
             if depth is None:
                 missing[queue] = endpoint.id
         await self._sweep_retired()
+        await self._sweep_notifiers()
         self.missing = missing
         self._missing_since_evaluation.update(missing)
         if missing and self.leader:
@@ -405,6 +418,42 @@ class Monitor:
                     await channel.queue_delete(name, timeout=CALL_TIMEOUT_S)
                 self._empty_since_s.pop(name, None)
                 log.info("queue_removed", queue=name, endpoint_id=topology.endpoint_of(name))
+
+    async def _sweep_notifiers(self) -> None:
+        """A notifier no endpoint names any more (a notify_url changed or removed, its endpoints deleted)
+        is removed once it has stayed unnamed for the grace period (named again meanwhile, it stays, its
+        secret unchanged). Removed as an endpoint is deleted: what its queue still holds is dead-lettered,
+        and the queue goes once drained (:meth:`_sweep_retired`)."""
+        unnamed = {notifier.id: notifier for notifier in notifications.unnamed_notifiers(self.registry.all())}
+        for notifier_id in set(self._unnamed_since_s) - set(unnamed):
+            del self._unnamed_since_s[notifier_id]
+        now_s = time.monotonic()
+        for notifier in unnamed.values():
+            unnamed_since_s = self._unnamed_since_s.setdefault(notifier.id, now_s)
+            if self.leader and now_s - unnamed_since_s >= self.settings.notifier_grace_s:
+                await self._remove_notifier(notifier.id)
+
+    async def _remove_notifier(self, notifier_id: str) -> None:
+        # Up to date first: an endpoint may have named it a moment ago on an ingest.
+        await self._change_log.sync(timeout_s=self.settings.connect_timeout_s)
+        unnamed = {n.id: n for n in notifications.unnamed_notifiers(self.registry.all())}
+        notifier = unnamed.get(notifier_id)
+        if notifier is None:
+            return
+        record = EndpointDeleted(
+            change_id=new_id("chg"),
+            at=datetime.now(UTC),
+            endpoint_id=notifier.id,
+            base_version=notifier.version,
+        )
+        try:
+            await self._change_log.write(record, timeout_s=self.settings.connect_timeout_s)
+        except StaleWriteError:
+            return  # changed meanwhile (an ingest resumed it): looked at again at the next poll
+        async with self._broker.channel() as channel:
+            await topology.unroute(channel, notifier)
+        self._unnamed_since_s.pop(notifier.id, None)
+        log.info("notifier_removed", endpoint_id=notifier.id, description=notifier.description)
 
     # --- actions -------------------------------------------------------------------------------
 
@@ -493,11 +542,36 @@ class Monitor:
             await asyncio.sleep(self.settings.canary_interval_s)
 
     async def _alert(self, *, now_s: float) -> None:
+        """Evaluate the alerts; when leading, tell the world of each that fired or resolved since. What
+        is told is written down (the book and the messages) before it is sent: a restart neither tells
+        it twice nor forgets it."""
+        if not self._contended:
+            return  # not yet known whether this monitor leads: the book would take changes in untold
+        current = await self._current_alerts(now_s=now_s)
+        fired, resolved = self.alerts.update(current)
+        if self.leader:  # a standby knows what fires (its API says so); the leader tells the world
+            for state, changed in (("firing", fired), ("resolved", resolved)):
+                for alert in changed:
+                    self._publish_alert(alert, state, now_s)
+                    self._notify(alert, state, now_s)
+        await self._save_alerts()
+        if self._unsent:
+            await self._unsent.flush()
+            await self._save_alerts()
+
+    async def _save_alerts(self) -> None:
+        """The alert book and the messages still to send, when they changed since the last save."""
+        data = checkpoint.dump_alerts(self.alerts.firing, self._unsent.items())
+        if data != self._alerts_saved:
+            await self._store.save_alerts(data, identity=_alerts_identity(self._broker))
+            self._alerts_saved = data
+
+    async def _current_alerts(self, *, now_s: float) -> dict[AlertKey, Alert]:
         recent = await self.dead_letters.counts_since(
             datetime.fromtimestamp(now_s, UTC) - timedelta(minutes=5)
         )
         missing, self._missing_since_evaluation = {**self._missing_since_evaluation, **self.missing}, {}
-        current = evaluate(
+        return evaluate(
             self.health,
             {endpoint.id: endpoint for endpoint in self.registry.all()},
             recent_dead_letters=lambda endpoint_id: recent.get(endpoint_id, 0),
@@ -514,16 +588,8 @@ class Monitor:
             now_s=now_s,
             policy=self.alert_policy,
         )
-        fired, resolved = self.alerts.update(current)
-        if not self.leader:
-            return  # a standby knows what fires (its API says so); the leader tells the world
-        await self._unsent.flush()
-        for state, changed in (("firing", fired), ("resolved", resolved)):
-            for alert in changed:
-                await self._publish_alert(alert, state, now_s)
-                await self._notify(alert, state, now_s)
 
-    async def _notify(self, alert: Alert, state: str, now_s: float) -> None:
+    def _notify(self, alert: Alert, state: str, now_s: float) -> None:
         """Tell the endpoint's tenant, at its notify_url, through its notifier's queue (retried there)."""
         endpoint = self.registry.get(alert.endpoint_id) if alert.endpoint_id else None
         notice = notifications.notice_for(alert.name, state, endpoint)
@@ -553,9 +619,9 @@ class Monitor:
             event_id=event.id,
         )
         queue = topology.endpoint_queue(notifier.id, notifier.queue_generation)
-        await self._unsent.publish(message, exchange="", routing_key=queue, what="notification")
+        self._unsent.hold(message, exchange="", routing_key=queue, what="notification")
 
-    async def _publish_alert(self, alert: Alert, state: str, now_s: float) -> None:
+    def _publish_alert(self, alert: Alert, state: str, now_s: float) -> None:
         body = {
             "alert": alert.name,
             "state": state,
@@ -573,7 +639,7 @@ class Monitor:
         )
         assert message.message_id is not None
         self._sinks.send(message.message_id, body)
-        await self._unsent.publish(
+        self._unsent.hold(
             message, exchange=topology.ALERTS_EXCHANGE, routing_key=message.type or "", what="alert"
         )
 
@@ -626,6 +692,11 @@ def _export_capacity(capacity: BrokerCapacity | None) -> None:
         gauge.set(float("nan") if value is None else value)  # NaN: not known (no source, or 4.x)
 
 
+def _alerts_identity(broker: Broker) -> str:
+    """Whose alert book: the monitors of one vhost tell of its endpoints and queues."""
+    return f"{broker.vhost}/{topology.ALERTS_EXCHANGE}"
+
+
 def _telemetry_identity(broker: Broker) -> str:
     """The stream a checkpoint's offset belongs to: another vhost's telemetry log has other offsets."""
     return f"{broker.vhost}/{topology.TELEMETRY_LOG}"
@@ -644,6 +715,20 @@ async def _load_checkpoint(
         log.warning("checkpoint_unusable", error=str(exc)[:200])
         return None, None
     return health, offset
+
+
+async def _load_alerts(store: checkpoint.CheckpointStore, broker: Broker) -> checkpoint.AlertState | None:
+    """The alert book saved by this monitor before; without one, whatever fires now is told once more."""
+    data = await store.read_alerts(_alerts_identity(broker))
+    if data is None:
+        return None
+    try:
+        state = checkpoint.load_alerts(data)
+    except checkpoint.CheckpointError as exc:
+        log.warning("alert_book_unusable", error=str(exc)[:200])
+        return None
+    log.info("alert_book_restored", firing=len(state.firing), unsent=len(state.unsent))
+    return state
 
 
 async def _catch_up(
@@ -684,7 +769,6 @@ def _spawn_loops(
     settings: MonitorSettings,
     supervisor: Supervisor,
     monitor: Monitor,
-    store: checkpoint.CheckpointStore,
     telemetry: StreamFollower,
     capacity: CapacityReader,
 ) -> None:
@@ -693,7 +777,7 @@ def _spawn_loops(
     supervisor.spawn("breaker-commands", monitor.publish_commands)
     supervisor.spawn("tick", monitor.tick, stall_s=60)
     supervisor.spawn("queues", monitor.poll_queues, stall_s=120)
-    supervisor.spawn("checkpoint", partial(monitor.checkpoint_loop, store, telemetry), stall_s=120)
+    supervisor.spawn("checkpoint", partial(monitor.checkpoint_loop, telemetry), stall_s=120)
     supervisor.spawn("broker", partial(monitor.watch_broker, capacity), stall_s=120)
     if settings.canary_interval_s > 0:
         supervisor.spawn("canaries", monitor.send_canaries, stall_s=max(60, 3 * settings.canary_interval_s))
@@ -716,7 +800,8 @@ async def monitoring(
     ):
         started = time.monotonic()
         health, offset = await _load_checkpoint(store, broker)
-        monitor = Monitor(settings, broker, publisher, change_log, dead_letters, health, sinks)
+        restored = (health, await _load_alerts(store, broker))
+        monitor = Monitor(settings, broker, publisher, change_log, dead_letters, sinks, store, restored)
         telemetry = await _catch_up(settings, broker, publisher, supervisor, monitor, dead_letters, offset)
         monitor.live = True
         log.info(
@@ -725,7 +810,7 @@ async def monitoring(
             from_checkpoint=offset is not None,
             endpoints=len(monitor.health.endpoints),
         )
-        _spawn_loops(settings, supervisor, monitor, store, telemetry, capacity)
+        _spawn_loops(settings, supervisor, monitor, telemetry, capacity)
         try:
             yield monitor
         finally:
@@ -736,6 +821,6 @@ async def monitoring(
                 "leadership", "tick", "breaker-commands", "queues", "checkpoint", "broker", "canaries"
             )
             # 2. a last checkpoint, so that the next start reads only what came after it;
-            await monitor.save_checkpoint(store, telemetry)
+            await monitor.save_checkpoint(telemetry)
             # 3. the followers; then the views close as the `async with` above ends.
             await supervisor.stop("telemetry", "dead-letters", "breaker-log")

@@ -106,12 +106,13 @@ async def _credentials(
 
 async def _notifier(state: IngestState, endpoint: StoredEndpoint) -> StoredEndpoint | None:
     """The notifier that delivers ``endpoint``'s notifications (notifications.py): registered in the
-    operator tenant the first time a tenant names that URL and format, shared after that."""
+    operator tenant the first time a tenant names that URL and format, shared after that; one that was
+    disabled (a 410, a breaker open too long) is resumed, since the tenant names the URL again."""
     notifier_id = notifications.notifier_of(endpoint)
     if notifier_id is None or endpoint.notify_url is None:
         return None
     if (existing := state.registry.get(notifier_id)) is not None:
-        return existing
+        return await _resumed(state, existing) if existing.status is EndpointStatus.DISABLED else existing
     await _check_target(endpoint.notify_url, state.settings, "notify_url")
     now = datetime.now(UTC)
     notifier = StoredEndpoint(
@@ -140,6 +141,18 @@ async def _notifier(state: IngestState, endpoint: StoredEndpoint) -> StoredEndpo
         return current  # another replica registered the same notifier first: one is enough
     log.info("notifier_created", endpoint_id=notifier_id, for_tenant=endpoint.tenant)
     return written
+
+
+async def _resumed(state: IngestState, notifier: StoredEndpoint) -> StoredEndpoint | None:
+    def resumed(current: StoredEndpoint) -> StoredEndpoint | None:
+        if current.status is not EndpointStatus.DISABLED:
+            return None  # resumed meanwhile (or paused by an admin: left so)
+        return current.model_copy(update={"status": EndpointStatus.ACTIVE, "updated_at": datetime.now(UTC)})
+
+    written = await state.change_log.update(notifier.id, resumed, timeout_s=state.settings.registry_wait_s)
+    if written is not None:
+        log.info("notifier_resumed", endpoint_id=notifier.id)
+    return state.registry.get(notifier.id)
 
 
 async def _audit(
@@ -382,8 +395,8 @@ async def _changed_to(
     after = StoredEndpoint.model_validate(
         {**before.model_dump(), **changes, "updated_at": datetime.now(UTC), "routed": True}
     )
-    if notifications.notifier_of(after) != notifications.notifier_of(before):
-        await _notifier(state, after)
+    if "notify_url" in changes or notifications.notifier_of(after) != notifications.notifier_of(before):
+        await _notifier(state, after)  # new, or named again (a disabled one resumes)
     if after.url != before.url and change.verify:
         after = after.model_copy(update={"verified": False})
     return after, changes

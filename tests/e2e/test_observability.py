@@ -55,7 +55,13 @@ SYSTEM_ENV = {
 SCRAPE_SERIES = frozenset({"up"})
 #: Declared by the services but without a series until something goes wrong (a background loop
 #: restarted, an alert sink failing): for these the declaration is what is checked.
-ONLY_AFTER_A_FAULT = frozenset({"hookline_loop_restarts_total", "hookline_alert_sink_failures_total"})
+ONLY_AFTER_A_FAULT = frozenset(
+    {
+        "hookline_loop_restarts_total",
+        "hookline_alert_sink_failures_total",
+        "hookline_state_files_set_aside_total",
+    }
+)
 
 
 def words(text: str) -> frozenset[str]:

@@ -121,8 +121,12 @@ class Service:
         self._log.close()
 
 
-def start(command: str, env: Mapping[str, str], log_dir: Path, *, name: str | None = None) -> Service:
-    port = free_port()
+def start(
+    command: str, env: Mapping[str, str], log_dir: Path, *, name: str | None = None, port: int | None = None
+) -> Service:
+    """``hookline COMMAND`` on ``port`` (a free one when None: a service on the port of one stopped
+    before finds that one's local state, one file per service and port)."""
+    port = free_port() if port is None else port
     port_variable = {
         "ingest": "HOOKLINE_INGEST_PORT",
         "dispatcher": "HOOKLINE_DISPATCHER_METRICS_PORT",

@@ -58,6 +58,16 @@ class System:
         self.monitor = services.start("health-monitor", self.env, self.log_dir, name="health-monitor-2")
         self.monitor.wait_ready(timeout_s=60)
 
+    def start_again(self, stopped: services.Service) -> services.Service:
+        """``stopped`` started again on its port, as a restarted replica is: it finds its local state
+        (one file per service and port). Stopped with the others at the end."""
+        again = services.start(
+            stopped.command, self.env, self.log_dir, name=f"{stopped.name}-again", port=stopped.port
+        )
+        self.extra.append(again)
+        again.wait_ready(timeout_s=60)
+        return again
+
     def start_dispatcher(self, name: str) -> services.Service:
         dispatcher = services.start("dispatcher", self.env, self.log_dir, name=name)
         dispatcher.wait_ready()

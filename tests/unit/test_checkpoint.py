@@ -7,15 +7,26 @@ import dataclasses
 import random
 import sqlite3
 import threading
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+import aio_pika
 import orjson
 import pytest
 from structlog.testing import capture_logs
 
+from hookline.health_monitor.alerts import Alert
 from hookline.health_monitor.breaker import BreakerPolicy
-from hookline.health_monitor.checkpoint import FORMAT_VERSION, CheckpointError, CheckpointStore, dump, load
+from hookline.health_monitor.checkpoint import (
+    FORMAT_VERSION,
+    CheckpointError,
+    CheckpointStore,
+    dump,
+    dump_alerts,
+    load,
+    load_alerts,
+)
 from hookline.health_monitor.health import EndpointHealth, Health, HealthPolicy, TypeHealth
 from hookline.health_monitor.stats import RollingStats
 from hookline.shared.control import BreakerCommand, BreakerState
@@ -279,3 +290,73 @@ def test_prune_forgets_events_awaiting_a_retry_after_a_day_without_news() -> Non
 
     assert health.endpoints["ep_a"].retrying == {"e1": (NOW - 30 * HOUR, NOW - HOUR)}
     assert health.endpoints["ep_a"].oldest_pending_s(NOW) == 30 * HOUR  # counted from its first attempt
+
+
+# --- the alert book -------------------------------------------------------------------------------
+
+
+def test_the_alert_book_comes_back_with_the_messages_still_to_send_in_order() -> None:
+    firing = {
+        alert.key: alert
+        for alert in (
+            Alert("breaker_open", "ep_a", "acme", "circuit breaker open after 3 failures"),
+            Alert("broker_disk_alarm", None, None, "disk alarm on rabbit@a: every publisher is blocked"),
+        )
+    }
+    sent_at = datetime(2026, 11, 29, 18, 0, tzinfo=UTC)
+    unsent = [
+        (
+            aio_pika.Message(
+                b'{"alert": "breaker_open"}', content_type="application/json", message_id="alert_1",
+                type="breaker_open.firing",
+            ),
+            "alerts",
+            "breaker_open.firing",
+        ),
+        (
+            aio_pika.Message(
+                b'{"type": "endpoint.failing"}', content_type="application/json", message_id="evt_1",
+                delivery_mode=aio_pika.DeliveryMode.PERSISTENT, timestamp=sent_at,
+            ),
+            "",
+            "hookline.endpoint.ep_n",
+        ),
+    ]  # fmt: skip
+    state = load_alerts(dump_alerts(firing, unsent))
+    assert state.firing == firing
+    assert [(exchange, key) for _, exchange, key in state.unsent] == [(e, k) for _, e, k in unsent]
+    for (got, _, _), (sent, _, _) in zip(state.unsent, unsent, strict=True):
+        fields = ("body", "content_type", "message_id", "type", "delivery_mode", "timestamp")
+        assert [getattr(got, f) for f in fields] == [getattr(sent, f) for f in fields]
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        b"not json",
+        b'{"format": 2, "firing": [], "unsent": []}',
+        b'{"format": 1, "firing": [["x"]], "unsent": []}',
+    ],
+)
+def test_an_alert_book_it_cannot_use_is_refused(data: bytes) -> None:
+    with pytest.raises(CheckpointError):
+        load_alerts(data)
+
+
+async def test_the_alert_book_is_kept_per_vhost_beside_the_checkpoint(tmp_path: Path) -> None:
+    path = tmp_path / "monitor.checkpoint.sqlite"
+    # A file written before the alert book existed: its checkpoint still reads, and it has no book.
+    with sqlite3.connect(path) as db:
+        db.execute(
+            "CREATE TABLE checkpoint (id INTEGER PRIMARY KEY CHECK (id = 1), identity TEXT NOT NULL,"
+            " stream_offset INTEGER NOT NULL, data BLOB NOT NULL)"
+        )
+        db.execute("INSERT INTO checkpoint VALUES (1, 'v/hookline.telemetry.log', 7, x'7b7d')")
+    db.close()
+    async with CheckpointStore(path) as store:
+        assert await store.read("v/hookline.telemetry.log") == (b"{}", 7)
+        assert await store.read_alerts("v/alerts") is None
+        await store.save_alerts(b"book", identity="v/alerts")
+    async with CheckpointStore(path) as store:
+        assert await store.read_alerts("v/alerts") == b"book"
+        assert await store.read_alerts("w/alerts") is None, "another vhost's book is not ours"

@@ -21,6 +21,7 @@ from hookline.shared.notifications import (
     notifier_id,
     notifier_of,
     render,
+    unnamed_notifiers,
 )
 
 NOW = datetime(2026, 11, 30, 12, 0, tzinfo=UTC)
@@ -130,3 +131,34 @@ def test_the_disable_warning_comes_half_way(
 
 def test_a_closed_breaker_is_no_alert() -> None:
     assert _failing(endpoint(), EndpointHealth(), now_s=0.0, policy=AlertPolicy()) == []
+
+
+def notifier_for(tenant: str, url: str, body_format: str = "event") -> StoredEndpoint:
+    return endpoint(
+        id=notifier_id(tenant, url, body_format),
+        tenant=OPERATOR_TENANT,
+        url=url,
+        event_types=["hookline.notification"],
+        notify_url=None,
+    )
+
+
+def test_a_notifier_is_unnamed_once_no_endpoint_names_its_tenant_url_and_format() -> None:
+    shared_url, own_url = "https://ops.acme.example/a", "https://ops.acme.example/b"
+    shared, own = notifier_for("acme", shared_url), notifier_for("acme", own_url)
+    slack = notifier_for("acme", shared_url, "slack")
+    other_tenants = notifier_for("globex", shared_url)
+    first = endpoint(id="ep_01JD0000000000000000000001", notify_url=shared_url)
+    second = endpoint(id="ep_01JD0000000000000000000002", notify_url=shared_url)
+    third = endpoint(id="ep_01JD0000000000000000000003", notify_url=own_url, notify_format="slack")
+    notifiers = [shared, own, slack, other_tenants]
+
+    def unnamed(*endpoints: StoredEndpoint) -> set[str]:
+        return {n.id for n in unnamed_notifiers([*notifiers, *endpoints])}
+
+    # The second endpoint still names the shared one; the third names its URL in another format.
+    assert unnamed(first, second, third) == {own.id, slack.id, other_tenants.id}
+    assert unnamed(second) == {own.id, slack.id, other_tenants.id}
+    assert unnamed(first.model_copy(update={"notify_url": None})) == {n.id for n in notifiers}
+    assert unnamed() == {n.id for n in notifiers}, "every endpoint deleted"
+    assert unnamed_notifiers([first]) == [], "no notifier, nothing to remove"

@@ -163,3 +163,17 @@ def test_deleted_endpoints_are_remembered_with_their_last_definition() -> None:
     assert registry.deleted_since(NOW) == [gone]
     assert registry.deleted_since(LATER) == [gone], "deleted at or after"
     assert registry.deleted_since(datetime(2026, 12, 1, tzinfo=UTC)) == []
+
+
+def test_an_endpoint_created_again_under_a_deleted_id_is_no_longer_deleted() -> None:
+    """A notifier's id is derived from its tenant and URL: removed, then named again, it comes back
+    under the same id, and its queue must be neither drained nor removed as a deleted endpoint's."""
+    registry = EndpointRegistry()
+    registry.apply(_up(0, "https://notify/"))
+    registry.apply(_rm(1, at=LATER))
+    assert [gone.id for gone in registry.deleted_since(NOW)] == [EP1]
+    again = registry.apply(_up(0, "https://notify/"))
+    assert isinstance(again, StoredEndpoint)
+    assert again.version == 1
+    assert registry.deleted_since(NOW) == []
+    assert registry.last_known(EP1) == again
