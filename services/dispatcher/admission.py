@@ -9,12 +9,13 @@ dispatcher has ``HOOKLINE_HTTP_MAX_CONNECTIONS`` slots (512), in two shares:
 - the **answering share** (the rest: 384): kept for endpoints that answer within
   ``HOOKLINE_SLOW_ATTEMPT_S`` (2 s, the monitor's ``slow_endpoint`` line).
 
-An endpoint is *slow* on a dispatcher when its last answer took ``slow_attempt_s`` or longer, or when one
-of its attempts has been waiting that long (an endpoint that starts to hang is moved at once, not after
-its timeout), or when an attempt timed out (whatever its timeout); it answers again once an attempt of
-it ends in time with none of its attempts still waiting that long. An endpoint the dispatcher has not heard from yet is on *probation*: one attempt at a time
-until its first answer, so a crowd of new endpoints that hang holds one answering slot each, and only
-for ``slow_attempt_s``.
+An endpoint is *slow* on a dispatcher when its last answer took ``slow_attempt_s`` or longer, when one of
+its attempts has been waiting that long (an endpoint that starts to hang is moved at once, not after its
+timeout), or when an attempt timed out (whatever its timeout); it answers again once an attempt of it
+ends in time with none of its attempts still waiting that long. An endpoint the dispatcher has not heard
+from yet is on *probation*: one attempt at a time until its first answer, so a crowd of new endpoints
+that hang holds one answering slot each, and only for ``slow_attempt_s``. A slow endpoint's prefetch is
+its part of the slow share (:meth:`Ledger.slow_prefetch`).
 
 An attempt that has waited ``slow_attempt_s`` counts against the slow share from then on, and frees its
 answering slot: the answering share is never held longer than that by anything slow, and the slow share
@@ -23,8 +24,8 @@ the slow share over its size until they end; each ends by its timeout.) One endp
 prefetch (``HOOKLINE_PREFETCH_PER_ENDPOINT``, 32) of either share.
 
 Waiting for a slot is hookline's own time: the attempt's timeout starts when it has one. A delivery that
-would wait longer than ``max_wait_s`` is put off through the delay queues instead (no attempt spent), so a
-message is never held long enough for the broker's ``consumer_timeout`` to take the channel.
+would wait longer than its ``max_wait_s`` is put off through the delay queues instead (no attempt spent),
+so a message is never held long enough for the broker's ``consumer_timeout`` to take the channel.
 
 :class:`Ledger` is the policy, pure (time passed in); :class:`Admission` queues the waiters.
 """
@@ -233,7 +234,7 @@ class Admission:
         # Heard from now: all of its waiters may go (each to its share's line if that is full).
         while on_probation:
             self._wake(on_probation)
-        self._wake(self._waiting[ticket.share])
+        self._wake_free()
 
     def _start(self, endpoint_id: str) -> Ticket | None:
         self._age()
