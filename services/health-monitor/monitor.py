@@ -474,6 +474,7 @@ class Monitor:
         forget its breaker. In that order: a breaker closed while the endpoint is still active lets the
         dispatchers attempt what waits in its queue, and those failures opened the breaker of the
         disabled endpoint again, which told its tenant ``endpoint.failing`` after ``endpoint.disabled``."""
+        log.info("endpoint_disabling", endpoint_id=endpoint_id)  # the write below may wait (a lost network)
         # A paused endpoint stays paused: its tenant stopped it, the breaker did not.
         endpoint = await self._change_log.disable(
             endpoint_id, unless=frozenset({EndpointStatus.PAUSED}), timeout_s=self.settings.connect_timeout_s

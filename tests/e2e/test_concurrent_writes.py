@@ -338,10 +338,16 @@ async def test_the_monitor_disabling_an_endpoint_keeps_edits_made_meanwhile(
                     api.patch, f"/v1/endpoints/{endpoint_id}", json={"description": "edited meanwhile"}
                 )
             assert edit.status_code == 200, edit.text
-            assert not await breaker_is("closed"), "edited before the monitor started disabling"
-            # The monitor resets the breaker as it starts disabling the endpoint (within 4 s; 10 s more if
-            # a periodic snapshot it publishes in the same loop has to time out first); its write waits.
-            await eventually(lambda: breaker_is("closed"), timeout_s=20, every_s=0.1)
+            assert not monitor_logged(system, "endpoint_disabling", endpoint_id), (
+                "edited before the monitor started disabling"
+            )
+
+            # The monitor starts disabling the endpoint (within 4 s; 10 s more if a periodic snapshot it
+            # publishes in the same loop has to time out first); its write waits for the network.
+            async def disabling() -> bool:
+                return bool(monitor_logged(system, "endpoint_disabling", endpoint_id))
+
+            await eventually(disabling, timeout_s=20, every_s=0.1)
             stored = await asyncio.to_thread(get_endpoint, system, endpoint_id)
             assert stored["status"] == "active", "not disabled yet: the monitor cannot reach the broker"
             proxy.resume()
@@ -354,6 +360,7 @@ async def test_the_monitor_disabling_an_endpoint_keeps_edits_made_meanwhile(
             assert stored["description"] == "edited meanwhile", "the edit was reverted"
             assert await asyncio.to_thread(current_secret, system, endpoint_id) == rotated
             assert stored["version"] == edit.json()["version"] + 1, "the disable came after the edit"
+            await eventually(lambda: breaker_is("closed"))  # forgotten once the endpoint is disabled
             [disabled_line] = monitor_logged(system, "endpoint_disabled", endpoint_id)
             assert disabled_line["reason"].startswith("circuit breaker open for more than 4 s")
         finally:
