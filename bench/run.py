@@ -205,18 +205,26 @@ def rss_mib(process: subprocess.Popen[bytes]) -> float:
 
 async def register(services: Services, count: int, url: str, *, first: int = 0) -> None:
     """Endpoints n = first … first+count-1, each subscribed to its own type ``load.e<n>``."""
+    await register_each(services, [(url, [f"load.e{n}"]) for n in range(first, first + count)])
+
+
+async def register_each(services: Services, endpoints: list[tuple[str, list[str]]]) -> list[str]:
+    """One endpoint of the benchmark tenant per (url, event types), 8 at a time; their ids."""
+    ids: list[str] = []
     async with services.api() as api:
         semaphore = asyncio.Semaphore(8)
 
-        async def one(n: int) -> None:
+        async def one(url: str, event_types: list[str]) -> None:
             async with semaphore:
                 response = await api.post(
                     "/v1/endpoints",
-                    json={"tenant": TENANT, "url": url, "event_types": [f"load.e{n}"], "verify": False},
+                    json={"tenant": TENANT, "url": url, "event_types": event_types, "verify": False},
                 )
                 response.raise_for_status()
+                ids.append(response.json()["id"])
 
-        await asyncio.gather(*(one(n) for n in range(first, first + count)))
+        await asyncio.gather(*(one(url, event_types) for url, event_types in endpoints))
+    return ids
 
 
 def event_body(event_id: str, endpoint_n: int) -> bytes:

@@ -26,27 +26,9 @@ from typing import Any
 
 import aio_pika
 
-from bench.run import TENANT, Services, events_exchange, percentile, start_sink, vhost
+from bench.run import TENANT, Services, events_exchange, percentile, register_each, start_sink, vhost
 
 EVENT_TYPE = "iso.tick"
-
-
-async def register(services: Services, urls: list[str]) -> list[str]:
-    ids: list[str] = []
-    async with services.api() as api:
-        slots = asyncio.Semaphore(8)
-
-        async def one(url: str) -> None:
-            async with slots:
-                response = await api.post(
-                    "/v1/endpoints",
-                    json={"tenant": TENANT, "url": url, "event_types": ["iso.*"], "verify": False},
-                )
-                response.raise_for_status()
-                ids.append(response.json()["id"])
-
-        await asyncio.gather(*(one(url) for url in urls))
-    return ids
 
 
 async def publish(amqp_url: str, count: int, rate_per_s: float) -> dict[str, float]:
@@ -100,10 +82,12 @@ async def run(amqp_url: str, *, slow: int, healthy: int, events: int, rate_per_s
     try:
         services.start_ingest()
         services.start_monitor()
-        healthy_ids = await register(
-            services, [f"http://127.0.0.1:{healthy_sink.port}/h{n}" for n in range(healthy)]
+        healthy_ids = await register_each(
+            services, [(f"http://127.0.0.1:{healthy_sink.port}/h{n}", ["iso.*"]) for n in range(healthy)]
         )
-        await register(services, [f"http://127.0.0.1:{slow_sink.port}/s{n}" for n in range(slow)])
+        await register_each(
+            services, [(f"http://127.0.0.1:{slow_sink.port}/s{n}", ["iso.*"]) for n in range(slow)]
+        )
         services.start_dispatchers(dispatchers)
         started = time.monotonic()
         sent = await publish(amqp_url, events, rate_per_s)

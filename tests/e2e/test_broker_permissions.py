@@ -18,6 +18,7 @@ import aiormq
 import httpx
 import pytest
 from support import services
+from support.amqp import queue_exists
 from support.broker import Broker
 from support.receiver import Received, Receiver, Reply
 from support.system import tenant
@@ -376,7 +377,7 @@ async def test_every_service_works_as_its_own_least_privileged_user(
     vhost = setup.vhost_url.rsplit("/", 1)[1]
     queue = topology.endpoint_queue(ok["id"])
     await rabbitmq.ctl_async(["delete_queue", "-p", vhost, queue])
-    await eventually(lambda: _queue_exists(setup.vhost_url, queue), timeout_s=60)
+    await eventually(lambda: queue_exists(setup.vhost_url, queue), timeout_s=60)
     await api(
         "POST",
         "/v1/events",
@@ -479,13 +480,3 @@ async def test_an_event_whose_body_claims_another_tenant_is_not_that_tenants(
 
 async def _contains(found: Awaitable[list[str]], wanted: str) -> bool:
     return wanted in await found
-
-
-async def _queue_exists(url: str, queue: str) -> bool:
-    connection = await aio_pika.connect(url)
-    async with connection:
-        try:
-            await (await connection.channel()).declare_queue(queue, passive=True)
-        except aiormq.exceptions.ChannelNotFoundEntity:
-            return False
-    return True

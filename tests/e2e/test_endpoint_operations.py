@@ -16,7 +16,7 @@ import httpx
 import pytest
 from aiohttp import web
 from support import deliverylog, services
-from support.amqp import event, publish_event
+from support.amqp import event, publish_event, queue_exists
 from support.receiver import Received, Receiver, Reply
 from support.system import System, tenant
 from support.waiting import eventually
@@ -78,18 +78,6 @@ class Upstream:
             message_id=str(body["id"]),
         )
         await self._exchange.publish(message, routing_key=f"{body['tenant']}.{body['type']}")
-
-
-async def queue_exists(amqp_url: str, name: str) -> bool:
-    """A passive declare, on a channel of its own (a missing queue closes the channel)."""
-    connection = await aio_pika.connect(amqp_url)
-    async with connection:
-        channel = await connection.channel()
-        try:
-            await channel.declare_queue(name, passive=True)
-        except aio_pika.exceptions.ChannelNotFoundEntity:
-            return False
-        return True
 
 
 def endpoint_queue(endpoint_id: str, generation: int) -> str:

@@ -7,10 +7,10 @@ from __future__ import annotations
 import json
 from typing import Any
 
-import aio_pika
 import httpx
 import pytest
 from support import services
+from support.amqp import queue_exists
 from support.receiver import Received, Receiver, Reply
 from support.system import System, tenant
 from support.waiting import eventually
@@ -45,17 +45,6 @@ async def notifier_urls(system: System) -> set[str]:
         system, "GET", "/v1/endpoints", params={"tenant": notifications.OPERATOR_TENANT, "limit": 1000}
     )
     return {notifier["url"] for notifier in listed.json()["data"]}
-
-
-async def queue_exists(amqp_url: str, name: str) -> bool:
-    connection = await aio_pika.connect(amqp_url)
-    async with connection:
-        channel = await connection.channel()
-        try:
-            await channel.declare_queue(name, passive=True)
-        except aio_pika.exceptions.ChannelNotFoundEntity:
-            return False
-    return True
 
 
 async def test_a_notifier_no_endpoint_names_is_removed_and_one_still_named_stays(

@@ -66,3 +66,15 @@ async def read_stream(
                 except TimeoutError:
                     if len(messages) >= at_least:
                         return messages
+
+
+async def queue_exists(amqp_url: str, name: str) -> bool:
+    """A passive declare, on a connection of its own (a missing queue closes the channel)."""
+    connection = await aio_pika.connect(amqp_url)
+    async with connection:
+        channel = await connection.channel()
+        try:
+            await channel.declare_queue(name, passive=True)
+        except aio_pika.exceptions.ChannelNotFoundEntity:
+            return False
+        return True
