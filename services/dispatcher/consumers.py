@@ -374,12 +374,14 @@ class Consumers:
             if current is not consumer:
                 continue  # changed meanwhile: the reconcile that did it has looked
             if queue is None or not queue.declaration_result.consumer_count:
-                log.error(
-                    "consumer_missing_at_broker",
-                    queue=name, endpoint_id=consumer.wanted.endpoint_id, tag=consumer.tag,
-                    queue_exists=queue is not None, alert=True,
-                )  # fmt: skip
-                metrics.CONSUMERS_REATTACHED.inc()
+                # A queue only drained (left behind, or a deleted endpoint's) is removed once empty.
+                if queue is not None or consumer.wanted.mode is Mode.DELIVER:
+                    log.error(
+                        "consumer_missing_at_broker",
+                        queue=name, endpoint_id=consumer.wanted.endpoint_id, tag=consumer.tag,
+                        queue_exists=queue is not None, alert=True,
+                    )  # fmt: skip
+                    metrics.CONSUMERS_REATTACHED.inc()
                 self._active.pop(name)
                 with contextlib.suppress(*BROKER_ERRORS):
                     await incoming.cancel(consumer.channel, consumer.tag, timeout_s=CALL_TIMEOUT_S)
