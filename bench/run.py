@@ -12,7 +12,10 @@
 7. the ingest's delivery log with 1,000,000 attempts stored: query latencies and disk
    (bench/delivery_log.py);
 8. the outbox relay: 10,000 rows from PostgreSQL to ``events``, beside an upstream publishing the same
-   directly (bench/outbox.py).
+   directly (bench/outbox.py);
+9. the health monitor's memory under sustained telemetry (300 events/s, 50 endpoints of which 5 fail,
+   2,000 event types): RSS over 6 minutes and its slope over the second half (bench/monitor_soak.py;
+   ``--soak-s 3600`` for the hour).
 
 Everything runs in a vhost of its own, deleted afterwards. Results: bench/results/latest.{json,md}.
 Numbers drift on a shared 2-core machine: compare ratios within one run.
@@ -665,6 +668,13 @@ async def main(arguments: argparse.Namespace) -> dict[str, Any]:
         report["monitor_restart"] = await monitor_restart.measure(
             monitor_url, work, arguments.monitor_records, arguments.monitor_dead_letters
         )
+    from bench import monitor_soak
+
+    print(f"monitor soak, {arguments.soak_s / 60:.0f} min at {arguments.soak_rate:.0f} events/s…", flush=True)
+    with vhost(arguments.amqp_url) as soak_url:
+        report["monitor_soak"] = await monitor_soak.measure(
+            soak_url, work, duration_s=arguments.soak_s, rate=arguments.soak_rate
+        )
     from bench import delivery_log
 
     print(f"delivery log with {arguments.delivery_log_attempts:,} attempts…", flush=True)
@@ -784,6 +794,11 @@ def markdown(report: dict[str, Any]) -> str:
             f"{restart['restart_ready_s']:.1f} s ({restart['restart_rss_mib']:.0f} MiB); after SIGKILL "
             f"{restart['after_kill_ready_s']:.1f} s ({restart['after_kill_rss_mib']:.0f} MiB) | |"
         )
+    soak = report.get("monitor_soak")
+    if soak:
+        from bench import monitor_soak
+
+        lines += monitor_soak.markdown(soak)
     stored = report.get("delivery_log")
     if stored:
         queries = stored["queries"]
@@ -835,6 +850,10 @@ if __name__ == "__main__":
     parser.add_argument("--outbox-rows", type=int, default=10_000)
     parser.add_argument("--slow-endpoints", type=int, default=200, help="answering after 8 s")
     parser.add_argument("--slow-beside", type=int, default=20, help="healthy endpoints beside them")
+    parser.add_argument(
+        "--soak-s", type=float, default=360.0, help="the monitor's soak, in seconds (3600: the hour)"
+    )
+    parser.add_argument("--soak-rate", type=float, default=300.0, help="the monitor's soak, events/s")
     parser.add_argument(
         "--postgres-url",
         default=os.environ.get(

@@ -410,6 +410,12 @@ class MonitorSettings(CommonSettings):
         gt=0,
         description="A queue an endpoint left (moved or deleted) is removed after staying empty this long.",
     )
+    max_tracked_types: int = Field(
+        1000,
+        ge=1,
+        description="Event types with statistics of their own (GET /v1/types/health); the others count "
+        "together as the type (other).",
+    )
     notifier_grace_s: float = Field(
         300.0,
         gt=0,

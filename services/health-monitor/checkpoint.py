@@ -138,16 +138,14 @@ def _dump_type(health: TypeHealth) -> dict[str, Any]:
 def _dump_window(window: RollingStats) -> list[list[Any]]:
     # One row per slot: [slot, [counters…], [bucket indices…], [bucket counts…], sample count].
     # RollingStats keeps its slots private; this module is the one place that reads them whole.
-    return [
-        [
-            slot,
-            [getattr(stats, name) for name in _COUNTERS],
-            list(stats.sketch.bins),
-            list(stats.sketch.bins.values()),
-            stats.sketch.count,
-        ]
-        for slot, stats in window._slots.items()
-    ]
+    # The buckets as (index, count) pairs of the non-empty ones, whatever the sketch keeps in memory:
+    # the format written before the dense sketches, so either version reads the other's checkpoints.
+    rows = []
+    for slot, stats in window._slots.items():
+        bins = stats.sketch.bins
+        counters = [getattr(stats, name) for name in _COUNTERS]
+        rows.append([slot, counters, list(bins), list(bins.values()), stats.sketch.count])
+    return rows
 
 
 def _load_health(document: dict[str, Any], policy: HealthPolicy) -> Health:
@@ -183,9 +181,9 @@ def _load_endpoint(fields: dict[str, Any]) -> EndpointHealth:
 
 def _load_window(window: RollingStats, rows: list[list[Any]]) -> None:
     for slot, counters, indices, counts, count in rows:
-        sketch = LatencySketch()
-        sketch.bins = dict(zip(indices, counts, strict=True))
-        sketch.count = count
+        sketch = LatencySketch.of(dict(zip(indices, counts, strict=True)))
+        if sketch.count != count:
+            raise ValueError(f"a sketch of {count} samples whose buckets hold {sketch.count}")
         window._slots[slot] = Stats(sketch, **dict(zip(_COUNTERS, counters, strict=True)))
 
 

@@ -26,8 +26,14 @@ from hookline.shared.telemetry import (
 
 DAY_S, HOUR_S = 86_400, 3_600
 RECENT_S, MINUTE_S = 300, 60
-#: Events awaiting a retry that are remembered per endpoint (the oldest survive; it only bounds memory).
-MAX_TRACKED_RETRIES = 50_000
+#: Events awaiting a retry that are remembered per endpoint, about 250 bytes each (the first ones survive:
+#: the oldest pending is among them as long as the endpoint delivers roughly in order). Only the age of
+#: the oldest is asked of them; 50,000 per endpoint were 12 MB for each failing endpoint.
+MAX_TRACKED_RETRIES = 1_000
+#: The event types whose statistics are kept apart; the records of any other count under OTHER_TYPES.
+MAX_TRACKED_TYPES = 1_000
+#: The bucket of the types beyond the cap (not a valid type name: no type can collide with it).
+OTHER_TYPES = "(other)"
 #: An event awaiting a retry with no news for this long is forgotten: its last records were lost (or its
 #: endpoint deleted), and a monitor that rebuilt from the 24 h telemetry log would not know it either.
 RETRY_FORGET_S = DAY_S
@@ -59,6 +65,7 @@ class HealthPolicy:
     very_slow_p95_ms: float = 5_000.0  # above this each failure holds a worker for long: open sooner
     very_slow_threshold: int = 3
     disable_after_s: float = 259_200.0  # an endpoint open this long is disabled
+    max_types: int = MAX_TRACKED_TYPES  # event types with statistics of their own
 
 
 @dataclass
@@ -111,6 +118,19 @@ class Health:
             health = self.endpoints[endpoint_id] = EndpointHealth()
         return health
 
+    def type_health(self, event_type: str) -> TypeHealth:
+        """The statistics of ``event_type``, or of OTHER_TYPES once ``policy.max_types`` other types have
+        statistics of their own: memory is bounded however many types upstreams publish. A type counted
+        under OTHER_TYPES gets a place of its own when one frees up (a type a day without attempts)."""
+        types = self.types.get(event_type)
+        if types is None:
+            if len(self.types) - (OTHER_TYPES in self.types) >= self.policy.max_types:
+                event_type = OTHER_TYPES
+                types = self.types.get(event_type)
+            if types is None:
+                types = self.types[event_type] = TypeHealth()
+        return types
+
     def observe(self, record: TelemetryRecord, *, now_s: float, live: bool) -> list[BreakerCommand]:
         if isinstance(record, Heartbeat):
             self.dispatchers[record.dispatcher_id] = record
@@ -121,7 +141,7 @@ class Health:
         health.day.add(record, now_s=now_s)
         health.hour.add(record, now_s=now_s)
         health.recent.add(record, now_s=now_s)
-        types = self.types.setdefault(record.type, TypeHealth())
+        types = self.type_health(record.type)
         types.day.add(record, now_s=now_s)
         types.recent.add(record, now_s=now_s)
         types.last_attempt_at_s = max(types.last_attempt_at_s or 0, record.at_s)

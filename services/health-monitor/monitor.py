@@ -149,6 +149,7 @@ class Monitor:
             very_slow_p95_ms=settings.very_slow_p95_ms,
             very_slow_threshold=settings.breaker_slow_threshold,
             disable_after_s=settings.disable_after_s,
+            max_types=settings.max_tracked_types,
         )
         self.health = health if health is not None else Health(policy)
         self.health.policy = policy  # settings win over those a checkpoint was written with

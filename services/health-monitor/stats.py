@@ -16,7 +16,7 @@ from hookline.shared.telemetry import AttemptRecord, Outcome
 AUTH_STATUSES = frozenset({401, 403})
 
 
-@dataclass
+@dataclass(slots=True)
 class Stats:
     sketch: LatencySketch = field(default_factory=LatencySketch)
     attempts: int = 0

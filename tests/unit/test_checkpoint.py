@@ -27,7 +27,14 @@ from hookline.health_monitor.checkpoint import (
     load,
     load_alerts,
 )
-from hookline.health_monitor.health import EndpointHealth, Health, HealthPolicy, TypeHealth
+from hookline.health_monitor.health import (
+    MAX_TRACKED_RETRIES,
+    OTHER_TYPES,
+    EndpointHealth,
+    Health,
+    HealthPolicy,
+    TypeHealth,
+)
 from hookline.health_monitor.stats import RollingStats
 from hookline.shared.control import BreakerCommand, BreakerState
 from hookline.shared.telemetry import AttemptRecord, Heartbeat
@@ -246,6 +253,39 @@ async def test_the_store_is_used_inside_async_with_only() -> None:
         await CheckpointStore(None).read("i")
 
 
+#: What the monitor wrote before its sketches were dense arrays (issue 23): buckets in insertion order.
+BEFORE_DENSE_SKETCHES = (
+    b'{"format":1,"layout":{"counters":["attempts","successes","failures","timeouts","permanent",'
+    b'"dead_letters","auth_rejected","rate_limited","max_attempt","duration_sum_ms"],'
+    b'"endpoint":[[86400,3600],[3600,300],[300,60]],"type":[[86400,3600],[300,60]]},"last_version":0,'
+    b'"dispatchers":[],"endpoints":{"ep_a":{'
+    b'"day":[[472222,[4,3,1,0,0,0,0,0,1,516.75],[125,138,309,112],[1,1,1,1],4]],'
+    b'"hour":[[5666672,[4,3,1,0,0,0,0,0,1,516.75],[125,138,309,112],[1,1,1,1],4]],'
+    b'"recent":[[28333361,[4,3,1,0,0,0,0,0,1,516.75],[125,138,309,112],[1,1,1,1],4]],'
+    b'"breaker":{"state":"closed","consecutive_failures":0,"opened_at_s":null,"first_opened_at_s":null,'
+    b'"cooldown_s":0.0},"command":null,"retrying":{"e2":[1700001702.0,1700001702.0]},'
+    b'"last_attempt_at_s":1700001703.0,"probe_asked_at_s":0.0}},"types":{"order.created":{'
+    b'"day":[[472222,[4,3,1,0,0,0,0,0,1,516.75],[125,138,309,112],[1,1,1,1],4]],'
+    b'"recent":[[28333361,[4,3,1,0,0,0,0,0,1,516.75],[125,138,309,112],[1,1,1,1],4]],'
+    b'"last_attempt_at_s":1700001703.0}}}'
+)
+
+
+def test_a_checkpoint_written_before_the_dense_sketches_is_read() -> None:
+    """Same format: a monitor upgraded across the change resumes from its checkpoint (no rebuild)."""
+    health = load(BEFORE_DENSE_SKETCHES, policy=POLICY)
+    day = health.endpoints["ep_a"].day.total(now_s=NOW)
+    assert (day.attempts, day.successes, day.failures, day.sketch.count) == (4, 3, 1, 4)
+    assert day.sketch.bins == {112: 1, 125: 1, 138: 1, 309: 1}
+    assert day.percentile_ms(0.0) == pytest.approx(9.25, rel=0.01)
+    assert day.percentile_ms(1.0) == pytest.approx(480.0, rel=0.01)
+    assert health.types["order.created"].recent.total(now_s=NOW).attempts == 4
+    assert (
+        load(dump(health), policy=POLICY).endpoints["ep_a"].day.total(now_s=NOW).sketch.bins
+        == day.sketch.bins
+    )
+
+
 # --- prune ----------------------------------------------------------------------------------------
 
 
@@ -290,6 +330,37 @@ def test_prune_forgets_events_awaiting_a_retry_after_a_day_without_news() -> Non
 
     assert health.endpoints["ep_a"].retrying == {"e1": (NOW - 30 * HOUR, NOW - HOUR)}
     assert health.endpoints["ep_a"].oldest_pending_s(NOW) == 30 * HOUR  # counted from its first attempt
+
+
+def test_types_beyond_the_cap_count_together_until_a_place_frees_up() -> None:
+    health = Health(dataclasses.replace(POLICY, max_types=2))
+    for n, event_type in enumerate(["a.one", "b.two", "c.three", "d.four", "a.one"]):
+        health.observe(record(NOW - HOUR + n, type=event_type), now_s=NOW, live=False)
+    assert set(health.types) == {"a.one", "b.two", OTHER_TYPES}
+    counts = {name: types.day.total(now_s=NOW).attempts for name, types in health.types.items()}
+    assert counts == {"a.one": 2, "b.two": 1, OTHER_TYPES: 2}, "every record counted once"
+    # A day later "a.one" and "b.two" have gone quiet: their places go to the next types.
+    later = NOW + 25 * HOUR
+    health.observe(record(later - 60, type="a.one"), now_s=later, live=False)
+    health.prune(now_s=later)
+    assert set(health.types) == {"a.one"}
+    for event_type in ("c.three", "d.four", "e.five"):
+        health.observe(record(later - 30, type=event_type), now_s=later, live=False)
+    assert set(health.types) == {"a.one", "c.three", OTHER_TYPES}
+
+
+def test_the_events_awaiting_a_retry_of_an_endpoint_are_capped_the_first_kept() -> None:
+    health = Health(POLICY)
+    for n in range(MAX_TRACKED_RETRIES + 10):
+        failed = record(
+            NOW - 600 + n * 0.01, outcome="retry", event_id=f"e{n}", first_attempt_at_s=NOW - 600 + n
+        )
+        health.observe(failed, now_s=NOW, live=False)
+    retrying = health.endpoints["ep_a"].retrying
+    assert len(retrying) == MAX_TRACKED_RETRIES
+    assert "e0" in retrying
+    assert f"e{MAX_TRACKED_RETRIES}" not in retrying
+    assert health.endpoints["ep_a"].oldest_pending_s(NOW) == 600
 
 
 # --- the alert book -------------------------------------------------------------------------------

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import tracemalloc
 
 import pytest
 
@@ -59,3 +60,48 @@ def test_memory_is_bounded_by_the_range_not_the_samples() -> None:
 
 def test_empty() -> None:
     assert LatencySketch().quantile(0.5) is None
+
+
+def test_merging_sketches_over_other_ranges_grows_the_array_both_ways() -> None:
+    low, high, middle, both = LatencySketch(), LatencySketch(), LatencySketch(), LatencySketch()
+    for value in (0.5, 1.0, 2.0):
+        low.add(value)
+        both.add(value)
+    for value in (5_000.0, 10_000.0):
+        high.add(value)
+        both.add(value)
+    middle.add(40.0)
+    both.add(40.0)
+    middle.merge(low)  # below its range
+    middle.merge(high)  # above it
+    middle.merge(LatencySketch())  # nothing
+    assert middle.bins == both.bins
+    assert middle.count == 6
+    assert middle.quantile(0.0) == pytest.approx(0.5, rel=RELATIVE_ERROR)
+    assert middle.quantile(1.0) == pytest.approx(10_000.0, rel=RELATIVE_ERROR)
+
+
+def test_a_sketch_comes_back_from_its_buckets() -> None:
+    rng = random.Random(5)
+    sketch = LatencySketch()
+    for _ in range(3000):
+        sketch.add(rng.lognormvariate(3, 1))
+    again = LatencySketch.of(sketch.bins)
+    assert (again.bins, again.count) == (sketch.bins, sketch.count)
+    assert [again.quantile(q) for q in (0.5, 0.99)] == [sketch.quantile(q) for q in (0.5, 0.99)]
+
+
+def test_a_full_sketch_is_a_dense_array_of_its_range() -> None:
+    """What makes the monitor's memory: 4 bytes per bucket between the lowest and the highest seen."""
+    rng = random.Random(9)
+    values = [rng.lognormvariate(3, 1) for _ in range(20_000)]  # 1 ms to 2 s and more: ~450 buckets
+    tracemalloc.start()
+    try:
+        sketch = LatencySketch()
+        for value in values:
+            sketch.add(value)
+        size, _ = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    buckets = max(sketch.bins) - min(sketch.bins) + 1
+    assert size <= 4 * buckets + 512, (size, buckets)
