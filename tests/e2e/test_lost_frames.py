@@ -39,7 +39,9 @@ async def proxied_dispatcher(
         system.extra.append(dispatcher)
         await asyncio.to_thread(dispatcher.wait_ready)
         yield proxy, dispatcher
-        assert dispatcher.stop() == 0
+        # Stopped from a thread: the proxy runs on this event loop, and the dispatcher's shutdown needs
+        # the broker's answers (a cancel-ok) to pass through it.
+        assert await asyncio.to_thread(dispatcher.stop) == 0
 
 
 async def test_a_consumer_the_broker_dropped_without_a_word_is_attached_again(
