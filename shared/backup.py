@@ -28,7 +28,7 @@ from typing import Annotated, Literal
 import structlog
 from pydantic import AwareDatetime, Field, TypeAdapter, ValidationError
 
-from hookline.shared import __version__, registry, topology
+from hookline.shared import __version__, placement, registry, topology
 from hookline.shared.amqp import Broker, Publisher, QueueProbe
 from hookline.shared.ids import new_id
 from hookline.shared.models import (
@@ -184,8 +184,8 @@ def _header(text: bytes) -> Header:
 
 def restored(endpoint: StoredEndpoint) -> StoredEndpoint:
     """An endpoint as an import writes it: its queues of the old broker are gone (none to drain), and
-    its route exchanges are provisioned with it."""
-    return endpoint.model_copy(update={"retired_queues": [], "routed": True})
+    it is delivered through its lane (a queue of its own only if its definition needs one)."""
+    return endpoint.model_copy(update={"retired_queues": [], "routed": True, "laned": True})
 
 
 def key_problem(backup: Snapshot, sealer: Sealer) -> str | None:
@@ -335,6 +335,6 @@ async def _endpoint(
 ) -> None:
     """As the ingest registers one: its topology first, so its record never names a missing queue."""
     async with broker.channel() as admin:
-        await topology.provision(admin, endpoint)
+        await topology.provision(admin, endpoint, isolated=placement.structural(endpoint) is not None)
     record = EndpointUpserted(change_id=new_id("chg"), at=datetime.now(UTC), endpoint=endpoint)
     await change_log.write(record, timeout_s=timeout_s)

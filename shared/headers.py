@@ -21,6 +21,8 @@ class Header(enum.StrEnum):
     # Set by the ingest API on an event sent with an Idempotency-Key: a digest of the request, so that
     # the key sent again with another request is refused.
     REQUEST_DIGEST = "x-hookline-request-digest"
+    # A message forwarded after it came back unroutable: how many times (it stops past a few).
+    FORWARDS = "x-hookline-forwards"
     ORIGIN = (
         "x-hookline-origin"  # an event put back by hand: "replay" or "redrive" (the delivery log says so)
     )

@@ -284,17 +284,19 @@ class SigningSecret(Model):
 class StoredEndpoint(Endpoint):
     """An endpoint as the change log keeps it: with its signing secrets (newest first) and its queues.
 
-    ``queue_generation`` names the queue events go to now (:func:`topology.endpoint_queue`); a change
-    of the options that shape a queue moves the endpoint to the next generation, and the queues it
-    left are ``retired_queues``: dispatchers keep draining them into the current one.
+    ``queue_generation`` names its queue of its own, while it has one (:func:`topology.own_queue`; it is
+    delivered from its tenant's lane otherwise, :mod:`hookline.shared.placement`); a change of the
+    options that shape a queue moves it to the next generation, and the queues it left are
+    ``retired_queues``: dispatchers drain them into its address.
     """
 
     secrets: list[SigningSecret] = Field(min_length=1)
     queue_generation: int = Field(0, ge=0)
     retired_queues: list[str] = Field(default_factory=list, max_length=100)
-    # False for endpoints registered before route exchanges existed: their queue is bound to ``events``
-    # directly until the ingest upgrades them at its start.
+    # Endpoints of the versions before lanes: ``routed`` had route exchanges, neither had its queue
+    # bound to ``events`` directly. The ingest moves them onto their lane at its start (``laned``).
     routed: bool = False
+    laned: bool = False
     # What the endpoint's requests carry, secrets sealed (header values, the auth's password, token,
     # client secret or key); ``headers`` and ``auth`` are what the API shows of them.
     sealed_headers: dict[str, str] = Field(default_factory=dict)
@@ -308,6 +310,7 @@ class StoredEndpoint(Endpoint):
                     "queue_generation",
                     "retired_queues",
                     "routed",
+                    "laned",
                     "sealed_headers",
                     "sealed_auth",
                 }
@@ -382,6 +385,31 @@ class EndpointDeleted(Model):
     base_version: int | None = None
 
 
+class Placement(Model):
+    """Where an endpoint is delivered from, as far as it is decided at run time (its options and status
+    decide the rest: :mod:`hookline.shared.placement`): from its lane, or from a queue of its own."""
+
+    endpoint_id: EndpointId
+    generation: int = Field(ge=1, description="one more with every change")
+    isolated: bool
+    reason: str = Field("", max_length=64, description="why: breaker_open, slow, backlogged, replay, …")
+    at: AwareDatetime
+    # Written by the leading monitor once it has removed the endpoint's queue of its own (empty, and no
+    # replica hands anything to it any more): from here on nobody consumes or counts it.
+    queue_removed: bool = False
+
+
+class PlacementSet(Model):
+    """A placement change, applied only if the endpoint's placement is still at ``base_generation`` (0:
+    none yet): apart from the endpoint's version, so that it never makes an edit of the endpoint stale."""
+
+    kind: Literal["placement.set"] = "placement.set"
+    change_id: str
+    at: AwareDatetime
+    placement: Placement
+    base_generation: int = Field(ge=0)
+
+
 # --- tenants: API tokens and quotas, kept in the change log ----------------------------------------
 
 
@@ -425,7 +453,13 @@ class QuotaSet(Model):
 
 
 ChangeRecord = Annotated[
-    EndpointUpserted | EndpointDeleted | EventTypeUpserted | EventTypeDeleted | TokenUpserted | QuotaSet,
+    EndpointUpserted
+    | EndpointDeleted
+    | PlacementSet
+    | EventTypeUpserted
+    | EventTypeDeleted
+    | TokenUpserted
+    | QuotaSet,
     Field(discriminator="kind"),
 ]
 

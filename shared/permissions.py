@@ -70,6 +70,7 @@ def names(exact: Iterable[str] = (), prefixes: Iterable[str] = ()) -> str:
 
 
 _ENDPOINT_PREFIXES = (topology.ENDPOINT_QUEUE_PREFIX, topology.ROUTE_EXCHANGE_PREFIX)
+_LANES = tuple(topology.lane_queues())
 _DELAY_LEVELS = tuple(topology.delay_level(level) for level in range(topology.DELAY_BITS))
 # The sources an endpoint's provisioning binds from (events, retries).
 _ENDPOINT_BINDING_SOURCES = (topology.EVENTS_EXCHANGE, topology.DELAY_DELIVERY)
@@ -89,9 +90,10 @@ GRANTS: dict[Role, Grant] = {
         configure=names((), _ENDPOINT_PREFIXES),
         write=names(
             (
-                DEFAULT_EXCHANGE,  # a message moved to the endpoint's current queue; change-log records
+                DEFAULT_EXCHANGE,  # change-log records (a placement, a disable)
                 topology.DEAD_LETTER_EXCHANGE,
                 topology.TELEMETRY_EXCHANGE,
+                topology.DELAY_DELIVERY,  # a copy handed on to an endpoint's address
                 *_DELAY_LEVELS,
             ),
             _ENDPOINT_PREFIXES,
@@ -101,7 +103,8 @@ GRANTS: dict[Role, Grant] = {
                 *_ENDPOINT_BINDING_SOURCES,
                 topology.ENDPOINT_LOG,
                 topology.BREAKER_LOG,
-                topology.DELAY_UNROUTABLE,  # retries for endpoints gone: endpoint_gone dead letters
+                topology.DELAY_UNROUTABLE,  # copies whose queue is gone: forwarded, or dead letters
+                *_LANES,
             ),
             _ENDPOINT_PREFIXES,
         ),
@@ -115,7 +118,9 @@ GRANTS: dict[Role, Grant] = {
                 topology.CONTROL_EXCHANGE,
                 topology.ALERTS_EXCHANGE,
                 topology.EVENTS_EXCHANGE,  # endpoint notifications are events
+                topology.DELAY_DELIVERY,  # ... addressed to the notifier
                 topology.MONITOR_LEADER_LOCK,
+                *_LANES,  # a tenant pattern no endpoint needs any more, unbound
             ),
             _ENDPOINT_PREFIXES,
         ),

@@ -23,7 +23,7 @@ import structlog
 from aio_pika.abc import AbstractIncomingMessage
 from pydantic import TypeAdapter, ValidationError
 
-from hookline.shared import catalog, permissions, topology
+from hookline.shared import catalog, permissions, placement, topology
 from hookline.shared.amqp import Broker, Publisher
 from hookline.shared.ids import new_id
 from hookline.shared.models import (
@@ -34,6 +34,8 @@ from hookline.shared.models import (
     EventTypeDeleted,
     EventTypeInfo,
     EventTypeUpserted,
+    Placement,
+    PlacementSet,
     QuotaSet,
     StoredEndpoint,
     StoredToken,
@@ -50,6 +52,8 @@ log = structlog.get_logger(__name__)
 _records: TypeAdapter[ChangeRecord] = TypeAdapter(ChangeRecord)
 _LEGACY_SYNC = b'{"kind":"sync"'
 LOOP = "endpoint-log"
+#: (tenant, type) pairs whose matching endpoints are remembered; past it the memo starts over.
+_MATCHES_KEPT = 100_000
 
 #: Called with (before, after) for every endpoint that changed; either side is None on create/delete.
 Listener = Callable[[StoredEndpoint | None, StoredEndpoint | None], None]
@@ -75,14 +79,25 @@ class StaleEventTypeError(Exception):
 
 
 class EndpointRegistry:
-    """The endpoints as of the last change-log record applied."""
+    """The endpoints as of the last change-log record applied, with their placements."""
 
     def __init__(self) -> None:
         self._endpoints: dict[str, StoredEndpoint] = {}
+        self._by_tenant: dict[str, dict[str, StoredEndpoint]] = {}
         # Deleted endpoints' last definitions: messages still on their way can be dead-lettered by tenant,
         # and their queues drained.
         self._deleted: dict[str, StoredEndpoint] = {}
         self._deleted_at: dict[str, datetime] = {}
+        self._deleted_with_queues: set[str] = set()
+        self._placements: dict[str, Placement] = {}
+        # Endpoints whose queue of their own exists (or may): from the first record that isolates one to
+        # the placement that says it was removed. The same for every replica, being the same records in
+        # the same order; with those that have queues left to drain, the only endpoints a dispatcher
+        # consumes a queue of, or the monitor reads the depth of.
+        self._has_queue: set[str] = set()
+        self._queued: set[str] = set()
+        self._matches: dict[str, dict[str, tuple[StoredEndpoint, ...]]] = {}  # tenant -> type ->
+        self._matches_kept = 0
         self._listeners: list[Listener] = []
 
     def get(self, endpoint_id: str) -> StoredEndpoint | None:
@@ -95,9 +110,64 @@ class EndpointRegistry:
     def all(self) -> list[StoredEndpoint]:
         return list(self._endpoints.values())
 
+    def of_tenant(self, tenant: str) -> list[StoredEndpoint]:
+        return list(self._by_tenant.get(tenant, {}).values())
+
+    def tenants(self) -> list[str]:
+        return list(self._by_tenant)
+
+    def matching(self, tenant: str, event_type: str) -> tuple[StoredEndpoint, ...]:
+        """The tenant's endpoints one of whose patterns matches ``event_type``: the fan-out of a lane
+        message (remembered per tenant and type until one of the tenant's endpoints changes). An endpoint
+        of the version before lanes is passed over: its route exchange still feeds it, until the ingest
+        moves it onto its lane."""
+        of_tenant = self._matches.get(tenant)
+        found = of_tenant.get(event_type) if of_tenant is not None else None
+        if found is None:
+            found = tuple(
+                endpoint
+                for endpoint in self._by_tenant.get(tenant, {}).values()
+                if endpoint.laned
+                and any(topology.topic_matches(pattern, event_type) for pattern in endpoint.event_types)
+            )
+            if self._matches_kept >= _MATCHES_KEPT:
+                self._matches.clear()
+                self._matches_kept = 0
+            self._matches.setdefault(tenant, {})[event_type] = found
+            self._matches_kept += 1
+        return found
+
+    def placement(self, endpoint_id: str) -> Placement | None:
+        return self._placements.get(endpoint_id)
+
+    def isolated(self, endpoint: StoredEndpoint) -> bool:
+        """Whether the endpoint is delivered from a queue of its own (:mod:`hookline.shared.placement`)."""
+        return placement.isolated(endpoint, self._placements.get(endpoint.id))
+
+    def address(self, endpoint: StoredEndpoint) -> str:
+        """Where a message for this endpoint alone goes now: its queue of its own, or its lane."""
+        return topology.address(endpoint, isolated=self.isolated(endpoint))
+
+    @property
+    def queued_count(self) -> int:
+        return len(self._queued)
+
+    def has_queue(self, endpoint_id: str) -> bool:
+        """Whether the endpoint's queue of its own (its current generation) exists, or may."""
+        return endpoint_id in self._has_queue
+
+    def with_queues(self) -> list[StoredEndpoint]:
+        """Live endpoints with a queue of their own, or queues left to drain."""
+        return [self._endpoints[endpoint_id] for endpoint_id in self._queued]
+
     def deleted_since(self, since: datetime) -> list[StoredEndpoint]:
-        """Endpoints deleted at or after ``since`` (their queues may still hold messages to drain)."""
+        """Endpoints deleted at or after ``since``."""
         return [self._deleted[i] for i, at in self._deleted_at.items() if at >= since]
+
+    def deleted_with_queues_since(self, since: datetime) -> list[StoredEndpoint]:
+        """Endpoints deleted at or after ``since`` that had queues of their own (they may still hold
+        messages to drain into dead letters)."""
+        return [self._deleted[i] for i in self._deleted_with_queues if self._deleted_at[i] >= since]
 
     def __len__(self) -> int:
         return len(self._endpoints)
@@ -114,18 +184,58 @@ class EndpointRegistry:
         if isinstance(record, EndpointUpserted):
             after = record.endpoint.model_copy(update={"version": (before.version if before else 0) + 1})
             self._endpoints[endpoint_id] = after
+            self._by_tenant.setdefault(after.tenant, {})[endpoint_id] = after
             # Created again under the id of a deleted one (a notifier's id is derived from its tenant and
             # URL): no longer deleted, so nothing drains or removes the queues it uses again.
             self._deleted.pop(endpoint_id, None)
             self._deleted_at.pop(endpoint_id, None)
+            self._deleted_with_queues.discard(endpoint_id)
+            self._changed(after)
             self._notify(before, after)
             return after
         if before is not None:
             del self._endpoints[endpoint_id]
+            tenant = self._by_tenant[before.tenant]
+            del tenant[endpoint_id]
+            if not tenant:
+                del self._by_tenant[before.tenant]
             self._deleted[endpoint_id] = before
             self._deleted_at[endpoint_id] = record.at
+            if endpoint_id in self._queued:
+                self._deleted_with_queues.add(endpoint_id)
+            self._placements.pop(endpoint_id, None)
+            self._has_queue.discard(endpoint_id)
+            self._queued.discard(endpoint_id)
+            self._forget_matches(before.tenant)
             self._notify(before, None)
         return None
+
+    def apply_placement(self, record: PlacementSet) -> Placement | Stale:
+        """Apply a placement change: the placement as it now is, or :class:`Stale` when another change
+        came first (or the endpoint is gone)."""
+        endpoint_id = record.placement.endpoint_id
+        endpoint = self._endpoints.get(endpoint_id)
+        current = self._placements.get(endpoint_id)
+        if endpoint is None or record.base_generation != (current.generation if current else 0):
+            return Stale(endpoint)
+        self._placements[endpoint_id] = record.placement
+        if record.placement.queue_removed:
+            self._has_queue.discard(endpoint_id)
+        self._changed(endpoint)
+        self._notify(endpoint, endpoint)
+        return record.placement
+
+    def _changed(self, endpoint: StoredEndpoint) -> None:
+        if self.isolated(endpoint):
+            self._has_queue.add(endpoint.id)
+        if endpoint.id in self._has_queue or endpoint.retired_queues:
+            self._queued.add(endpoint.id)
+        else:
+            self._queued.discard(endpoint.id)
+        self._forget_matches(endpoint.tenant)
+
+    def _forget_matches(self, tenant: str) -> None:
+        self._matches_kept -= len(self._matches.pop(tenant, {}))
 
     def _notify(self, before: StoredEndpoint | None, after: StoredEndpoint | None) -> None:
         for listener in self._listeners:
@@ -200,6 +310,30 @@ class ChangeLog:
         )
         return await self._follower.append(message, timeout_s=timeout_s)
 
+    async def place(
+        self, endpoint_id: str, *, isolated: bool, reason: str, timeout_s: float, queue_removed: bool = False
+    ) -> Placement | None:
+        """Isolate the endpoint (or take it back to its lane), on its placement as this process knows it;
+        the placement as written, or None when it is gone or another writer changed it meanwhile (that
+        one stands: whoever wanted this looks again)."""
+        current = self.registry.placement(endpoint_id)
+        now = datetime.now(UTC)
+        record = PlacementSet(
+            change_id=new_id("chg"),
+            at=now,
+            placement=Placement(
+                endpoint_id=endpoint_id,
+                generation=(current.generation if current else 0) + 1,
+                isolated=isolated,
+                reason=reason,
+                at=now,
+                queue_removed=queue_removed,
+            ),
+            base_generation=current.generation if current else 0,
+        )
+        result = await self._append(record, timeout_s=timeout_s)
+        return result if isinstance(result, Placement) else None
+
     async def upsert(
         self, endpoint: StoredEndpoint, *, base_version: int, timeout_s: float
     ) -> StoredEndpoint:
@@ -272,6 +406,11 @@ class ChangeLog:
                 log.error("tenant_record_refused", offset=offset_of(message), user=message.user_id)
                 return None
             return self.tenants.apply(record)
+        if isinstance(record, PlacementSet):
+            placed = self.registry.apply_placement(record)
+            if isinstance(placed, Stale):
+                log.info("placement_change_stale", endpoint_id=record.placement.endpoint_id)
+            return placed
         if isinstance(record, EventTypeUpserted | EventTypeDeleted):
             applied = self.catalog.apply(record)
             if isinstance(applied, catalog.Stale):

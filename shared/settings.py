@@ -88,6 +88,13 @@ class CommonSettings(BaseSettings):
         "rabbitmq-diagnostics",
         description="Without a management URL: the CLI that reads them, used when the broker is on this host.",
     )
+    max_endpoint_queues: int = Field(
+        200,
+        ge=0,
+        description="Endpoints that may have a queue of their own at once (limits, paused, breaker open, "
+        "slow...; each a quorum queue: on RabbitMQ 3.x three file handles); past it a new one is refused "
+        "(503) or, if only slow or backlogged, delivered from its lane.",
+    )
     state_dir: Path = Field(
         Path(".hookline/state"),
         description="Where each replica keeps its local views (SQLite); rebuilt from the streams if lost.",
@@ -236,7 +243,17 @@ class DispatcherSettings(DeliveryPolicySettings):
         "unset: open, as the dispatcher has no API token.",
     )
     prefetch_per_endpoint: int = Field(
-        32, ge=1, le=1000, description="Unacked deliveries one dispatcher holds per endpoint."
+        32,
+        ge=1,
+        le=1000,
+        description="Deliveries one dispatcher has under way per endpoint (past it, from a lane, the endpoint "
+        "is backlogged and gets a queue of its own).",
+    )
+    lane_prefetch: int = Field(
+        256,
+        ge=1,
+        le=2000,
+        description="Lane messages one dispatcher holds per lane at once (each fanned out).",
     )
     http_max_connections: int = Field(
         512,

@@ -75,6 +75,12 @@ class Heartbeat(Model):
     # The half-open breakers (endpoint id -> breaker version) this dispatcher has taken the probe of:
     # a prober that has not is asked no longer than a heartbeat or two.
     probing: dict[str, int] = Field(default_factory=dict)
+    # The offset of the last endpoint change-log record this dispatcher has applied (None: none yet).
+    # Sent at once when it moves: an ingest answers a new endpoint only once every live dispatcher has
+    # applied its record, so that none fans an event out without it.
+    applied_offset: int | None = None
+    # A dispatcher shutting down says so in its last heartbeat: nobody waits for it any more.
+    stopping: bool = False
 
 
 class ExchangeFields(TypedDict):
@@ -126,7 +132,7 @@ def exchange(result: AttemptResult, sealer: Sealer) -> ExchangeFields:
     }
 
 
-DeferralReason = Literal["ordering", "pacing", "slow_share"]
+DeferralReason = Literal["ordering", "pacing", "slow_share", "slow"]
 
 
 class Deferral(Model):

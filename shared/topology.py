@@ -3,14 +3,13 @@
 All queues are durable (quorum or stream) so the same code runs on RabbitMQ 3.10 through 4.x. A queue's
 arguments come from one function each: redeclaring with different arguments is a channel error.
 
-    events (topic) ──<tenant>.<pattern>──▶ hookline.route.<id> (fanout, one per endpoint)
+    events (topic) ──<tenant>.<pattern>──▶ hookline.lane.<n> (quorum; n = CRC-32 of the tenant mod LANES)
       │  ├─ "#" ──▶ hookline.events.log (stream: every accepted event, for replay)
       │  └─ alternate exchange ──▶ hookline.unrouted (only if the event log is missing)
-    hookline.route.<id> ──▶ the endpoint's current queue (even generation)
-      └─ alternate exchange hookline.route.<id>.alt ──▶ the current queue (odd generation)
+    hookline.endpoint.<id>[.g<N>] (quorum): an endpoint's queue of its own, only while it needs one
     hookline.delay.27 … hookline.delay.00 (topic + quorum TTL queue of 2^NN s each)
-      └─▶ hookline.delay.delivery (topic) ──"*"x28.hookline.route.<id>──▶ hookline.route.<id>
-            └─ alternate exchange ──▶ hookline.delay.unroutable (the endpoint is gone)
+      └─▶ hookline.delay.delivery (topic) ──"*"x28.<lane or endpoint queue>──▶ that queue
+            └─ alternate exchange ──▶ hookline.delay.unroutable (the queue is gone: forwarded, or dead)
     hookline.dead (fanout) ──▶ hookline.dead-letters (stream: listable, redrivable)
     hookline.endpoints (stream): the endpoint change log every service replays and follows
     hookline.telemetry (fanout) ──▶ hookline.telemetry.log (stream, 25 h): attempt records, heartbeats
@@ -18,20 +17,23 @@ arguments come from one function each: redeclaring with different arguments is a
     hookline.audit (stream, 400 days): who changed what through the API
     alerts (topic, <alert>.<state>): alerts firing and resolved, for whoever binds a queue
 
-Queues per endpoint: ``hookline.endpoint.<id>`` (generation 0), then ``hookline.endpoint.<id>.g<N>``.
+A registered endpoint costs the broker nothing of its own: its tenant's lane is bound once per distinct
+``<tenant>.<pattern>`` of the tenant's endpoints (RabbitMQ queues a message once however many of a
+queue's bindings match), and the dispatchers fan a lane message out to the tenant's matching endpoints.
+An endpoint that needs isolation (its limits need one consumer, it is paused, disabled or unverified,
+its breaker is open, it is slow or backlogged: :mod:`hookline.shared.placement`) has a queue of its own,
+to which the fan-out hands its copies. Messages meant for one endpoint (retries, replays, redrives,
+notifications) carry its id (``x-hookline-endpoint-id``) and go to its *address*: its queue of its own
+if it has one, else its lane. A message found in the wrong place is forwarded, never dropped.
+
 A queue's arguments are fixed when it is declared, so an endpoint whose options need other arguments
-(a rate limit added or removed: single active consumer) moves to a queue of the next generation. The
-move is one binding operation, which is what makes it exact: the route exchange delivers to its bound
-queue, and only when it has none, to its alternate exchange. Going from an even generation (bound to
-the route exchange) to an odd one: bind the new queue to the alternate (no effect yet), then unbind
-the old one (from now on every event takes the alternate). From odd to even: binding the new queue to
-the route exchange is the switch. Either way no event goes to both queues or to neither, and retries,
-addressed to the route exchange rather than to a queue, follow the switch.
+(a rate limit added or removed: single active consumer) gets a queue of the next generation,
+``hookline.endpoint.<id>.g<N>``; the queues it left (``retired_queues``) are drained into its address.
 
 Delays (reference/rabbitmq-techniques.md §1): a retry is published to the level of the highest set bit
-of its delay in seconds, with a routing key of the 28 bits, most significant first, then the endpoint
-queue's name. Each level either holds the message for 2^NN s (bit set) or passes it down (bit clear);
-every level queue has one TTL, so a message never waits behind a later-expiring one.
+of its delay in seconds, with a routing key of the 28 bits, most significant first, then the name of the
+queue it is addressed to. Each level either holds the message for 2^NN s (bit set) or passes it down
+(bit clear); every level queue has one TTL, so a message never waits behind a later-expiring one.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ import json
 import re
 import shlex
 import time
+import zlib
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -117,12 +120,44 @@ def delay_destination(routing_key: str) -> str:
     return routing_key.split(".", DELAY_BITS)[-1]
 
 
+#: Names of the version before lanes: an endpoint's fanout route exchange and its alternate. An ingest
+#: of this version removes them (:func:`unroute_legacy`); retries still addressed to them are unroutable
+#: and forwarded.
 ROUTE_EXCHANGE_PREFIX = "hookline.route."
+LANE_PREFIX = "hookline.lane."
+#: Lanes, the shared queues events reach endpoints through: a tenant's endpoints share one, so an event
+#: is one queue write whatever the number of its endpoints, and one lane's head-of-line is shared only by
+#: the tenants in it (docs/decisions.md, "Lanes"). Changing it moves tenants between lanes: not done
+#: without a migration, so it is a constant every service agrees on.
+LANES = 16
+
+
+def lane_queue(lane: int) -> str:
+    return f"{LANE_PREFIX}{lane:02d}"
+
+
+def lane_queues() -> list[str]:
+    return [lane_queue(lane) for lane in range(LANES)]
+
+
+def lane_of(tenant: str) -> str:
+    """The lane a tenant's events go through."""
+    return lane_queue(zlib.crc32(tenant.encode()) % LANES)
 
 
 def endpoint_queue(endpoint_id: str, generation: int = 0) -> str:
     name = ENDPOINT_QUEUE_PREFIX + endpoint_id
     return name if generation == 0 else f"{name}.g{generation}"
+
+
+def own_queue(endpoint: StoredEndpoint) -> str:
+    """The endpoint's queue of its own, of its current generation (it exists only while isolated)."""
+    return endpoint_queue(endpoint.id, endpoint.queue_generation)
+
+
+def address(endpoint: StoredEndpoint, *, isolated: bool) -> str:
+    """Where a message meant for this endpoint alone goes: its queue of its own, else its lane."""
+    return own_queue(endpoint) if isolated else lane_of(endpoint.tenant)
 
 
 def route_exchange(endpoint_id: str) -> str:
@@ -134,21 +169,20 @@ def route_alternate(endpoint_id: str) -> str:
 
 
 def endpoint_of(name: str) -> str | None:
-    """The endpoint a queue, route exchange or retry destination belongs to (None if none does)."""
+    """The endpoint a queue (or a legacy route exchange, or a retry destination) belongs to; None for a
+    lane or any other name."""
     for prefix in (ENDPOINT_QUEUE_PREFIX, ROUTE_EXCHANGE_PREFIX):
         if name.startswith(prefix):
             return name.removeprefix(prefix).split(".", 1)[0] or None
     return None
 
 
-def retry_destination(endpoint: StoredEndpoint) -> str:
-    """Where a retry is addressed: the route exchange (it follows queue moves); an endpoint registered
-    before route exchanges existed still has its queue bound to the delay exchange directly."""
-    return route_exchange(endpoint.id) if endpoint.routed else endpoint_queue(endpoint.id)
+def is_lane(name: str | None) -> bool:
+    return name is not None and name.startswith(LANE_PREFIX)
 
 
 def binding_keys(tenant: str, patterns: Iterable[str]) -> set[str]:
-    """The routing patterns that bind an endpoint's queue to ``events``: ``<tenant>.<pattern>``."""
+    """The routing patterns that bind a lane to ``events`` for a tenant's patterns: ``<tenant>.<pattern>``."""
     return {f"{tenant}.{pattern}" for pattern in patterns}
 
 
@@ -328,6 +362,11 @@ async def _declare_core(channel: AbstractChannel) -> None:
     await dead_letters.bind(dead)
     await endpoint_log(channel)
     await _declare_delays(channel)
+    for name in lane_queues():
+        lane = await channel.declare_queue(
+            name, durable=True, arguments=endpoint_queue_arguments(single_consumer=False)
+        )
+        await lane.bind(DELAY_DELIVERY, routing_key=delay_delivery_binding(name))
     telemetry = await channel.declare_exchange(TELEMETRY_EXCHANGE, aio_pika.ExchangeType.FANOUT, durable=True)
     await (await _stream(channel, TELEMETRY_LOG)).bind(telemetry)
     control = await channel.declare_exchange(CONTROL_EXCHANGE, aio_pika.ExchangeType.FANOUT, durable=True)
@@ -396,78 +435,49 @@ async def endpoint_log(channel: AbstractChannel) -> AbstractQueue:
     return await channel.declare_queue(ENDPOINT_LOG, durable=True, arguments={"x-queue-type": "stream"})
 
 
-async def endpoint_queue_declare(
+async def declare_own_queue(
     channel: AbstractChannel, endpoint: StoredEndpoint, generation: int | None = None
 ) -> AbstractQueue:
-    """Declare (create if missing) the endpoint's queue of ``generation`` (default: its current one)."""
+    """Declare (create if missing) the endpoint's queue of its own of ``generation`` (default: its
+    current one), and bind it for the retries addressed to it."""
     generation = endpoint.queue_generation if generation is None else generation
-    return await channel.declare_queue(
-        endpoint_queue(endpoint.id, generation),
-        durable=True,
-        arguments=endpoint_queue_arguments(single_consumer=endpoint.single_consumer),
+    name = endpoint_queue(endpoint.id, generation)
+    queue = await channel.declare_queue(
+        name, durable=True, arguments=endpoint_queue_arguments(single_consumer=endpoint.single_consumer)
     )
+    await queue.bind(DELAY_DELIVERY, routing_key=delay_delivery_binding(name))
+    return queue
 
 
-def _feeding_exchange(endpoint_id: str, generation: int) -> str:
-    return route_exchange(endpoint_id) if generation % 2 == 0 else route_alternate(endpoint_id)
+async def provision(channel: AbstractChannel, endpoint: StoredEndpoint, *, isolated: bool) -> None:
+    """What the endpoint needs, declared and bound (idempotent): its patterns on its tenant's lane, and
+    its queue of its own when it is ``isolated`` (declared before anything is handed to it)."""
+    if isolated:
+        await declare_own_queue(channel, endpoint)
+    await bind_patterns(channel, endpoint.tenant, endpoint.event_types)
 
 
-async def provision(channel: AbstractChannel, endpoint: StoredEndpoint) -> None:
-    """Everything the endpoint needs, declared and bound (idempotent): its route exchanges, its current
-    queue fed by the right one, its patterns on ``events``, and retries addressed to it."""
-    alternate = await channel.declare_exchange(
-        route_alternate(endpoint.id), aio_pika.ExchangeType.FANOUT, durable=True
-    )
-    route = await channel.declare_exchange(
-        route_exchange(endpoint.id),
-        aio_pika.ExchangeType.FANOUT,
-        durable=True,
-        arguments={"alternate-exchange": alternate.name},
-    )
-    queue = await endpoint_queue_declare(channel, endpoint)
-    await queue.bind(_feeding_exchange(endpoint.id, endpoint.queue_generation))
-    for key in sorted(binding_keys(endpoint.tenant, endpoint.event_types)):
-        await route.bind(EVENTS_EXCHANGE, routing_key=key)
-    await route.bind(DELAY_DELIVERY, routing_key=delay_delivery_binding(route.name))
-    if not endpoint.routed:
-        # Bindings of the version before route exchanges: the route exchange feeds the queue now (a
-        # message reaching one queue by two paths is queued once, so nothing falls in between).
-        for key in sorted(binding_keys(endpoint.tenant, endpoint.event_types)):
-            await queue.unbind(EVENTS_EXCHANGE, routing_key=key)
+async def bind_patterns(channel: AbstractChannel, tenant: str, patterns: Iterable[str]) -> None:
+    lane = await channel.get_queue(lane_of(tenant), ensure=False)
+    for key in sorted(binding_keys(tenant, patterns)):
+        await lane.bind(EVENTS_EXCHANGE, routing_key=key)
 
 
-async def rebind(channel: AbstractChannel, before: StoredEndpoint, after: StoredEndpoint) -> None:
-    """New patterns on ``events``: the new ones are bound before the old ones go, so no event matching
-    both falls between them (and one reaching the route exchange twice is queued once)."""
-    old_keys = binding_keys(before.tenant, before.event_types)
-    new_keys = binding_keys(after.tenant, after.event_types)
-    route = await channel.get_exchange(route_exchange(after.id), ensure=False)
-    for key in sorted(new_keys - old_keys):
-        await route.bind(EVENTS_EXCHANGE, routing_key=key)
-    for key in sorted(old_keys - new_keys):
-        await route.unbind(EVENTS_EXCHANGE, routing_key=key)
+async def unbind_pattern(channel: AbstractChannel, tenant: str, pattern: str) -> None:
+    """A tenant pattern no endpoint needs any more (the leading monitor decides that)."""
+    lane = await channel.get_queue(lane_of(tenant), ensure=False)
+    await lane.unbind(EVENTS_EXCHANGE, routing_key=f"{tenant}.{pattern}")
 
 
-async def switch_queue(channel: AbstractChannel, endpoint: StoredEndpoint, from_generation: int) -> None:
-    """Feed the endpoint's current queue instead of the one of ``from_generation`` (see the module
-    docstring: bind the new one, then unbind the old one, is exact in both directions)."""
-    new = await channel.get_queue(endpoint_queue(endpoint.id, endpoint.queue_generation), ensure=False)
-    await new.bind(_feeding_exchange(endpoint.id, endpoint.queue_generation))
-    old = await channel.get_queue(endpoint_queue(endpoint.id, from_generation), ensure=False)
-    await old.unbind(_feeding_exchange(endpoint.id, from_generation))
-
-
-async def unroute(channel: AbstractChannel, endpoint: StoredEndpoint) -> None:
-    """No new events nor retries for a deleted endpoint: deleting its route exchanges removes every
-    binding to them (retries still on their way become unroutable, then ``endpoint_gone`` dead letters).
-    Its queues stay until they are drained."""
+async def unroute_legacy(channel: AbstractChannel, endpoint: StoredEndpoint) -> None:
+    """The route exchanges (and, older still, the direct bindings) of an endpoint of a version before
+    lanes: deleting the exchanges removes every binding to them. Its queue stays until it is drained."""
     await channel.exchange_delete(route_exchange(endpoint.id))
     await channel.exchange_delete(route_alternate(endpoint.id))
-    if not endpoint.routed:
-        queue = await channel.get_queue(endpoint_queue(endpoint.id), ensure=False)
-        for key in sorted(binding_keys(endpoint.tenant, endpoint.event_types)):
-            await queue.unbind(EVENTS_EXCHANGE, routing_key=key)
-        await queue.unbind(DELAY_DELIVERY, routing_key=delay_delivery_binding(queue.name))
+    queue = await channel.get_queue(endpoint_queue(endpoint.id), ensure=False)
+    for key in sorted(binding_keys(endpoint.tenant, endpoint.event_types)):
+        await queue.unbind(EVENTS_EXCHANGE, routing_key=key)
+    await queue.unbind(DELAY_DELIVERY, routing_key=delay_delivery_binding(queue.name))
 
 
 def core_exchanges() -> list[str]:
@@ -497,11 +507,13 @@ def core_queues() -> list[str]:
         AUDIT_LOG,
         DELAY_UNROUTABLE,
         *(delay_level(level) for level in range(DELAY_BITS)),
+        *lane_queues(),
     ]
 
 
 def endpoint_queues(endpoint: StoredEndpoint) -> list[str]:
-    """Every queue of the endpoint that may hold its messages: the current one and those it left."""
+    """Every queue of its own the endpoint may have messages in: the current one (if it is isolated, or
+    was) and those it left."""
     return [endpoint_queue(endpoint.id, endpoint.queue_generation), *endpoint.retired_queues]
 
 

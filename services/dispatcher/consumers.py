@@ -1,11 +1,13 @@
 """Which queues this dispatcher consumes, kept in line with the endpoint log and the breakers.
 
-For every endpoint:
+Every lane (:mod:`hookline.shared.topology`), always: a message from ``events`` is fanned out to the
+tenant's endpoints (fanout.py), one addressed to an endpoint is handled for it. And for every endpoint
+with a queue of its own (:mod:`hookline.shared.placement`), and only those:
 - its current queue is consumed for delivery while the endpoint is active, verified and its breaker
   is closed (an open breaker leaves its messages waiting in the queue); one dispatcher, named by the
   monitor, takes the half-open probe with ``basic.get``;
-- the queues it left behind (a queue move, see :mod:`hookline.shared.topology`) are consumed to forward
-  whatever is still in them, or comes back to them late, into the current queue;
+- the queues it left behind (a queue move) are consumed to forward whatever is still in them, or comes
+  back to them late, to its address;
 - once it is deleted, all its queues are consumed to turn what is left into ``endpoint_gone`` dead
   letters, until the monitor removes them.
 
@@ -33,11 +35,11 @@ import aiormq
 import structlog
 from aio_pika.abc import AbstractChannel, AbstractQueue
 
-from hookline.dispatcher import incoming, metrics
+from hookline.dispatcher import fanout, incoming, metrics
 from hookline.dispatcher.admission import Standing
 from hookline.dispatcher.handler import Handler, handle_safely
-from hookline.dispatcher.incoming import Incoming
-from hookline.shared import topology
+from hookline.dispatcher.incoming import Delivery, Incoming
+from hookline.shared import addressing, topology
 from hookline.shared.amqp import (
     BROKER_ERRORS,
     CALL_TIMEOUT_S,
@@ -65,6 +67,8 @@ DELETED_DRAIN_WINDOW = timedelta(days=1)
 REFIT_EVERY_S = 5.0
 #: Queues asked about per second when checking the consumers with the broker (passive declares).
 CHECKS_PER_S = 50
+#: What the change queue carries to say the lanes need attaching again (no endpoint id looks like it).
+_LANES = "*lanes*"
 
 
 class Mode(Enum):
@@ -141,9 +145,14 @@ class Consumers:
         dispatcher_id: str,
         *,
         default_prefetch: int,
+        lane_prefetch: int,
+        sync: Callable[[], Awaitable[None]],
     ) -> None:
         self._broker = broker
         self._registry = registry
+        self._sync = sync
+        self._lane_prefetch = lane_prefetch
+        self._lanes: dict[str, tuple[str, AbstractChannel]] = {}  # lane -> (consumer tag, channel)
         self._breakers = breakers
         self._handler = handler
         self._dispatcher_id = dispatcher_id
@@ -180,7 +189,11 @@ class Consumers:
         try:
             await self._broker.connection()
             self._connection_lost.clear()
+            # Caught up with the change log first: a lane message is fanned out to the endpoints this
+            # replica knows, so it must know every one registered before the message.
+            await self._sync()
             await self._attach_all(self._endpoint_ids())
+            await self._attach_lanes()
             loop.mark_up()
             while (changed := await self._next_change()) is not None:
                 await self._reconcile_or_retry(changed)
@@ -205,8 +218,27 @@ class Consumers:
 
     def _endpoint_ids(self) -> list[str]:
         since = datetime.now(UTC) - DELETED_DRAIN_WINDOW
-        live = [endpoint.id for endpoint in self._registry.all()]
-        return live + [endpoint.id for endpoint in self._registry.deleted_since(since)]
+        live = [endpoint.id for endpoint in self._registry.with_queues()]
+        return live + [endpoint.id for endpoint in self._registry.deleted_with_queues_since(since)]
+
+    async def _attach_lanes(self) -> None:
+        channel = await self._channel_for(self._lane_prefetch)
+        for name in topology.lane_queues():
+            tag = await incoming.consume(channel, name, self._lane, timeout_s=CALL_TIMEOUT_S)
+            self._lanes[name] = (tag, channel)
+        log.info("lanes_attached", lanes=len(self._lanes), prefetch=self._lane_prefetch)
+
+    async def _lane(self, message: Delivery) -> None:
+        if fanout.is_fan_out(message):
+            metrics.LANE_MESSAGES.labels("fan_out").inc()
+            await self.track("", partial(fanout.fan_out, self._handler), message)
+            return
+        endpoint_id = addressing.endpoint_named(message.headers)
+        metrics.LANE_MESSAGES.labels("addressed").inc()
+        if endpoint_id is None:
+            await self.track("", self._handler.stray, message)
+            return
+        await self.track(endpoint_id, partial(handle_safely, self._handler, endpoint_id, lane=True), message)
 
     async def _next_change(self) -> str | None:
         change = asyncio.ensure_future(self._changed.get())
@@ -233,6 +265,9 @@ class Consumers:
             asyncio.get_running_loop().call_later(RECONCILE_RETRY_S, self._changed.put_nowait, endpoint_id)
 
     async def _reconcile(self, endpoint_id: str) -> None:
+        if endpoint_id == _LANES:
+            await self._reattach_lanes()
+            return
         wanted = self._wanted(endpoint_id)
         for queue_name, consumer in self._active.of_endpoint(endpoint_id):
             if wanted.get(queue_name) != consumer.wanted:
@@ -257,12 +292,14 @@ class Consumers:
             return {name: _Wanted(endpoint_id, Mode.GONE, 1) for name in topology.endpoint_queues(gone)}
         wanted = {name: _Wanted(endpoint_id, Mode.FORWARD, 1) for name in endpoint.retired_queues}
         if (
-            endpoint.status is EndpointStatus.ACTIVE
+            self._registry.has_queue(endpoint_id)
+            and endpoint.status is EndpointStatus.ACTIVE
             and endpoint.verified
             and self._breakers.state(endpoint_id) is None
         ):
-            current = topology.endpoint_queue(endpoint.id, endpoint.queue_generation)
-            wanted[current] = _Wanted(endpoint_id, Mode.DELIVER, self._prefetch(endpoint))
+            wanted[topology.own_queue(endpoint)] = _Wanted(
+                endpoint_id, Mode.DELIVER, self._prefetch(endpoint)
+            )
         return wanted
 
     def _prefetch(self, endpoint: StoredEndpoint) -> int:
@@ -316,9 +353,11 @@ class Consumers:
         endpoint = self._registry.get(want.endpoint_id)
         if queue is not None or want.mode is not Mode.DELIVER or endpoint is None:
             return queue
+        if not self._registry.isolated(endpoint):
+            return None  # back in its lane: its queue was removed once drained
         log.error("endpoint_queue_missing", endpoint_id=endpoint.id, queue=queue_name, alert=True)
         metrics.QUEUES_REDECLARED.inc()
-        await topology.provision(await self._queues.channel(), endpoint)
+        await topology.declare_own_queue(await self._queues.channel(), endpoint)
         return await self._queues.find(queue_name)
 
     async def _channel_for(self, prefetch: int) -> AbstractChannel:
@@ -344,12 +383,25 @@ class Consumers:
         lost = [name for name, consumer in self._active.items() if consumer.channel is channel]
         for name in lost:
             self._changed.put_nowait(self._active.pop(name).wanted.endpoint_id)
+        lanes_lost = [name for name, (_, lane_channel) in self._lanes.items() if lane_channel is channel]
+        for name in lanes_lost:
+            del self._lanes[name]
         if not self._broker.connected:
             self._connection_lost.set()
-        elif lost:
-            log.warning("consumer_channel_closed", consumers=len(lost), unacked=self.unacked())
+        elif lost or lanes_lost:
+            log.warning(
+                "consumer_channel_closed", consumers=len(lost), lanes=len(lanes_lost), unacked=self.unacked()
+            )
+            if lanes_lost:
+                self._changed.put_nowait(_LANES)
 
     def _on_consumer_cancelled(self, frame: aiormq.spec.Basic.Cancel) -> None:
+        for name, (tag, _) in list(self._lanes.items()):
+            if tag == frame.consumer_tag:
+                log.error("consumer_cancelled_by_broker", queue=name, tag=tag, alert=True)
+                del self._lanes[name]
+                self._changed.put_nowait(_LANES)
+                return
         for name, consumer in self._active.items():
             if consumer.tag == frame.consumer_tag:
                 log.warning(
@@ -362,12 +414,47 @@ class Consumers:
         # A consumer this replica had already let go of (cancelled it itself meanwhile).
         log.info("consumer_cancelled_by_broker", tag=frame.consumer_tag, known=False)
 
+    async def _reattach_lanes(self) -> None:
+        """Lanes whose consumer went (a channel closed, a cancel): attached again on a channel of their own
+        prefetch. A lane found missing is declared again by the core topology's owner (the ingest at its
+        start, the leading monitor's repair); until then it is retried."""
+        missing = [name for name in topology.lane_queues() if name not in self._lanes]
+        if not missing:
+            return
+        channel = await self._channel_for(self._lane_prefetch)
+        for name in missing:
+            if await self._queues.find(name) is None:
+                log.error("lane_missing", queue=name, alert=True)
+                asyncio.get_running_loop().call_later(RECONCILE_RETRY_S, self._changed.put_nowait, _LANES)
+                continue
+            tag = await incoming.consume(channel, name, self._lane, timeout_s=CALL_TIMEOUT_S)
+            self._lanes[name] = (tag, channel)
+            log.info("lane_attached", queue=name, tag=tag)
+
     async def check_with_broker(self, *, every_s: float) -> None:
         """The safety net under the broker's cancel: each queue this replica consumes is asked how many
         consumers it has (a passive declare), at most CHECKS_PER_S a second and each at least every
         ``every_s``; one the broker finds gone, or with no consumer, is attached again (and provisioned,
         if it is a current queue), as a cancel would have done."""
         started_s = time.monotonic()
+        for name, (tag, lane_channel) in list(self._lanes.items()):
+            queue = await self._checks.find(name)
+            if self._lanes.get(name, (None, None))[0] != tag:
+                continue
+            if queue is None or not queue.declaration_result.consumer_count:
+                log.error(
+                    "consumer_missing_at_broker",
+                    queue=name,
+                    tag=tag,
+                    queue_exists=queue is not None,
+                    alert=True,
+                )
+                metrics.CONSUMERS_REATTACHED.inc()
+                del self._lanes[name]
+                with contextlib.suppress(*BROKER_ERRORS):
+                    await incoming.cancel(lane_channel, tag, timeout_s=CALL_TIMEOUT_S)
+                self._changed.put_nowait(_LANES)
+            await asyncio.sleep(1 / CHECKS_PER_S)
         for name, consumer in self._active.items():
             queue = await self._checks.find(name)
             current = self._active.get(name)
@@ -391,6 +478,7 @@ class Consumers:
 
     async def _forget_all(self) -> None:
         self._active.clear()
+        self._lanes.clear()
         channels, self._channels = list(self._channels.values()), {}
         for channel in channels:
             await close_quietly(channel)
@@ -494,10 +582,12 @@ class Consumers:
                 probing[endpoint_id] = version
             else:
                 del self._probes[endpoint_id]  # decided: closed, or open again with a new version
+        unacked = Counter({key: n for key, n in self._unacked.items() if key})
+        unacked.update(self._handler.from_lanes())  # parts of lane messages, by endpoint
         return {
             "in_flight": self.in_flight,
             "consumers": self.consuming,
-            "unacked": {key: n for key, n in self._unacked.items() if key},
+            "unacked": dict(unacked),
             "probing": probing,
         }
 
@@ -507,6 +597,9 @@ class Consumers:
         """Cancel every consumer: the broker sends nothing more; what was delivered is still ours."""
         self._stopping = True
         self._changed.put_nowait(None)
+        for tag, channel in list(self._lanes.values()):
+            with contextlib.suppress(*BROKER_ERRORS):
+                await incoming.cancel(channel, tag, timeout_s=CALL_TIMEOUT_S)
         for consumer in self._active.values():
             # A channel already gone has stopped delivering anyway.
             with contextlib.suppress(*BROKER_ERRORS):

@@ -1,4 +1,5 @@
-"""Scheduling the next attempt: a copy of the message through the TTL delay hierarchy, confirmed.
+"""Scheduling the next attempt: a copy of the message through the TTL delay hierarchy to its endpoint's
+address (:mod:`hookline.shared.addressing`), confirmed.
 
 The copy is a fresh message: our own headers travel (attempt, first attempt time, the trace context), the broker's
 ``x-death`` does not — RabbitMQ 3.x would take a second pass through a level queue for a cycle and
@@ -9,9 +10,7 @@ from __future__ import annotations
 
 from datetime import datetime
 
-import aio_pika
-
-from hookline.shared import topology
+from hookline.shared import addressing
 from hookline.shared.amqp import Publisher
 from hookline.shared.headers import Header
 from hookline.shared.tracing import TraceContext
@@ -28,6 +27,7 @@ class Delays:
         content_type: str | None,
         timestamp: datetime | None,
         event_id: str,
+        endpoint_id: str,
         destination: str,
         next_attempt: int,
         first_attempt_at_s: float,
@@ -36,11 +36,11 @@ class Delays:
         trace: TraceContext | None = None,
     ) -> None:
         """Publish the retry copy and wait for the broker's confirm; the caller acks the original after."""
-        copy = aio_pika.Message(
+        copy = addressing.message(
             body,
+            event_id=event_id,
+            endpoint_id=endpoint_id,
             content_type=content_type,
-            delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
-            message_id=event_id,
             timestamp=timestamp,
             headers={
                 Header.ATTEMPT: next_attempt,
@@ -49,9 +49,4 @@ class Delays:
                 **(trace.headers() if trace is not None else {}),
             },
         )
-        delay_s = min(delay_s, topology.MAX_DELAY_S)
-        await self._publisher.publish(
-            copy,
-            exchange=topology.delay_entry(delay_s),
-            routing_key=topology.delay_routing_key(delay_s, destination),
-        )
+        await addressing.send(self._publisher, copy, destination=destination, delay_s=delay_s)

@@ -1,9 +1,16 @@
-"""One message from an endpoint queue, handled to exactly one settlement.
+"""One message for one endpoint (from its queue of its own, from its lane, or a lane message's part for
+it: fanout.py), handled to exactly one settlement.
 
 Every message ends in one of: acked after a 2xx; acked after its retry copy was confirmed by the
-broker; acked after its dead letter was confirmed. A handler that is cancelled (shutdown) or loses its
-channel leaves the message unacked, so the broker redelivers it: nothing is acked before its outcome
-is recorded somewhere durable.
+broker; acked after its dead letter was confirmed; acked after it was handed on to the endpoint's
+address with a confirm (it was in the wrong place: the endpoint is isolated, or its breaker is open).
+A handler that is cancelled (shutdown) or loses its channel leaves the message unacked, so the broker
+redelivers it: nothing is acked before its outcome is recorded somewhere durable.
+
+What comes from a lane is never held long, since other endpoints' events wait behind it: no wait for
+its turn (it is put off instead), a connection slot within ``HOOKLINE_SLOW_ATTEMPT_S`` or the endpoint
+is isolated, and an attempt that outlives that is cut there and its copy handed to the endpoint's queue
+of its own (isolation.py), where it goes out with the endpoint's whole timeout.
 """
 
 from __future__ import annotations
@@ -13,34 +20,35 @@ import contextlib
 import math
 import random
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import cast
 
-import aio_pika
 import structlog
 from opentelemetry.trace import SpanKind
 
 from hookline.dispatcher import inbound, metrics
 from hookline.dispatcher.acks import Acks
-from hookline.dispatcher.admission import Admission, Ended, Ledger, Ticket
+from hookline.dispatcher.admission import Admission, Ended, Ledger, Standing, Ticket
 from hookline.dispatcher.backoff import Jitter, RetryPolicy, honoured_retry_after_s
 from hookline.dispatcher.delays import Delays
 from hookline.dispatcher.incoming import Incoming
+from hookline.dispatcher.isolation import Isolation
 from hookline.dispatcher.ordering import SubjectOrder
 from hookline.dispatcher.outcome import Ack, DeadLetter, Retry, Settlement, classify, settle
 from hookline.dispatcher.pacing import Pacer
 from hookline.dispatcher.settled import Settled
 from hookline.dispatcher.telemetry import Telemetry
-from hookline.shared import __version__, signing, topology
+from hookline.shared import __version__, addressing, signing, topology
 from hookline.shared.amqp import BROKER_ERRORS, Publisher
 from hookline.shared.control import BreakerView
 from hookline.shared.credentials import Credentials
 from hookline.shared.deadletters import dead_letter_message
 from hookline.shared.delivery import AttemptResult, DeliveryClient, ErrorKind
+from hookline.shared.headers import Header
 from hookline.shared.models import DeadLetterReason, Event, StoredEndpoint
-from hookline.shared.registry import ChangeLog
+from hookline.shared.registry import ChangeLog, EndpointRegistry
 from hookline.shared.sealing import Sealer
 from hookline.shared.settings import DispatcherSettings
 from hookline.shared.telemetry import AttemptFields, Deferral, DeferralReason, Outcome, exchange
@@ -54,8 +62,18 @@ USER_AGENT = f"hookline/{__version__}"
 # A handler that crashes hands its message back after this pause; the queue's delivery limit turns a
 # message that keeps crashing it into a dead letter.
 CRASH_PAUSE_S = 1.0
-#: A message that arrives for an endpoint whose breaker is open is handed back after this pause.
+#: A message that arrives for an endpoint whose breaker is open is handed back after this pause (from a
+#: lane: handed on to the endpoint's address after it, which is its queue of its own once the monitor's
+#: isolation of it has arrived).
 BREAKER_NACK_PAUSE_S = 1.0
+#: A copy forwarded this many times without reaching a queue (it keeps coming back unroutable) is kept
+#: as an ``unroutable`` dead letter instead.
+MAX_FORWARDS = 3
+#: Headers of an upstream's message that a copy for one endpoint keeps (the trace context); hookline's
+#: own are never taken from a message published to ``events``.
+_TRACE_HEADERS = ("traceparent", "tracestate")
+#: What the broker adds to a message, never carried over to a copy.
+_BROKER_HEADERS = ("x-death", "x-delivery-count")
 #: The attempt record's fields that its log line repeats (never the response: it may hold customer data).
 _LOGGED_FIELDS = (
     "event_id", "endpoint_id", "tenant", "type", "attempt", "status", "outcome", "error", "duration_ms",
@@ -100,6 +118,7 @@ class Handler:
         breakers: BreakerView,
         sealer: Sealer,
         *,
+        isolation: Isolation | None = None,
         tracing: Tracing | None = None,
         random_unit: Callable[[], float] = random.random,
     ) -> None:
@@ -114,6 +133,9 @@ class Handler:
         self._settings = settings
         self._registry = change_log.registry
         self._change_log = change_log
+        self._isolation = isolation
+        # Deliveries from lanes under way per endpoint: past its prefetch, it is backlogged (isolated).
+        self._from_lanes: dict[str, int] = {}
         self._credentials = Credentials(sealer, client)
         self._tracing = tracing or Tracing("dispatcher", None)
         self._publisher = publisher
@@ -128,20 +150,72 @@ class Handler:
         self._order = SubjectOrder(stale_s=settings.order_hold_s)
         self._sealer = sealer
 
-    async def handle(self, endpoint_id: str, message: Incoming, *, probe: bool = False) -> bool:
-        """Handle one message to its settlement; True when an attempt was made (what a probe needs)."""
-        if not probe and self._breakers.state(endpoint_id) is not None:
-            # Delivered before the breaker opened reached us: back to the queue, not attempted. After a
-            # pause: until its consumer is cancelled the queue hands it straight back, and every return
-            # counts toward the delivery limit.
-            await asyncio.sleep(BREAKER_NACK_PAUSE_S)
-            await self.acks.nack(message, requeue=True)
-            return False
+    @property
+    def registry(self) -> EndpointRegistry:
+        return self._registry
+
+    def from_lanes(self) -> dict[str, int]:
+        """Deliveries from lanes under way, per endpoint (for heartbeats: what a delete waits for)."""
+        return dict(self._from_lanes)
+
+    async def handle(
+        self,
+        endpoint_id: str,
+        message: Incoming,
+        *,
+        probe: bool = False,
+        parsed: inbound.Inbound | None = None,
+        lane: bool = False,
+    ) -> bool:
+        """Handle one message to its settlement; True when an attempt was made (what a probe needs).
+        ``parsed``: the event, read already (a lane message's parts); ``lane``: it came from a lane."""
         endpoint = self._registry.get(endpoint_id)
         if endpoint is None:
             # Deleted while this message was on its way: its queue is drained into the dead letters.
             await self.gone(endpoint_id, message)
             return False
+        if lane and self._registry.isolated(endpoint):
+            # Its events go to its queue of its own (a part of a lane message, or a message that came to
+            # the lane before the endpoint was isolated).
+            await self.hand_on(message, endpoint)
+            return False
+        if not probe and self._breakers.state(endpoint_id) is not None:
+            # Delivered before the breaker opened reached us: back, not attempted. After a pause: until
+            # its consumer is cancelled the queue hands it straight back, and every return counts toward
+            # the delivery limit.
+            if lane:
+                await self.hand_on(message, endpoint, delay_s=int(BREAKER_NACK_PAUSE_S))
+            else:
+                await asyncio.sleep(BREAKER_NACK_PAUSE_S)
+                await self.acks.nack(message, requeue=True)
+            return False
+        if lane and not probe:
+            return await self._from_lane(endpoint, message, parsed)
+        return await self._handle(endpoint, message, parsed, probe=probe, lane=False)
+
+    async def _from_lane(
+        self, endpoint: StoredEndpoint, message: Incoming, parsed: inbound.Inbound | None
+    ) -> bool:
+        """A lane message's delivery, counted: one endpoint with more of them under way here than its
+        prefetch is backlogged, and isolated, so that a burst to it is moved off the lane at the rate of
+        queue writes rather than of its answers."""
+        under_way = self._from_lanes.get(endpoint.id, 0)
+        if under_way >= self._settings.prefetch_per_endpoint and await self._isolate(endpoint, "backlogged"):
+            await self.hand_on(message, endpoint)
+            return False
+        self._from_lanes[endpoint.id] = under_way + 1
+        try:
+            return await self._handle(endpoint, message, parsed, probe=False, lane=True)
+        finally:
+            left = self._from_lanes[endpoint.id] - 1
+            if left:
+                self._from_lanes[endpoint.id] = left
+            else:
+                del self._from_lanes[endpoint.id]
+
+    def parse_event(self, message: Incoming, *, tenant: str) -> inbound.Inbound | inbound.Invalid:
+        """The event in a message for one of ``tenant``'s endpoints, checked (the catalog's schema too,
+        on an event's first hop)."""
         parsed = inbound.parse(
             message.body,
             message_id=message.message_id,
@@ -149,11 +223,23 @@ class Handler:
             exchange=message.exchange,
             routing_key=message.routing_key,
             headers=message.headers,
-            endpoint_tenant=endpoint.tenant,
+            endpoint_tenant=tenant,
             max_bytes=self._settings.max_payload_bytes,
         )
         if isinstance(parsed, inbound.Inbound) and message.exchange == topology.EVENTS_EXCHANGE:
-            parsed = self._catalog_check(parsed)
+            return self._catalog_check(parsed)
+        return parsed
+
+    async def _handle(
+        self,
+        endpoint: StoredEndpoint,
+        message: Incoming,
+        parsed_before: inbound.Inbound | None,
+        *,
+        probe: bool,
+        lane: bool,
+    ) -> bool:
+        parsed = parsed_before or self.parse_event(message, tenant=endpoint.tenant)
         if isinstance(parsed, inbound.Invalid):
             await self._dead_letter(
                 message, endpoint.id, endpoint.tenant, DeadLetterReason.INVALID_EVENT,
@@ -170,15 +256,17 @@ class Handler:
         if await self._settled_before(message, endpoint, parsed):
             return False
         sequence = _order_key(event, parsed) if endpoint.ordered and event.subject else None
-        deferred = await self._gate(endpoint, parsed, sequence, probe=probe)
+        deferred = await self._gate(endpoint, parsed, sequence, probe=probe, lane=lane)
         if deferred is not None:
             await self._defer(message, endpoint, parsed, sequence, *deferred)
             return False
-        ticket = await self._admitted(message, endpoint, parsed, sequence, probe=probe)
+        ticket = await self._admitted(message, endpoint, parsed, sequence, probe=probe, lane=lane)
         if ticket is None:
             return False
         try:
-            await self._attempt_and_settle(message, endpoint, parsed, sequence, ticket, probe=probe)
+            await self._attempt_and_settle(
+                message, endpoint, parsed, sequence, ticket, probe=probe, lane=lane
+            )
         except BaseException:
             if sequence is not None:  # never leave the subject blocked by an event that is not out
                 assert event.subject is not None
@@ -194,23 +282,33 @@ class Handler:
         sequence: int | None,
         *,
         probe: bool,
+        lane: bool = False,
     ) -> Ticket | None:
         """A connection slot for the attempt (admission.py); None when the message was handled instead:
-        put off (no slot within MAX_SLOT_WAIT_S, or a 429 pause began while it waited) or handed back
-        (its breaker opened while it waited)."""
-        ticket = await self.admission.acquire(endpoint.id, max_wait_s=MAX_SLOT_WAIT_S)
+        put off (no slot within MAX_SLOT_WAIT_S, or a 429 pause began while it waited), handed back
+        (its breaker opened while it waited), or, from a lane, handed on to the endpoint's queue of its
+        own (no slot within HOOKLINE_SLOW_ATTEMPT_S)."""
+        max_wait_s = self._settings.slow_attempt_s if lane else MAX_SLOT_WAIT_S
+        ticket = await self.admission.acquire(endpoint.id, max_wait_s=max_wait_s)
         if ticket is None:
-            await self._defer(message, endpoint, parsed, sequence, SLOW_SHARE_DEFER_S, "slow_share")
+            slow = self.admission.ledger.standing(endpoint.id) is Standing.SLOW
+            if lane and await self._isolate(endpoint, "slow" if slow else "backlogged"):
+                await self.hand_on(message, endpoint)
+            else:
+                await self._defer(message, endpoint, parsed, sequence, SLOW_SHARE_DEFER_S, "slow_share")
             return None
         event = parsed.event
         if not probe and self._breakers.state(endpoint.id) is not None:
             # Back to the queue, unattempted (the consumer is cancelled by now: the queue keeps it for
-            # the probe).
+            # the probe); from a lane, on to the endpoint's address.
             self.admission.release(ticket, Ended.NOT_SENT)
             if sequence is not None:  # back in the queue: still ahead of its subject's later events
                 assert event.subject is not None
                 self._order.retrying(endpoint.id, event.subject, event.id, due_s=time.time())
-            await self.acks.nack(message, requeue=True)
+            if lane:
+                await self.hand_on(message, endpoint, delay_s=int(BREAKER_NACK_PAUSE_S))
+            else:
+                await self.acks.nack(message, requeue=True)
             return None
         paused_s = 0.0 if probe else self._pacer.paused_for_s(endpoint.id, now_s=time.time())
         if paused_s > 0:
@@ -261,10 +359,21 @@ class Handler:
         ticket: Ticket,
         *,
         probe: bool,
+        lane: bool = False,
     ) -> None:
         started_s = time.time()
+        # From a lane, an attempt is cut at the slow line (unless the endpoint's own timeout is shorter):
+        # the events behind it in the lane must not wait for a slow endpoint.
+        deadline_s = self._settings.slow_attempt_s if lane else None
         try:
-            result = await self._attempt(endpoint, parsed, message.body)
+            async with asyncio.timeout(
+                deadline_s if deadline_s and deadline_s < endpoint.timeout_s else None
+            ):
+                result = await self._attempt(endpoint, parsed, message.body)
+        except TimeoutError:
+            self.admission.release(ticket, Ended.TIMED_OUT)  # slow here from now on
+            await self._cut(message, endpoint, parsed)
+            return
         except BaseException:
             self.admission.release(
                 ticket, Ended.NOT_SENT
@@ -308,6 +417,60 @@ class Handler:
             probe=probe,
         )  # fmt: skip
         await self._apply(settlement, message, endpoint, parsed, first_attempt_at_s, result, sequence)
+
+    async def _cut(self, message: Incoming, endpoint: StoredEndpoint, parsed: inbound.Inbound) -> None:
+        """An attempt from a lane that outlived the slow line: not the endpoint's failure (no attempt is
+        counted), its copy handed to the endpoint's queue of its own, where it goes out again with the
+        endpoint's whole timeout (the receiver may have had the request: at least once). Past the bound
+        on queues of their own, put off instead."""
+        event = parsed.event
+        if await self._isolate(endpoint, "slow"):
+            await self.hand_on(message, endpoint)
+            delay_s = 0
+        else:
+            await self._delays.schedule(
+                message.body, content_type=message.content_type, timestamp=message.timestamp,
+                event_id=event.id, endpoint_id=endpoint.id, destination=self._registry.address(endpoint),
+                next_attempt=parsed.attempt, first_attempt_at_s=parsed.first_attempt_at_s or time.time(),
+                delay_s=int(SLOW_SHARE_DEFER_S), sequence=None, trace=parsed.trace,
+            )  # fmt: skip
+            await self.acks.ack(message)
+            delay_s = int(SLOW_SHARE_DEFER_S)
+        now_s = time.time()
+        metrics.DEFERRED.labels("slow").inc()
+        self._telemetry.deferral(
+            Deferral(
+                at_s=now_s, dispatcher_id=self._telemetry.dispatcher_id, event_id=event.id,
+                endpoint_id=endpoint.id, tenant=event.tenant, reason="slow", behind_event_id=None,
+                until_s=now_s + delay_s,
+            )
+        )  # fmt: skip
+        log.info(
+            "delivery_cut", event_id=event.id, endpoint_id=endpoint.id, after_s=self._settings.slow_attempt_s,
+            handed_on=delay_s == 0,
+        )  # fmt: skip
+
+    async def _isolate(self, endpoint: StoredEndpoint, reason: str) -> bool:
+        """Give the endpoint a queue of its own (isolation.py); whether it has one now."""
+        if self._isolation is None:
+            return False
+        return await self._isolation.isolate(endpoint, reason)
+
+    async def hand_on(self, message: Incoming, endpoint: StoredEndpoint, *, delay_s: int = 0) -> None:
+        """The message, unattempted, to the endpoint's address (its queue of its own, or its lane) after
+        ``delay_s``, confirmed, then acked here: what it carried of hookline's own goes with it."""
+        copy = addressing.message(
+            message.body,
+            event_id=message.message_id or "",
+            endpoint_id=endpoint.id,
+            content_type=message.content_type,
+            timestamp=message.timestamp,
+            headers=_carried_headers(message),
+        )
+        await addressing.send(
+            self._publisher, copy, destination=self._registry.address(endpoint), delay_s=delay_s
+        )
+        await self.acks.ack(message)
 
     def _report(
         self,
@@ -362,10 +525,17 @@ class Handler:
         )
 
     async def _gate(
-        self, endpoint: StoredEndpoint, parsed: inbound.Inbound, sequence: int | None, *, probe: bool
+        self,
+        endpoint: StoredEndpoint,
+        parsed: inbound.Inbound,
+        sequence: int | None,
+        *,
+        probe: bool,
+        lane: bool = False,
     ) -> tuple[float, DeferralReason] | None:
         """Wait for this delivery's turn (per-subject order, rate limit, 429 pause); or, when the wait
-        is long, return the seconds to defer the message by instead (no attempt is spent), and why."""
+        is long (from a lane: at all), return the seconds to defer the message by instead (no attempt
+        is spent), and why."""
         now_s = time.time()
         if sequence is not None:
             assert parsed.event.subject is not None
@@ -376,10 +546,11 @@ class Handler:
                 return order_s, "ordering"
         if probe:
             return None  # the one delivery a half-open breaker lets through goes now
+        max_wait_s = 0.0 if lane else MAX_LOCAL_WAIT_S
         wait_s = self._pacer.wait_s(
-            endpoint.id, endpoint.rate_limit_per_s, now_s=now_s, max_wait_s=MAX_LOCAL_WAIT_S
+            endpoint.id, endpoint.rate_limit_per_s, now_s=now_s, max_wait_s=max_wait_s
         )
-        if wait_s > MAX_LOCAL_WAIT_S:
+        if wait_s > max_wait_s:
             return wait_s, "pacing"
         if wait_s > 0:
             await asyncio.sleep(wait_s)
@@ -406,7 +577,8 @@ class Handler:
             content_type=message.content_type,
             timestamp=message.timestamp,
             event_id=parsed.event.id,
-            destination=topology.retry_destination(endpoint),
+            endpoint_id=endpoint.id,
+            destination=self._registry.address(endpoint),
             next_attempt=parsed.attempt,
             first_attempt_at_s=parsed.first_attempt_at_s or time.time(),
             delay_s=max(1, math.ceil(delay_s)),
@@ -509,7 +681,8 @@ class Handler:
                 content_type=message.content_type,
                 timestamp=message.timestamp,
                 event_id=event.id,
-                destination=topology.retry_destination(endpoint),
+                endpoint_id=endpoint.id,
+                destination=self._registry.address(endpoint),
                 next_attempt=parsed.attempt + 1,
                 first_attempt_at_s=first_attempt_at_s,
                 delay_s=settlement.delay_s,
@@ -565,44 +738,82 @@ class Handler:
         await self.acks.ack(message)
 
     async def forward(self, endpoint_id: str, message: Incoming) -> None:
-        """A message in a queue the endpoint has left: into its current queue (confirmed), then acked.
-        Addressed by name, not through the route exchange, which may still feed the old queue for a
-        moment while the move completes."""
+        """A message in a queue the endpoint has left (a queue of an earlier generation, or of the
+        version before lanes): to its address (confirmed), then acked."""
         endpoint = self._registry.get(endpoint_id)
         if endpoint is None:
             await self.gone(endpoint_id, message)
             return
-        headers = {
-            key: value
-            for key, value in (message.headers or {}).items()
-            if key not in ("x-death", "x-delivery-count") and not key.startswith("x-first-death")
-        }
-        copy = aio_pika.Message(
-            message.body,
-            headers=headers,
-            content_type=message.content_type,
-            delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
-            message_id=message.message_id,
-            timestamp=message.timestamp,
-        )
-        queue = topology.endpoint_queue(endpoint.id, endpoint.queue_generation)
-        await self._publisher.publish(copy, exchange="", routing_key=queue)
-        await self.acks.ack(message)
+        await self.hand_on(message, endpoint)
 
     async def handle_unroutable(self, message: Incoming) -> None:
-        """A retry whose destination disappeared while it waited in the delay queues."""
+        """A message addressed to a queue that was not there (removed once drained, or deleted by hand):
+        forwarded to the endpoint's address as it is now, or dead-lettered when the endpoint is gone or
+        the message keeps coming back."""
         destination = topology.delay_destination(message.routing_key or "")
-        endpoint_id = topology.endpoint_of(destination) or destination
-        known = self._registry.get(endpoint_id)
-        if known is None:
-            await self.gone(endpoint_id, message)
+        endpoint_id = addressing.endpoint_named(message.headers) or topology.endpoint_of(destination)
+        endpoint = self._registry.get(endpoint_id) if endpoint_id else None
+        if endpoint is None:
+            await self.gone(endpoint_id or destination, message)
             return
+        forwards = (message.headers or {}).get(Header.FORWARDS, 0)
+        forwards = forwards if isinstance(forwards, int) else MAX_FORWARDS
+        if forwards >= MAX_FORWARDS:
+            await self._dead_letter(
+                message, endpoint.id, endpoint.tenant, DeadLetterReason.UNROUTABLE,
+                event_id=message.message_id, attempts=0, last_status=None,
+                last_error=f"nothing bound for {destination} to take it, {forwards} times",
+            )  # fmt: skip
+            await self.acks.ack(message)
+            return
+        if self._registry.isolated(endpoint) and self._isolation is not None:
+            await self._isolation.ensure_queue(endpoint)  # deleted by hand, or lost with a node
+        copy = addressing.message(
+            message.body,
+            event_id=message.message_id or "",
+            endpoint_id=endpoint.id,
+            content_type=message.content_type,
+            timestamp=message.timestamp,
+            headers={**_carried_headers(message), Header.FORWARDS: forwards + 1},
+        )
+        await addressing.send(self._publisher, copy, destination=self._registry.address(endpoint))
+        await self.acks.ack(message)
+        log.info(
+            "message_forwarded", endpoint_id=endpoint.id, event_id=message.message_id, missing=destination
+        )
+
+    async def stray(self, message: Incoming) -> None:
+        """A message in a lane that neither came from ``events`` nor names an endpoint (published there
+        by hand): kept as an ``unroutable`` dead letter."""
         await self._dead_letter(
-            message, endpoint_id, known.tenant, DeadLetterReason.UNROUTABLE,
-            event_id=message.message_id, attempts=0, last_status=None,
-            last_error=f"nothing bound for {destination} to take a retry",
+            message, "", None, DeadLetterReason.UNROUTABLE, event_id=message.message_id, attempts=0,
+            last_status=None, last_error="a message in a lane for no endpoint (not from events)",
         )  # fmt: skip
         await self.acks.ack(message)
+
+    async def dead_letter_invalid(
+        self, message: Incoming, invalid: inbound.Invalid, *, tenant: str, endpoints: Sequence[StoredEndpoint]
+    ) -> None:
+        """What an upstream published to ``events`` is not an event: one ``invalid_event`` dead letter per
+        endpoint it was meant for (one without an endpoint when it matches none), never dropped."""
+        for endpoint_id in [endpoint.id for endpoint in endpoints] or [""]:
+            await self._dead_letter(
+                message, endpoint_id, tenant or None, DeadLetterReason.INVALID_EVENT,
+                event_id=invalid.event_id, attempts=0, last_status=None, last_error=invalid.reason,
+            )  # fmt: skip
+        log.warning(
+            "event_invalid", tenant=tenant, event_id=invalid.event_id, reason=invalid.reason,
+            endpoints=[endpoint.id for endpoint in endpoints],
+        )  # fmt: skip
+
+    async def dead_letter_part(
+        self, message: Incoming, endpoint: StoredEndpoint, reason: DeadLetterReason, parsed: inbound.Inbound
+    ) -> None:
+        """One endpoint's copy of a lane message kept as a dead letter (the caller acks the message)."""
+        await self._dead_letter(
+            message, endpoint.id, endpoint.tenant, reason, event_id=parsed.event.id, attempts=0,
+            last_status=None, last_error=f"the event's lane message was given out {reason.value} times",
+        )  # fmt: skip
 
     async def _dead_letter(
         self,
@@ -637,13 +848,19 @@ class Handler:
 
 
 async def handle_safely(
-    handler: Handler, endpoint_id: str, message: Incoming, *, probe: bool = False
+    handler: Handler,
+    endpoint_id: str,
+    message: Incoming,
+    *,
+    probe: bool = False,
+    parsed: inbound.Inbound | None = None,
+    lane: bool = False,
 ) -> bool:
     """The consumer callback: a crash requeues the message (counted toward the poison limit), and a
     broker error hands it back if the channel still can; neither stops the dispatcher. Returns whether
     an attempt was made."""
     try:
-        return await handler.handle(endpoint_id, message, probe=probe)
+        return await handler.handle(endpoint_id, message, probe=probe, parsed=parsed, lane=lane)
     except BROKER_ERRORS as exc:
         # A publish or read-back failed mid-settlement: hand the message back (on a lost channel the
         # broker does that by itself); it is tried again.
@@ -658,3 +875,16 @@ async def handle_safely(
         with contextlib.suppress(*BROKER_ERRORS):
             await handler.acks.reject(message, requeue=True)
     return False
+
+
+def _carried_headers(message: Incoming) -> dict[str, object]:
+    """What a copy for one endpoint keeps of a message's headers: everything hookline put there but the
+    broker's own additions; of an upstream's message (from ``events``), only the trace context."""
+    headers = message.headers or {}
+    if message.exchange == topology.EVENTS_EXCHANGE:
+        return {key: headers[key] for key in _TRACE_HEADERS if key in headers}
+    return {
+        key: value
+        for key, value in headers.items()
+        if key not in _BROKER_HEADERS and not key.startswith("x-first-death")
+    }

@@ -39,7 +39,7 @@ SLOW_ENDPOINTS = prometheus_client.Gauge(
 )
 DEFERRED = prometheus_client.Counter(
     "hookline_deliveries_deferred",
-    "Deliveries put back through the delay queues without an attempt, by reason (ordering, pacing, slow_share).",
+    "Deliveries put back through the delay queues without an attempt, by reason (ordering, pacing, slow_share, slow).",
     ["reason"],
 )
 TELEMETRY_DROPPED = prometheus_client.Counter(
@@ -61,6 +61,16 @@ UNACKED = prometheus_client.Gauge(
 CONSUMERS_REATTACHED = prometheus_client.Counter(
     "hookline_dispatcher_consumers_reattached",
     "Consumers the broker no longer had (found by the periodic check, not told by a cancel), attached again.",
+)
+ISOLATIONS = prometheus_client.Counter(
+    "hookline_dispatcher_isolations",
+    "Endpoints this dispatcher gave a queue of their own, by reason (slow, backlogged; refused: the bound).",
+    ["reason"],
+)
+LANE_MESSAGES = prometheus_client.Counter(
+    "hookline_lane_messages",
+    "Lane messages handled: fanned out (fan_out), addressed to one endpoint (addressed), handed back.",
+    ["kind"],
 )
 QUEUES_REDECLARED = prometheus_client.Counter(
     "hookline_endpoint_queues_redeclared", "Endpoint queues found missing and declared again."

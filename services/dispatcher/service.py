@@ -1,9 +1,9 @@
-"""The dispatcher process: follows the endpoint log and the breakers, consumes every endpoint's queue,
-and stops cleanly.
+"""The dispatcher process: follows the endpoint log and the breakers, consumes the lanes and the queues
+of endpoints that have one of their own, and stops cleanly.
 
-Any number of replicas run side by side; each consumes every endpoint queue (competing consumers),
-with a per-endpoint prefetch so that one slow endpoint can hold at most that many of a replica's
-deliveries. Every long-running part is a supervised loop (:mod:`hookline.shared.supervision`): a broker
+Any number of replicas run side by side; each consumes every lane and every such queue (competing
+consumers), with per-endpoint limits so that one slow endpoint can hold at most that many of a
+replica's deliveries. Every long-running part is a supervised loop (:mod:`hookline.shared.supervision`): a broker
 restart or a closed connection makes them start over, and ``/readyz`` answers 503 until they are back.
 """
 
@@ -29,6 +29,7 @@ from hookline.dispatcher import incoming, metrics
 from hookline.dispatcher.admission import Share
 from hookline.dispatcher.consumers import Consumers, check_consumers, expire_breakers, refit_prefetch
 from hookline.dispatcher.handler import USER_AGENT, Handler
+from hookline.dispatcher.isolation import Isolation
 from hookline.dispatcher.telemetry import Telemetry
 from hookline.shared import lifecycle, registry, topology
 from hookline.shared import logging as hookline_logging
@@ -135,9 +136,13 @@ def _assemble(
     dispatcher_id = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
     telemetry = Telemetry(publishers.telemetry, dispatcher_id)
     breakers = BreakerView(lease_s=settings.breaker_lease_s)
-    handler = Handler(
-        settings, change_log, client, publishers.settlement, telemetry, breakers, sealer, tracing=tracing
+    isolation = Isolation(
+        broker, change_log, max_queues=settings.max_endpoint_queues, timeout_s=settings.connect_timeout_s
     )
+    handler = Handler(
+        settings, change_log, client, publishers.settlement, telemetry, breakers, sealer,
+        isolation=isolation, tracing=tracing,
+    )  # fmt: skip
     consumers = Consumers(
         broker,
         change_log.registry,
@@ -145,8 +150,14 @@ def _assemble(
         handler,
         dispatcher_id,
         default_prefetch=settings.prefetch_per_endpoint,
+        lane_prefetch=settings.lane_prefetch,
+        sync=partial(change_log.sync, timeout_s=settings.connect_timeout_s),
     )
     telemetry.load = consumers.load
+    # How far this replica has read the change log, said at once when an endpoint changes (an ingest
+    # waits for every replica before it answers a new endpoint).
+    telemetry.applied_offset = lambda: change_log.applied_offset
+    change_log.registry.subscribe(lambda _before, _after: telemetry.applied())
     metrics.IN_FLIGHT.set_function(lambda: consumers.in_flight)
     metrics.UNACKED.set_function(consumers.unacked)
     ledger = handler.admission.ledger
@@ -208,7 +219,9 @@ async def dispatching(
             # 2. let in-flight deliveries finish and settle within the grace period;
             cancelled = await consumers.drain(settings.shutdown_grace_s)
             log.info("dispatcher_drained", cancelled=cancelled)
-            # 3. the last telemetry (its final flush runs as it stops), then the followers;
+            # 3. the last telemetry (its final flush runs as it stops, with a heartbeat saying this
+            #    replica is going: nobody waits for it to apply the change log any more), then the followers;
+            parts.telemetry.stopping = True
             await supervisor.stop("telemetry", "breakers")
             # 4. close the channels: whatever is still unacked goes back to its queue;
             await consumers.close_channels()

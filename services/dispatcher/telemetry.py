@@ -48,6 +48,16 @@ class Telemetry:
         # not know the record, then drops only those batches, never attempts.
         self._deferrals: list[_Wire] = []
         self._full = asyncio.Event()
+        self._heartbeat_now = False
+        self.applied_offset: Callable[[], int | None] = lambda: None
+        self._applied_told: int | None = None
+        self.stopping = False
+
+    def applied(self) -> None:
+        """The change log moved on here: a heartbeat goes out at once, saying how far (see Heartbeat)."""
+        if self.applied_offset() != self._applied_told:
+            self._heartbeat_now = True
+            self._full.set()
 
     def attempt(self, record: AttemptFields) -> None:
         self._buffer.append(record)
@@ -66,20 +76,30 @@ class Telemetry:
         try:
             while True:
                 loop.beat()
-                if time.monotonic() >= next_heartbeat_s:
-                    load = {"in_flight": 0, "consumers": 0, **self.load()}
-                    self._buffer.append(
-                        Heartbeat(at_s=time.time(), dispatcher_id=self.dispatcher_id, **load).model_dump(
-                            mode="json"
-                        )
-                    )
+                if self._heartbeat_now or time.monotonic() >= next_heartbeat_s:
+                    self._heartbeat()
                     next_heartbeat_s = time.monotonic() + HEARTBEAT_INTERVAL_S
                 await self.flush()
                 self._full.clear()
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._full.wait(), FLUSH_INTERVAL_S)
         finally:
+            if self.stopping:
+                self._heartbeat()
             await self.flush()
+
+    def _heartbeat(self) -> None:
+        self._heartbeat_now = False
+        self._applied_told = self.applied_offset()
+        load = {"in_flight": 0, "consumers": 0, **self.load()}
+        beat = Heartbeat(
+            at_s=time.time(),
+            dispatcher_id=self.dispatcher_id,
+            applied_offset=self._applied_told,
+            stopping=self.stopping,
+            **load,
+        )
+        self._buffer.append(beat.model_dump(mode="json"))
 
     async def flush(self) -> None:
         await self._send(self._take(deferrals=False))

@@ -39,8 +39,9 @@ from hookline.health_monitor.alerts import Alert, AlertBook, AlertKey, AlertPoli
 from hookline.health_monitor.breaker import Breaker, BreakerPolicy
 from hookline.health_monitor.canary import CANARY_TYPE, CanaryBook
 from hookline.health_monitor.health import Health, HealthPolicy
+from hookline.health_monitor.placements import Placements
 from hookline.health_monitor.sinks import AlertSinks
-from hookline.shared import notifications, topology
+from hookline.shared import addressing, notifications, topology
 from hookline.shared.amqp import BROKER_ERRORS, CALL_TIMEOUT_S, Broker, Publisher, QueueProbe, until_closed
 from hookline.shared.capacity import BrokerCapacity, CapacityReader
 from hookline.shared.control import BreakerCommand, BreakerState, BreakerView, ControlRecord, control_record
@@ -186,6 +187,12 @@ class Monitor:
         self._empty_since_s: dict[str, float] = {}  # retired queue -> when it was first seen empty
         self._unnamed_since_s: dict[str, float] = {}  # notifier -> when no endpoint named it any more
         self._probe = QueueProbe(broker)
+        self.lanes_pending = 0  # ready messages in the lanes (read with the core queues)
+        self.placements = Placements(
+            broker, change_log, self.health, slow_p95_ms=settings.slow_p95_ms,
+            grace_s=settings.retired_queue_grace_s, max_queues=settings.max_endpoint_queues,
+            timeout_s=settings.connect_timeout_s,
+        )  # fmt: skip
 
     @property
     def blocked(self) -> bool:
@@ -292,6 +299,9 @@ class Monitor:
             loop.beat()
             if not self.leader:
                 continue
+            if command.state is BreakerState.OPEN:
+                # Its events wait in a queue of its own while the breaker is open, not in its lane.
+                await self.placements.isolate_for_breaker(command.endpoint_id)
             try:
                 await self._publish_control(command)
             except BROKER_ERRORS as exc:
@@ -366,13 +376,23 @@ class Monitor:
         core = {name: await self._probe.depth(name) for name in topology.core_queues()}
         levels = (topology.delay_level(level) for level in range(topology.DELAY_BITS))
         self.awaiting_retry = sum(core[name] or 0 for name in levels)
+        self.lanes_pending = sum(core[name] or 0 for name in topology.lane_queues())
         missing: dict[str, str | None] = {name: None for name, depth in core.items() if depth is None}
-        for endpoint in self.registry.all():
-            queue = topology.endpoint_queue(endpoint.id, endpoint.queue_generation)
-            depth = await self._probe.depth(queue)
+        # Only endpoints with a queue of their own have a depth of their own; the others' events pass
+        # through their lane (pending there, in lanes_pending).
+        depths: dict[str, int | None] = {}
+        for endpoint in self.registry.with_queues():
+            if not self.registry.has_queue(endpoint.id):
+                continue
+            queue = topology.own_queue(endpoint)
+            depth = depths[endpoint.id] = await self._probe.depth(queue)
             self.health.endpoint(endpoint.id).queue_depth = depth
-            if depth is None:
+            if depth is None and self.registry.isolated(endpoint):
                 missing[queue] = endpoint.id
+        for endpoint_id, health in self.health.endpoints.items():
+            if endpoint_id not in depths:
+                health.queue_depth = None
+        await self.placements.sweep(depths, leader=self.leader)
         await self._sweep_retired()
         await self._sweep_notifiers()
         self.missing = missing
@@ -392,19 +412,19 @@ class Monitor:
                 log.error("topology_not_repairable", detail=str(exc))
         for endpoint_id in {endpoint_id for endpoint_id in missing.values() if endpoint_id}:
             endpoint = self.registry.get(endpoint_id)
-            if endpoint is not None:
+            if endpoint is not None and self.registry.isolated(endpoint):
                 async with self._broker.channel() as channel:
-                    await topology.provision(channel, endpoint)
+                    await topology.declare_own_queue(channel, endpoint)
         log.warning("topology_repaired", declared=sorted(missing))
 
     async def _sweep_retired(self) -> None:
         """Queues endpoints have left (a move, a deletion) are drained by the dispatchers; once one has
         stayed empty for the grace period, nothing can come back to it any more and it is removed."""
         since = datetime.now(UTC) - DELETED_WATCH_WINDOW
-        retired = [name for endpoint in self.registry.all() for name in endpoint.retired_queues]
+        retired = [name for endpoint in self.registry.with_queues() for name in endpoint.retired_queues]
         retired += [
             name
-            for endpoint in self.registry.deleted_since(since)
+            for endpoint in self.registry.deleted_with_queues_since(since)
             for name in topology.endpoint_queues(endpoint)
         ]
         now_s = time.monotonic()
@@ -451,8 +471,9 @@ class Monitor:
             await self._change_log.write(record, timeout_s=self.settings.connect_timeout_s)
         except StaleWriteError:
             return  # changed meanwhile (an ingest resumed it): looked at again at the next poll
-        async with self._broker.channel() as channel:
-            await topology.unroute(channel, notifier)
+        if not notifier.laned:
+            async with self._broker.channel() as channel:
+                await topology.unroute_legacy(channel, notifier)
         self._unnamed_since_s.pop(notifier.id, None)
         log.info("notifier_removed", endpoint_id=notifier.id, description=notifier.description)
 
@@ -605,11 +626,10 @@ class Monitor:
         event = notifications.notification(
             notice, endpoint, alert.detail, now=datetime.fromtimestamp(now_s, UTC)
         )
-        message = aio_pika.Message(
+        message = addressing.message(
             event.model_dump_json(exclude_none=True).encode(),
-            content_type="application/json",
-            delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
-            message_id=event.id,
+            event_id=event.id,
+            endpoint_id=notifier.id,
             timestamp=event.occurred_at,
         )
         log.info(
@@ -620,8 +640,14 @@ class Monitor:
             notifier_id=notifier.id,
             event_id=event.id,
         )
-        queue = topology.endpoint_queue(notifier.id, notifier.queue_generation)
-        self._unsent.hold(message, exchange="", routing_key=queue, what="notification")
+        # To its address as it is now: a queue gone by the time it is sent makes it unroutable, and a
+        # dispatcher forwards it (addressing.py).
+        self._unsent.hold(
+            message,
+            exchange=topology.DELAY_DELIVERY,
+            routing_key=topology.delay_routing_key(0, self.registry.address(notifier)),
+            what="notification",
+        )
 
     def _publish_alert(self, alert: Alert, state: str, now_s: float) -> None:
         body = {

@@ -67,7 +67,8 @@ def endpoint_view(
         attempts=day.attempts,
         dead_lettered=day.dead_letters,
         retry_depth=day.max_attempt,
-        queue_depth=health.queue_depth,
+        # Without a queue of its own, nothing waits for this endpoint alone (its events pass its lane).
+        queue_depth=health.queue_depth if monitor.registry.has_queue(endpoint_id) else 0,
         oldest_pending_age_s=health.oldest_pending_s(now_s),
     )
 
@@ -80,7 +81,7 @@ async def status(monitor: State) -> Summary:
     live = set(health.live_dispatchers(now_s))
     ages = [age for h in health.endpoints.values() if (age := h.oldest_pending_s(now_s)) is not None]
     return Summary(
-        pending=sum(h.queue_depth or 0 for h in health.endpoints.values()),
+        pending=sum(h.queue_depth or 0 for h in health.endpoints.values()) + monitor.lanes_pending,
         awaiting_retry=monitor.awaiting_retry,
         in_flight=sum(beat.in_flight for d, beat in health.dispatchers.items() if d in live),
         dead_letter=await monitor.dead_letters.count(),

@@ -33,6 +33,7 @@ from hookline.ingest.auth import parse_tenant_tokens, principal
 from hookline.ingest.bodylimit import BodyLimit
 from hookline.ingest.deliverylog import DeliveryLog
 from hookline.ingest.duplicates import Duplicates
+from hookline.ingest.replicas import Replicas
 from hookline.ingest.state import IngestState
 from hookline.shared import __version__, lifecycle, registry, topology
 from hookline.shared import logging as hookline_logging
@@ -112,11 +113,13 @@ class _Stores:
     capacity: CapacityReader
     delivery_log: DeliveryLog
     audit_view: RowView
+    replicas: Replicas
 
 
 @asynccontextmanager
 async def _stores(settings: IngestSettings) -> AsyncIterator[_Stores]:
     state_path = settings.state_file("ingest", settings.ingest_port)
+    replicas = Replicas()
     async with (
         Broker(
             settings.amqp_url, name="hookline-ingest", connect_timeout_s=settings.connect_timeout_s
@@ -131,10 +134,11 @@ async def _stores(settings: IngestSettings) -> AsyncIterator[_Stores]:
             vhost=broker.vhost,
             retention_s=settings.delivery_log_retention_s,
             max_bytes=settings.delivery_log_max_bytes,
+            on_heartbeat=replicas.observe,  # the delivery log reads the telemetry anyway
         ) as delivery_log,
         audit.view(state_path, vhost=broker.vhost) as audit_view,
     ):
-        yield _Stores(broker, dead_letters, client, capacity, delivery_log, audit_view)
+        yield _Stores(broker, dead_letters, client, capacity, delivery_log, audit_view, replicas)
 
 
 @asynccontextmanager
@@ -188,6 +192,7 @@ async def _running(settings: IngestSettings, stores: _Stores) -> AsyncIterator[I
             quotas=quotas.Quotas(change_log.tenants, endpoint_registry, stores.delivery_log),
             audit=stores.audit_view,
             trail=audit.AuditTrail(held, broker.user),
+            replicas=stores.replicas,
         )
         supervisor.spawn("upgrade", partial(_upgrade_endpoints, state), required=False)
         supervisor.spawn("held-records", partial(held.run, broker), required=False)
@@ -251,11 +256,11 @@ def _problems(app: FastAPI) -> list[str]:
 
 
 async def _upgrade_endpoints(state: IngestState, loop: Loop) -> None:
-    """Endpoints registered before route exchanges existed get them, once (any ingest replica may do it:
-    provisioning is idempotent and the record is conditional)."""
+    """Endpoints registered before lanes are moved onto their lane, once (any ingest replica may do it:
+    binding is idempotent and the record is conditional)."""
     loop.mark_up()
     for endpoint in state.registry.all():
-        if not endpoint.routed:
+        if not endpoint.laned:
             await endpoints.upgrade(state, endpoint.id)
             await asyncio.sleep(0)
     await asyncio.Event().wait()  # done; stays "up" so that the supervisor does not run it again

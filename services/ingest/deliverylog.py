@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import sqlite3
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from functools import partial
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Self
@@ -25,7 +26,7 @@ from pydantic import ValidationError
 from hookline.shared import topology
 from hookline.shared.headers import Header
 from hookline.shared.models import Model
-from hookline.shared.telemetry import AttemptRecord, Deferral, batch
+from hookline.shared.telemetry import AttemptRecord, Deferral, Heartbeat, batch
 from hookline.shared.views import RowView, StreamMessage, ViewSchema
 
 log = structlog.get_logger(__name__)
@@ -142,12 +143,17 @@ def _event_rows(offset: int, message: StreamMessage) -> list[tuple[Any, ...]]:
     ]
 
 
-def _attempt_rows(offset: int, message: StreamMessage) -> list[tuple[Any, ...]]:
+def _attempt_rows(
+    offset: int, message: StreamMessage, on_heartbeat: Callable[[Heartbeat], None]
+) -> list[tuple[Any, ...]]:
     try:
         records = batch.validate_json(message.body)
     except ValidationError:
         log.warning("telemetry_unreadable", offset=offset)
         return []
+    for record in records:
+        if isinstance(record, Heartbeat):
+            on_heartbeat(record)
     return [
         (
             offset * _PER_BATCH + index,
@@ -167,7 +173,13 @@ class DeliveryLog:
     """The two views; open with ``async with``, follow each stream from its ``next_offset``."""
 
     def __init__(
-        self, path: Path | None, *, vhost: str, retention_s: float, max_bytes: int = 10_000_000_000
+        self,
+        path: Path | None,
+        *,
+        vhost: str,
+        retention_s: float,
+        max_bytes: int = 10_000_000_000,
+        on_heartbeat: Callable[[Heartbeat], None] = lambda _: None,
     ) -> None:
         self.retention_s = retention_s
         self.max_bytes = max_bytes
@@ -188,7 +200,7 @@ class DeliveryLog:
             schema=ATTEMPTS_SCHEMA,
             identity=f"{vhost}/{topology.TELEMETRY_LOG}",
             insert="INSERT OR REPLACE INTO attempts VALUES (?, ?, ?, ?, ?, ?, ?)",
-            derive=_attempt_rows,
+            derive=partial(_attempt_rows, on_heartbeat=on_heartbeat),
         )
 
     def _event_rows(self, offset: int, message: StreamMessage) -> list[tuple[Any, ...]]:

@@ -2,9 +2,14 @@
 
 A change is durable once it is in the endpoint change log. Every write is conditional on the version it
 was based on: the caller's ``If-Match`` when given, else the version this request read; when another
-write got there first the answer is 409 with the current version, never a silent overwrite. The
-endpoint's exchanges, queue and bindings are set up before its record is written, so an event published
-right after a ``201`` is already queued for it (and delivered once the endpoint is verified).
+write got there first the answer is 409 with the current version, never a silent overwrite.
+
+An endpoint costs the broker nothing of its own unless it needs isolation (:mod:`hookline.shared.
+placement`): then its queue of its own is declared before its record is written, so nothing handed to it
+is lost. A new endpoint (or new patterns) is answered for only once every live dispatcher has applied
+its record (replicas.py), and only then is a pattern its lane did not have bound: an event published
+after the ``201`` reaches it, whichever dispatcher takes the event. The verification handshake runs
+before the record is written, so an endpoint that answers it is never isolated for being unverified.
 """
 
 from __future__ import annotations
@@ -34,7 +39,7 @@ from hookline.ingest.schemas import (
 )
 from hookline.ingest.state import IngestState, Registry, State
 from hookline.ingest.verification import verify
-from hookline.shared import credentials, notifications, topology
+from hookline.shared import credentials, notifications, placement, topology
 from hookline.shared.amqp import Broker, QueueProbe
 from hookline.shared.api import ApiError, broker_unavailable
 from hookline.shared.capacity import QUORUM_QUEUE_FILE_HANDLES
@@ -129,16 +134,16 @@ async def _notifier(state: IngestState, endpoint: StoredEndpoint) -> StoredEndpo
         updated_at=now,
         secrets=[SigningSecret(value=state.sealer.seal(generate_secret()), created_at=now)],
         routed=True,
+        laned=True,
     )
-    await _check_capacity(state)
-    async with state.broker.channel() as admin:
-        await topology.provision(admin, notifier)
     try:
         written = await _write(state, notifier, base_version=0)
     except ApiError:
         if (current := state.registry.get(notifier_id)) is None:
             raise
         return current  # another replica registered the same notifier first: one is enough
+    # Notifications are addressed to it, never published to events: no pattern to bind.
+    await _activate(state, written, patterns=[])
     log.info("notifier_created", endpoint_id=notifier_id, for_tenant=endpoint.tenant)
     return written
 
@@ -217,6 +222,53 @@ def _etag(response: Response, endpoint: StoredEndpoint) -> None:
     response.headers["ETag"] = f'"{endpoint.version}"'
 
 
+async def _handshake(state: IngestState, endpoint: StoredEndpoint) -> StoredEndpoint:
+    """The endpoint (not written yet) with the result of its verification handshake."""
+    result = await verify(state.attempts, endpoint)
+    log.info(
+        "endpoint_verification", endpoint_id=endpoint.id, tenant=endpoint.tenant, ok=result.ok,
+        status=result.status, recorded=False,
+    )  # fmt: skip
+    return endpoint.model_copy(
+        update={"verified": result.ok, "verification": result, "updated_at": result.at}
+    )
+
+
+def _isolation(state: IngestState, endpoint: StoredEndpoint) -> str | None:
+    return placement.reason(endpoint, state.registry.placement(endpoint.id))
+
+
+async def _own_queue_if_isolated(
+    state: IngestState, before: StoredEndpoint | None, after: StoredEndpoint
+) -> None:
+    """Before ``after`` is written: its queue of its own, when it will be isolated (its options, status
+    or verification need one, or it has one already for another reason) and the broker has room."""
+    if _isolation(state, after) is None:
+        return
+    if (
+        before is None
+        or not state.registry.has_queue(before.id)
+        or before.queue_generation != after.queue_generation
+    ):
+        await _check_capacity(state)
+    async with state.broker.channel() as admin:
+        await topology.declare_own_queue(admin, after)
+
+
+async def _activate(state: IngestState, endpoint: StoredEndpoint, *, patterns: list[str]) -> None:
+    """Once the endpoint's record is written: wait until every live dispatcher has applied it, then bind
+    its lane for ``patterns`` (those it did not have: binding is idempotent)."""
+    offset = state.change_log.applied_offset
+    if offset is not None:
+        lagging = await state.replicas.applied(offset, timeout_s=state.settings.registry_wait_s)
+        if lagging:
+            # Not waited for longer: each follows the change log live and catches up on its own.
+            log.warning("endpoint_activation_late", endpoint_id=endpoint.id, dispatchers=lagging)
+    if patterns:
+        async with state.broker.channel() as admin:
+            await topology.bind_patterns(admin, endpoint.tenant, patterns)
+
+
 async def _record_verification(state: IngestState, endpoint: StoredEndpoint) -> StoredEndpoint:
     """Run the handshake, then record its result on the endpoint as it is by then: a rotation or an edit
     made while the receiver was answering survives (the write is re-read and retried if another one
@@ -259,21 +311,25 @@ async def create_endpoint(
         **spec.model_dump(exclude={"verify", "headers", "auth"}),
         **sealed,
         status=EndpointStatus.ACTIVE,
-        verified=not spec.verify,
         created_at=now,
         updated_at=now,
         secrets=[SigningSecret(value=state.sealer.seal(secret), created_at=now)],
         routed=True,
+        laned=True,
     )
     notifier = await _notifier(state, endpoint)
-    await _check_capacity(state)
-    async with state.broker.channel() as admin:
-        await topology.provision(admin, endpoint)
-    endpoint = await _write(state, endpoint, base_version=0)
-    log.info("endpoint_created", endpoint_id=endpoint.id, tenant=endpoint.tenant)
-    await _audit(state.trail, caller, "endpoint.created", None, endpoint)
     if spec.verify:
-        endpoint = await _record_verification(state, endpoint)
+        endpoint = await _handshake(state, endpoint)
+    await _own_queue_if_isolated(state, None, endpoint)
+    endpoint = await _write(state, endpoint, base_version=0)
+    await _activate(state, endpoint, patterns=endpoint.event_types)
+    log.info(
+        "endpoint_created",
+        endpoint_id=endpoint.id,
+        tenant=endpoint.tenant,
+        isolated=_isolation(state, endpoint),
+    )
+    await _audit(state.trail, caller, "endpoint.created", None, endpoint)
     _etag(response, endpoint)
     return EndpointCreated(
         **endpoint.public().model_dump(),
@@ -351,27 +407,28 @@ async def update_endpoint(
     _may_skip_verification(caller, verify=change.verify)
     base_version = _base_version(before, if_match)
     after, changes = await _changed_to(state, before, change)
-    url_changed = after.url != before.url
+    if after.url != before.url and change.verify:
+        after = await _handshake(state, after)
     moving = after.single_consumer != before.single_consumer
-    after = await _routed_for(state, before, after, moving=moving)
+    after = await _queues_for(state, before, after, moving=moving)
     try:
         written = await _write(state, after, base_version)
     except ApiError:
-        await _undo(state.broker, before, after, moving=moving)
+        await _undo(state.broker, after, moving=moving)
         raise
     if moving:
-        async with state.broker.channel() as admin:
-            await topology.switch_queue(admin, written, from_generation=before.queue_generation)
         log.info(
             "endpoint_queue_moved",
             endpoint_id=endpoint_id,
             from_queue=topology.endpoint_queue(before.id, before.queue_generation),
             to_queue=topology.endpoint_queue(written.id, written.queue_generation),
+            isolated=_isolation(state, written),
         )
+    new_patterns = sorted(set(written.event_types) - set(before.event_types))
+    if new_patterns:
+        await _activate(state, written, patterns=new_patterns)
     log.info("endpoint_updated", endpoint_id=endpoint_id, tenant=written.tenant, fields=sorted(changes))
     await _audit(state.trail, caller, "endpoint.updated", before, written)
-    if url_changed and change.verify:
-        written = await _record_verification(state, written)
     _etag(response, written)
     _warn_in_headers(
         response, _pattern_warnings(state.change_log.catalog, written) if "event_types" in changes else []
@@ -392,56 +449,51 @@ async def _changed_to(
         await _check_target(changes["url"], state.settings)
     changes |= await _credentials(state, changes, change)
     # A combination the model refuses is a 422 naming the fields (the app's ValidationError handler).
-    after = StoredEndpoint.model_validate(
-        {**before.model_dump(), **changes, "updated_at": datetime.now(UTC), "routed": True}
-    )
+    after = StoredEndpoint.model_validate({**before.model_dump(), **changes, "updated_at": datetime.now(UTC)})
     if "notify_url" in changes or notifications.notifier_of(after) != notifications.notifier_of(before):
         await _notifier(state, after)  # new, or named again (a disabled one resumes)
-    if after.url != before.url and change.verify:
-        after = after.model_copy(update={"verified": False})
     return after, changes
 
 
-async def _routed_for(
+async def _queues_for(
     state: IngestState, before: StoredEndpoint, after: StoredEndpoint, *, moving: bool
 ) -> StoredEndpoint:
-    """The bindings ``after`` needs, set up before its record is written (``_undo`` takes them back if
-    the write loses); a queue of the next generation when ``moving``, with ``after`` naming it."""
+    """The queue ``after`` needs, declared before its record is written (``_undo`` deletes it if the
+    write loses): when ``moving`` (the options that shape a queue changed), ``after`` names a queue of the
+    next generation, and the one it had goes to ``retired_queues`` to be drained into its address."""
     if moving:
-        await _check_capacity(state)
-    async with state.broker.channel() as admin:
-        if not before.routed:
-            await topology.provision(admin, before)
-        if moving:
-            # The options that shape the queue changed: a queue of the next generation, with the new
-            # arguments, declared now; events switch to it once the record is written (see topology).
-            after = after.model_copy(
-                update={
-                    "queue_generation": before.queue_generation + 1,
-                    "retired_queues": [
-                        *await _live_queues(state.broker, before.retired_queues),
-                        topology.endpoint_queue(before.id, before.queue_generation),
-                    ],
-                }
-            )
-            await topology.endpoint_queue_declare(admin, after)
-        await topology.rebind(admin, before, after)
+        retired = await _live_queues(state.broker, before.retired_queues)
+        if state.registry.has_queue(before.id):
+            retired.append(topology.own_queue(before))
+        after = after.model_copy(
+            update={"queue_generation": before.queue_generation + 1, "retired_queues": retired}
+        )
+    await _own_queue_if_isolated(state, before, after)
     return after
 
 
-async def _undo(broker: Broker, before: StoredEndpoint, after: StoredEndpoint, *, moving: bool) -> None:
-    """A change that lost to another write: its bindings go back, and a queue declared for it (empty,
-    bound to nothing, known to nobody) is deleted."""
-    async with broker.channel() as admin:
-        await topology.rebind(admin, after, before)
-        if moving:
-            await admin.queue_delete(topology.endpoint_queue(after.id, after.queue_generation))
+async def _undo(broker: Broker, after: StoredEndpoint, *, moving: bool) -> None:
+    """A change that lost to another write: a queue of the next generation declared for it (empty, known
+    to nobody) is deleted. (One of the same generation is the endpoint's own already: kept.)"""
+    if moving:
+        async with broker.channel() as admin:
+            await admin.queue_delete(topology.own_queue(after))
 
 
 async def _check_capacity(state: IngestState) -> None:
-    """Before a new queue: the broker must take the write that follows it, and have file handles for it
-    (RabbitMQ 3.x accounts three for every quorum queue; with its account full it stops accepting
-    connections without a word). Refused before anything is declared, so nothing is left behind."""
+    """Before a queue of its own: the broker must take the write that follows it, and have file handles
+    for it (RabbitMQ 3.x accounts three for every quorum queue; with its account full it stops accepting
+    connections without a word), and the endpoints with one must be fewer than
+    ``HOOKLINE_MAX_ENDPOINT_QUEUES``. Refused before anything is declared, so nothing is left behind."""
+    if state.registry.queued_count >= state.settings.max_endpoint_queues:
+        raise ApiError(
+            503,
+            "isolation_capacity",
+            f"{state.registry.queued_count} endpoints have a queue of their own, the most allowed "
+            f"(HOOKLINE_MAX_ENDPOINT_QUEUES={state.settings.max_endpoint_queues}); this endpoint needs one "
+            "(a rate limit, max_in_flight, ordered, paused, or not verified)",
+            headers={"Retry-After": str(CAPACITY_RETRY_AFTER_S)},
+        )
     capacity = await state.capacity.recent(max_age_s=CAPACITY_MAX_AGE_S)
     if not state.broker.blocked and capacity is not None and (capacity.memory_alarm or capacity.disk_alarm):
         # The alarm in a reading up to a few seconds old, while the broker takes our writes: it may have
@@ -457,9 +509,8 @@ async def _check_capacity(state: IngestState) -> None:
             503,
             "broker_capacity",
             f"the broker has {headroom} of {capacity.fd_limit} file handles left and keeps "
-            f"{state.settings.broker_fd_reserve} (HOOKLINE_BROKER_FD_RESERVE) for connections; a new endpoint "
-            f"queue needs {QUORUM_QUEUE_FILE_HANDLES}: raise the broker's file limit (ulimit -n) or delete "
-            "unused endpoints",
+            f"{state.settings.broker_fd_reserve} (HOOKLINE_BROKER_FD_RESERVE) for connections; an endpoint's "
+            f"queue of its own needs {QUORUM_QUEUE_FILE_HANDLES}: raise the broker's file limit (ulimit -n)",
             headers={"Retry-After": str(CAPACITY_RETRY_AFTER_S)},
         )
 
@@ -471,18 +522,36 @@ async def _live_queues(broker: Broker, queues: list[str]) -> list[str]:
 
 
 async def upgrade(state: IngestState, endpoint_id: str) -> None:
-    """Give an endpoint of an earlier version its route exchanges (at start, once)."""
+    """Move an endpoint of a version before lanes onto its lane (at start, once): its patterns bound on
+    the lane first (the fan-out passes it over until its record says it is laned: no event reaches it
+    twice, but for the moment between that record and its route exchanges' removal), then the record,
+    its old queue among those to drain; then its route exchanges go. Retries still addressed to them
+    come back unroutable and are forwarded to its address."""
     endpoint = state.registry.get(endpoint_id)
-    if endpoint is None or endpoint.routed:
+    if endpoint is None or endpoint.laned:
         return
     async with state.broker.channel() as admin:
-        await topology.provision(admin, endpoint)
+        await topology.bind_patterns(admin, endpoint.tenant, endpoint.event_types)
 
-    def routed(current: StoredEndpoint) -> StoredEndpoint | None:
-        return None if current.routed else current.model_copy(update={"routed": True})
+    def laned(current: StoredEndpoint) -> StoredEndpoint | None:
+        if current.laned:
+            return None
+        return current.model_copy(
+            update={
+                "laned": True,
+                "routed": True,
+                "queue_generation": current.queue_generation + 1,
+                "retired_queues": [*current.retired_queues, topology.own_queue(current)][-100:],
+            }
+        )
 
-    await state.change_log.update(endpoint_id, routed, timeout_s=state.settings.registry_wait_s)
-    log.info("endpoint_upgraded", endpoint_id=endpoint_id)
+    after = laned(endpoint)
+    assert after is not None
+    await _own_queue_if_isolated(state, endpoint, after)
+    await state.change_log.update(endpoint_id, laned, timeout_s=state.settings.registry_wait_s)
+    async with state.broker.channel() as admin:
+        await topology.unroute_legacy(admin, endpoint)
+    log.info("endpoint_upgraded", endpoint_id=endpoint_id, to="lane")
 
 
 @router.post("/{endpoint_id}/verify", response_model=Endpoint)
@@ -539,6 +608,7 @@ async def _set_status(
     before = _stored(state.registry, endpoint_id, caller)
     base_version = _base_version(before, if_match)
     after = before.model_copy(update={"status": status, "updated_at": datetime.now(UTC)})
+    await _own_queue_if_isolated(state, before, after)  # paused: its events wait there
     written = await _write(state, after, base_version)
     log.info("endpoint_status_changed", endpoint_id=endpoint_id, tenant=after.tenant, status=status.value)
     action = "endpoint.paused" if status is EndpointStatus.PAUSED else "endpoint.resumed"
@@ -574,7 +644,7 @@ async def delete_endpoint(
 ) -> Response:
     endpoint = _stored(state.registry, endpoint_id, caller)
     base_version = _base_version(endpoint, if_match)
-    ready = await _ready_messages(state.broker, endpoint)
+    ready = await _ready_messages(state, endpoint)
     unacked = await _held_by_dispatchers(state, endpoint.id)
     if (ready or unacked) and not force:
         raise ApiError(
@@ -594,9 +664,12 @@ async def delete_endpoint(
         await state.change_log.write(record, timeout_s=state.settings.registry_wait_s)
     except StaleWriteError as exc:
         raise _changed(exc.current) from None
-    # 2. No new events or retries for it: retries still waiting become endpoint_gone dead letters.
-    async with state.broker.channel() as admin:
-        await topology.unroute(admin, endpoint)
+    # 2. Nothing more reaches it: the fan-out no longer knows it, and what is addressed to it (a retry
+    #    on its way) becomes an endpoint_gone dead letter; a pattern no other endpoint needs is unbound
+    #    by the leading monitor. An endpoint of the version before lanes loses its route exchanges.
+    if not endpoint.laned:
+        async with state.broker.channel() as admin:
+            await topology.unroute_legacy(admin, endpoint)
     log.info(
         "endpoint_deleted", endpoint_id=endpoint_id, tenant=endpoint.tenant, ready=ready, unacked=unacked
     )
@@ -607,9 +680,14 @@ async def delete_endpoint(
     return Response(status_code=204)
 
 
-async def _ready_messages(broker: Broker, endpoint: StoredEndpoint) -> int:
-    async with QueueProbe(broker) as probe:
-        return sum([await probe.depth(name) or 0 for name in topology.endpoint_queues(endpoint)])
+async def _ready_messages(state: IngestState, endpoint: StoredEndpoint) -> int:
+    """Messages waiting in the endpoint's queues of its own (none without one: what is on its way to it
+    from its lane is counted by the dispatchers, in their heartbeats)."""
+    names = [*endpoint.retired_queues]
+    if state.registry.has_queue(endpoint.id):
+        names.append(topology.own_queue(endpoint))
+    async with QueueProbe(state.broker) as probe:
+        return sum([await probe.depth(name) or 0 for name in names])
 
 
 async def _held_by_dispatchers(state: IngestState, endpoint_id: str) -> int:

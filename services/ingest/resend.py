@@ -1,4 +1,5 @@
-"""Putting events back into an endpoint's queue (redrive, replay): same event id, fresh attempt budget."""
+"""Putting events back on their way to one endpoint (redrive, replay): to its address
+(:mod:`hookline.shared.addressing`), same event id, fresh attempt budget."""
 
 from __future__ import annotations
 
@@ -7,9 +8,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Literal
 
-import aio_pika
-
-from hookline.shared import topology
+from hookline.shared import addressing
 from hookline.shared.amqp import Publisher
 from hookline.shared.headers import Header
 from hookline.shared.registry import EndpointRegistry
@@ -27,7 +26,7 @@ class Resend:
 
 
 async def resend(registry: EndpointRegistry, publisher: Publisher, items: Iterable[Resend]) -> int:
-    """Publish each event to its endpoint's current queue (confirmed); returns how many were published.
+    """Publish each event to its endpoint's address (confirmed); returns how many were published.
 
     Without our attempt headers the dispatcher counts it as attempt 1 with the retention window
     starting now: a redriven or replayed event gets the whole retry schedule again.
@@ -38,15 +37,10 @@ async def resend(registry: EndpointRegistry, publisher: Publisher, items: Iterab
         endpoint = registry.get(item.endpoint_id)
         if endpoint is None:
             continue
-        message = aio_pika.Message(
-            item.body,
-            content_type="application/json",
-            delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
-            message_id=item.event_id,
-            headers={Header.ORIGIN: item.origin},
+        message = addressing.message(
+            item.body, event_id=item.event_id, endpoint_id=endpoint.id, headers={Header.ORIGIN: item.origin}
         )
-        queue = topology.endpoint_queue(endpoint.id, endpoint.queue_generation)
-        pending.append(publisher.publish(message, exchange="", routing_key=queue))
+        pending.append(addressing.send(publisher, message, destination=registry.address(endpoint)))
         if len(pending) >= WINDOW:
             await asyncio.gather(*pending)
             sent += len(pending)

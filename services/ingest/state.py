@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     from hookline.ingest.attempts import Attempts
     from hookline.ingest.audit import AuditTrail
     from hookline.ingest.quotas import Quotas
+    from hookline.ingest.replicas import Replicas
 
 
 @dataclass
@@ -40,7 +41,7 @@ class IngestState:
     dead_letters_log: StreamFollower
     dead_letters_index: DeadLetterIndex
     attempts: Attempts  # the ingest's own attempts: verification handshakes, resends by hand
-    capacity: CapacityReader  # the broker's file handles and alarms, before a new queue is declared
+    capacity: CapacityReader  # the broker's file handles and alarms, before a queue of its own is declared
     delivery_log: DeliveryLog  # events and attempts, for "where is my event?"
     duplicates: Duplicates  # events accepted before, found in the delivery log
     breakers: BreakerView  # the breaker states in force, to explain why an event waits
@@ -52,6 +53,7 @@ class IngestState:
     quotas: Quotas
     audit: RowView  # the audit trail's view (audit.py)
     trail: AuditTrail  # where the routes append to it
+    replicas: Replicas  # the dispatchers, and how far each has read the change log
 
     def problems(self) -> list[str]:
         # Blocked counts: a load balancer should send events to an ingest that can take them.

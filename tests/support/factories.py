@@ -17,7 +17,7 @@ def stored_endpoint(endpoint_id: str = "ep_" + "1" * 26, **changes: Any) -> Stor
     fields: dict[str, Any] = {
         "id": endpoint_id, "tenant": "acme", "url": "https://example.com/hook", "event_types": ["#"],
         "created_at": CREATED, "updated_at": CREATED, "secrets": [SigningSecret(value=SECRET, created_at=CREATED)],
-        "routed": True,
+        "routed": True, "laned": True,
     }  # fmt: skip
     fields.update(changes)
     return StoredEndpoint(**fields)

@@ -160,22 +160,38 @@ def test_endpoint_of(name: str, endpoint_id: str | None) -> None:
 
 
 @pytest.mark.parametrize(
-    ("endpoint", "destination"),
+    ("endpoint", "isolated", "destination"),
     [
-        # Retries go to the route exchange: they follow the endpoint to its current queue.
-        (_stored(routed=True), f"hookline.route.{EP}"),
-        (_stored(routed=True, queue_generation=3), f"hookline.route.{EP}"),
-        # Endpoints of the version before route exchanges: their (only) queue, bound to the delays.
-        (_stored(routed=False), f"hookline.endpoint.{EP}"),
+        # Without a queue of its own, what is meant for the endpoint alone goes to its tenant's lane.
+        (_stored(), False, topology.lane_of("acme")),
+        (_stored(queue_generation=3), False, topology.lane_of("acme")),
+        # With one, to that queue, of its current generation.
+        (_stored(), True, f"hookline.endpoint.{EP}"),
+        (_stored(queue_generation=3), True, f"hookline.endpoint.{EP}.g3"),
     ],
 )
-def test_retry_destination_and_back(endpoint: StoredEndpoint, destination: str) -> None:
-    assert topology.retry_destination(endpoint) == destination
+def test_an_address_and_back_through_the_delays(endpoint: StoredEndpoint, isolated: bool, destination: str) -> None:
+    assert topology.address(endpoint, isolated=isolated) == destination
     for delay_s in (0, 1, 300, topology.MAX_DELAY_S):
         key = topology.delay_routing_key(delay_s, destination)
         assert topology.delay_destination(key) == destination
-        assert topology.endpoint_of(topology.delay_destination(key)) == EP
         assert topology.topic_matches(topology.delay_delivery_binding(destination), key)
+    # A lane is nobody's; an endpoint queue names its endpoint (an unroutable copy is forwarded to it).
+    assert topology.endpoint_of(destination) == (EP if isolated else None)
+    assert topology.is_lane(destination) is not isolated
+
+
+def test_a_tenant_has_one_lane_of_a_fixed_set() -> None:
+    lanes = topology.lane_queues()
+    assert len(lanes) == len(set(lanes)) == topology.LANES
+    assert lanes[0] == "hookline.lane.00" and lanes[-1] == f"hookline.lane.{topology.LANES - 1:02d}"
+    assert all(topology.lane_of(f"t{n}") in lanes for n in range(1000))
+    assert topology.lane_of("acme") == topology.lane_of("acme")  # the same for every service, every run
+    # CRC-32 spreads tenants over the lanes: none holds more than twice its share of 1,000 tenants.
+    counts = {lane: 0 for lane in lanes}
+    for n in range(1000):
+        counts[topology.lane_of(f"tenant-{n}")] += 1
+    assert max(counts.values()) < 2 * 1000 / topology.LANES
 
 
 @pytest.mark.parametrize(
@@ -203,7 +219,7 @@ def test_endpoint_queues_are_the_current_one_and_those_it_left() -> None:
 
 def test_core_queues_are_what_every_service_relies_on() -> None:
     core = topology.core_queues()
-    assert len(core) == len(set(core)) == 8 + topology.DELAY_BITS
+    assert len(core) == len(set(core)) == 8 + topology.DELAY_BITS + topology.LANES
     assert set(core) >= {
         "hookline.unrouted",
         "hookline.events.log",

@@ -1,0 +1,161 @@
+"""One lane message, fanned out to the tenant's endpoints its event matches, acked once every copy is
+settled.
+
+An event published to ``events`` reaches its tenant's lane once, however many of the tenant's endpoints
+subscribe to it (:mod:`hookline.shared.topology`). Here it is parsed and checked once, matched against
+the tenant's endpoints, and handed to the :class:`~hookline.dispatcher.handler.Handler` once per
+endpoint as a :class:`Part`: a view of the lane message whose ack settles that endpoint's copy alone.
+The handler settles a part as it settles any message (delivered, retry scheduled with a confirm, dead
+letter confirmed, or handed on to the endpoint's address with a confirm), so the lane message is acked
+only once every part's outcome is recorded somewhere durable. A part that could not be settled (a
+publish failed, the dispatcher is stopping) leaves the lane message unacked, and it is handed back:
+the broker gives it out again and every part is handled again (at least once: an endpoint whose copy
+was already delivered may get it twice; the handler's memory of settled deliveries spares it when the
+same replica takes it again).
+
+A part whose handling crashed is handed on alone, through the delay queues, as a message of its own
+(the broker's delivery limit then counts that copy, not the lane message), so that one endpoint's poison
+never takes the event from the others. A lane message given out more than ``POISON_DELIVERIES`` times
+(the dispatcher crashed with it, again and again) is dead-lettered once per endpoint instead, with the
+endpoint named.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Mapping
+from datetime import datetime
+from typing import Any
+
+import aiormq
+import structlog
+
+from hookline.dispatcher import inbound
+from hookline.dispatcher.handler import Handler, handle_safely
+from hookline.dispatcher.incoming import Delivery
+from hookline.shared import topology
+from hookline.shared.models import DeadLetterReason
+
+log = structlog.get_logger(__name__)
+
+#: Deliveries of one lane message after which it is dead-lettered per endpoint instead of fanned out.
+POISON_DELIVERIES = 20
+
+
+class Part:
+    """One endpoint's copy of a lane message: read like the message, settled on its own."""
+
+    __slots__ = ("_lane", "crashed", "settled")
+
+    def __init__(self, lane: Delivery) -> None:
+        self._lane = lane
+        self.settled = False  # acked: its outcome is recorded
+        self.crashed = False  # its handling crashed: to be handed on alone
+
+    @property
+    def body(self) -> bytes:
+        return self._lane.body
+
+    @property
+    def message_id(self) -> str | None:
+        return self._lane.message_id
+
+    @property
+    def content_type(self) -> str | None:
+        return self._lane.content_type
+
+    @property
+    def headers(self) -> Mapping[str, Any] | None:
+        return self._lane.headers
+
+    @property
+    def timestamp(self) -> datetime | None:
+        return self._lane.timestamp
+
+    @property
+    def exchange(self) -> str | None:
+        return self._lane.exchange
+
+    @property
+    def routing_key(self) -> str | None:
+        return self._lane.routing_key
+
+    @property
+    def delivery_tag(self) -> int | None:
+        return None  # never acked at the broker by itself (acks.py acks it at once: here)
+
+    @property
+    def redelivered(self) -> bool | None:
+        return self._lane.redelivered
+
+    @property
+    def channel(self) -> aiormq.abc.AbstractChannel:
+        return self._lane.channel
+
+    async def ack(self) -> None:
+        self.settled = True
+
+    async def nack(self, *, requeue: bool = True) -> None:
+        del requeue  # not settled: the lane message is handed back, and this part handled again
+
+    async def reject(self, *, requeue: bool = False) -> None:
+        del requeue
+        self.crashed = True
+
+
+def _tenant_and_type(routing_key: str | None) -> tuple[str, str]:
+    tenant, _, event_type = (routing_key or "").partition(".")
+    return tenant, event_type
+
+
+async def fan_out(handler: Handler, message: Delivery) -> bool:
+    """Handle a lane message that came from ``events``; True when it was acked (every part settled),
+    False when it was handed back to be given out again."""
+    tenant, event_type = _tenant_and_type(message.routing_key)
+    parsed = handler.parse_event(message, tenant=tenant)
+    targets = handler.registry.matching(tenant, event_type)
+    if isinstance(parsed, inbound.Invalid):
+        await handler.dead_letter_invalid(message, parsed, tenant=tenant, endpoints=targets)
+        await handler.acks.ack(message)
+        return True
+    if _delivered_too_often(message):
+        log.error(
+            "lane_message_poison", event_id=parsed.event.id, tenant=tenant, endpoints=len(targets), alert=True
+        )
+        for endpoint in targets:
+            await handler.dead_letter_part(message, endpoint, DeadLetterReason.DELIVERY_LIMIT, parsed)
+        await handler.acks.ack(message)
+        return True
+    parts = [(endpoint.id, Part(message)) for endpoint in targets]
+    await asyncio.gather(
+        *(handle_safely(handler, endpoint_id, part, parsed=parsed, lane=True) for endpoint_id, part in parts)
+    )
+    for endpoint_id, part in parts:
+        if part.crashed and not part.settled:
+            await _hand_on_alone(handler, endpoint_id, part)
+    if all(part.settled for _, part in parts):
+        await handler.acks.ack(message)
+        return True
+    await handler.acks.nack(message, requeue=True)
+    return False
+
+
+async def _hand_on_alone(handler: Handler, endpoint_id: str, part: Part) -> None:
+    endpoint = handler.registry.get(endpoint_id)
+    if endpoint is None:
+        return  # deleted meanwhile: nothing owed to it (the lane message is acked for the others)
+    try:
+        await handler.hand_on(part, endpoint, delay_s=1)
+    except Exception as exc:  # the lane message is handed back instead: every part is done again
+        log.warning("part_not_handed_on", endpoint_id=endpoint_id, error=type(exc).__name__)
+
+
+def _delivered_too_often(message: Delivery) -> bool:
+    count = (message.headers or {}).get("x-delivery-count")
+    return isinstance(count, int) and count >= POISON_DELIVERIES
+
+
+def is_fan_out(message: Delivery) -> bool:
+    """A lane message published by an upstream (to ``events``), as against one hookline addressed to one
+    endpoint (a retry, a hand-off, a replay)."""
+    return message.exchange == topology.EVENTS_EXCHANGE

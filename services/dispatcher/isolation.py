@@ -1,0 +1,77 @@
+"""Giving an endpoint a queue of its own from a dispatcher: one that is slow (an attempt from its lane
+outlived the slow line) or backlogged (more of its lane messages under way here than its prefetch).
+
+Its queue is declared first, then its placement written to the change log (:mod:`hookline.shared.
+placement`), conditionally: every replica applies the same record, hands the endpoint's copies to that
+queue from then on, and consumes it. One isolation at a time per endpoint on this replica; another
+replica doing the same at once loses the conditional write and finds the endpoint isolated. The number
+of queues of their own is bounded (``HOOKLINE_MAX_ENDPOINT_QUEUES``): past it, the endpoint stays in its
+lane (still bounded there by the slot shares) and the caller puts the delivery off instead.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import structlog
+
+from hookline.dispatcher import metrics
+from hookline.shared import topology
+from hookline.shared.amqp import BROKER_ERRORS, Broker
+from hookline.shared.models import StoredEndpoint
+from hookline.shared.registry import ChangeLog
+
+log = structlog.get_logger(__name__)
+
+
+class Isolation:
+    def __init__(self, broker: Broker, change_log: ChangeLog, *, max_queues: int, timeout_s: float) -> None:
+        self._broker = broker
+        self._change_log = change_log
+        self._max_queues = max_queues
+        self._timeout_s = timeout_s
+        self._isolating: dict[str, asyncio.Lock] = {}
+        self._refused_logged: set[str] = set()
+
+    async def isolate(self, endpoint: StoredEndpoint, reason: str) -> bool:
+        """Whether the endpoint has a queue of its own now (it may have had one already)."""
+        registry = self._change_log.registry
+        if registry.isolated(endpoint):
+            return True
+        if registry.queued_count >= self._max_queues:
+            if endpoint.id not in self._refused_logged:
+                self._refused_logged.add(endpoint.id)
+                log.warning(
+                    "isolation_refused", endpoint_id=endpoint.id, reason=reason, queues=self._max_queues
+                )
+            metrics.ISOLATIONS.labels("refused").inc()
+            return False
+        lock = self._isolating.setdefault(endpoint.id, asyncio.Lock())
+        try:
+            async with lock:
+                current = registry.get(endpoint.id)
+                if current is None:
+                    return False
+                if registry.isolated(current):
+                    return True  # another task here, or another replica, did it meanwhile
+                await self.ensure_queue(current)
+                await self._change_log.place(
+                    current.id, isolated=True, reason=reason, timeout_s=self._timeout_s
+                )
+        except BROKER_ERRORS as exc:  # the write timed out, or the broker refused
+            log.warning("isolation_failed", endpoint_id=endpoint.id, reason=reason, error=type(exc).__name__)
+            return False
+        finally:
+            if not lock.locked():
+                self._isolating.pop(endpoint.id, None)
+        now = registry.get(endpoint.id)
+        isolated = now is not None and registry.isolated(now)
+        if isolated:
+            metrics.ISOLATIONS.labels(reason).inc()
+            log.warning("endpoint_isolated", endpoint_id=endpoint.id, reason=reason)
+        return isolated
+
+    async def ensure_queue(self, endpoint: StoredEndpoint) -> None:
+        """Its queue of its own, declared (idempotent), bound for what is addressed to it."""
+        async with self._broker.channel() as channel:
+            await topology.declare_own_queue(channel, endpoint)

@@ -1,0 +1,58 @@
+"""Whether an endpoint is delivered from its tenant's lane or from a queue of its own: one rule, pure.
+
+An endpoint is *isolated* (has a queue of its own, to which the dispatchers' fan-out hands its copies)
+for as long as one of these holds; otherwise it is delivered inline, from its lane:
+
+- its options: ``rate_limit_per_s``, ``max_in_flight`` or ``ordered`` hold across replicas only through
+  a queue with a single active consumer;
+- its status: paused or disabled (its events wait in its queue, unconsumed), or not verified yet;
+- a placement record (:class:`~hookline.shared.models.Placement`) says so: its breaker is not closed,
+  it is slow, backlogged, or being replayed to. Written to the change log by whoever decides it, so
+  every replica agrees, and taken back by the leading monitor once the reason has gone.
+
+The queue exists before anything is handed to it: whoever isolates an endpoint declares it first.
+"""
+
+from __future__ import annotations
+
+import enum
+
+from hookline.shared.models import EndpointStatus, Placement, StoredEndpoint
+
+
+class Reason(enum.StrEnum):
+    LIMITS = "limits"
+    PAUSED = "paused"
+    DISABLED = "disabled"
+    UNVERIFIED = "unverified"
+    BREAKER_OPEN = "breaker_open"
+    SLOW = "slow"
+    BACKLOGGED = "backlogged"
+    REPLAY = "replay"
+
+
+def structural(endpoint: StoredEndpoint) -> Reason | None:
+    """What in the endpoint's own definition isolates it (None: nothing)."""
+    if endpoint.single_consumer:
+        return Reason.LIMITS
+    if endpoint.status is EndpointStatus.PAUSED:
+        return Reason.PAUSED
+    if endpoint.status is EndpointStatus.DISABLED:
+        return Reason.DISABLED
+    if not endpoint.verified:
+        return Reason.UNVERIFIED
+    return None
+
+
+def reason(endpoint: StoredEndpoint, placement: Placement | None) -> str | None:
+    """Why the endpoint is isolated; None when it is delivered from its lane."""
+    own = structural(endpoint)
+    if own is not None:
+        return own.value
+    if placement is not None and placement.isolated:
+        return placement.reason or "isolated"
+    return None
+
+
+def isolated(endpoint: StoredEndpoint, placement: Placement | None) -> bool:
+    return reason(endpoint, placement) is not None

@@ -1,0 +1,46 @@
+"""Where an endpoint is delivered from: its lane, or a queue of its own (one rule, pure)."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import Any
+
+import pytest
+from support.factories import stored_endpoint
+
+from hookline.shared import placement
+from hookline.shared.models import EndpointStatus, Placement
+
+NOW = datetime(2026, 12, 2, tzinfo=UTC)
+
+
+def _placed(isolated: bool, reason: str = "slow", **fields: Any) -> Placement:
+    return Placement(endpoint_id="ep_" + "1" * 26, generation=1, isolated=isolated, reason=reason, at=NOW, **fields)
+
+
+@pytest.mark.parametrize(
+    ("fields", "placed", "reason"),
+    [
+        ({}, None, None),  # plain, healthy: from its lane
+        ({"rate_limit_per_s": 5.0}, None, "limits"),  # one consumer keeps the rate across replicas
+        ({"max_in_flight": 3}, None, "limits"),
+        ({"ordered": True}, None, "limits"),
+        ({"status": EndpointStatus.PAUSED}, None, "paused"),  # its events wait, unconsumed
+        ({"status": EndpointStatus.DISABLED}, None, "disabled"),
+        ({"verified": False}, None, "unverified"),
+        ({}, _placed(True, "breaker_open"), "breaker_open"),  # decided at run time, by a record
+        ({}, _placed(True, "slow"), "slow"),
+        ({}, _placed(True, ""), "isolated"),
+        ({}, _placed(False, "slow"), None),  # taken back to its lane
+        ({}, _placed(False, "", queue_removed=True), None),
+        # Its own definition wins over a record that takes it back to its lane.
+        ({"ordered": True}, _placed(False, "slow"), "limits"),
+        ({"status": EndpointStatus.PAUSED}, _placed(True, "slow"), "paused"),
+    ],
+)
+def test_where_an_endpoint_is_delivered_from(
+    fields: dict[str, Any], placed: Placement | None, reason: str | None
+) -> None:
+    endpoint = stored_endpoint(**fields)
+    assert placement.reason(endpoint, placed) == reason
+    assert placement.isolated(endpoint, placed) is (reason is not None)

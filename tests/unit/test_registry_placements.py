@@ -1,0 +1,95 @@
+"""What the registry knows for the lanes: which of a tenant's endpoints an event fans out to, where each
+is delivered from, and which have a queue of their own (the same for every replica: it follows from the
+records alone, in their order)."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import Any
+
+from support.factories import stored_endpoint
+
+from hookline.shared.models import (
+    EndpointDeleted,
+    EndpointStatus,
+    EndpointUpserted,
+    Placement,
+    PlacementSet,
+    StoredEndpoint,
+)
+from hookline.shared.registry import EndpointRegistry, Stale
+
+NOW = datetime(2026, 12, 2, tzinfo=UTC)
+EP1, EP2, EP3 = ("ep_" + str(n) * 26 for n in (1, 2, 3))
+
+
+def _upsert(registry: EndpointRegistry, endpoint: StoredEndpoint) -> None:
+    registry.apply(EndpointUpserted(change_id="c", at=NOW, endpoint=endpoint))
+
+
+def _place(registry: EndpointRegistry, endpoint_id: str, base: int, **fields: Any) -> Placement | Stale:
+    placed = Placement(endpoint_id=endpoint_id, generation=base + 1, at=NOW, **{"reason": "slow", **fields})
+    return registry.apply_placement(PlacementSet(change_id="p", at=NOW, placement=placed, base_generation=base))
+
+
+def test_an_event_fans_out_to_the_tenants_endpoints_whose_patterns_match() -> None:
+    registry = EndpointRegistry()
+    _upsert(registry, stored_endpoint(EP1, event_types=["order.*"]))
+    _upsert(registry, stored_endpoint(EP2, event_types=["order.created", "invoice.#"]))
+    _upsert(registry, stored_endpoint(EP3, tenant="other", event_types=["#"]))
+    ids = lambda tenant, event_type: sorted(e.id for e in registry.matching(tenant, event_type))  # noqa: E731
+    assert ids("acme", "order.created") == [EP1, EP2]
+    assert ids("acme", "order.paid") == [EP1]
+    assert ids("acme", "invoice.sent.late") == [EP2]
+    assert ids("acme", "user.created") == []
+    assert ids("other", "order.created") == [EP3]  # never another tenant's
+    # A change to one of the tenant's endpoints is seen at once (what was remembered is forgotten).
+    _upsert(registry, stored_endpoint(EP1, event_types=["user.*"]))
+    assert ids("acme", "order.paid") == [] and ids("acme", "user.created") == [EP1]
+    registry.apply(EndpointDeleted(change_id="d", at=NOW, endpoint_id=EP2))
+    assert ids("acme", "order.created") == []
+
+
+def test_endpoints_of_the_version_before_lanes_are_passed_over_until_moved_onto_them() -> None:
+    registry = EndpointRegistry()
+    _upsert(registry, stored_endpoint(EP1, laned=False))  # still fed by its route exchange
+    assert registry.matching("acme", "a.b") == ()
+    _upsert(registry, stored_endpoint(EP1, laned=True))
+    assert [e.id for e in registry.matching("acme", "a.b")] == [EP1]
+
+
+def test_a_placement_applies_on_the_generation_it_was_based_on() -> None:
+    registry = EndpointRegistry()
+    assert isinstance(_place(registry, EP1, 0, isolated=True), Stale)  # no such endpoint (yet)
+    _upsert(registry, endpoint := stored_endpoint(EP1))
+    assert not registry.isolated(endpoint)
+    assert _place(registry, EP1, 0, isolated=True) == registry.placement(EP1)
+    assert registry.isolated(endpoint) and registry.address(endpoint) == f"hookline.endpoint.{EP1}"
+    assert isinstance(_place(registry, EP1, 0, isolated=False), Stale)  # another writer came first
+    assert registry.isolated(endpoint)
+    # The endpoint's own version is untouched: a placement never makes an edit of it stale.
+    assert registry.get(EP1) == endpoint.model_copy(update={"version": 1})
+
+
+def test_a_queue_of_its_own_is_known_from_its_first_isolation_until_its_removal() -> None:
+    registry = EndpointRegistry()
+    _upsert(registry, endpoint := stored_endpoint(EP1))
+    assert not registry.has_queue(EP1) and registry.with_queues() == []
+    _upsert(registry, endpoint.model_copy(update={"status": EndpointStatus.PAUSED}))  # its events wait there
+    assert registry.has_queue(EP1) and registry.queued_count == 1
+    _upsert(registry, endpoint)  # resumed: back in its lane, but the queue still holds what waited
+    assert not registry.isolated(endpoint) and registry.address(endpoint).startswith("hookline.lane.")
+    assert registry.has_queue(EP1) and [e.id for e in registry.with_queues()] == [EP1]
+    _place(registry, EP1, 0, isolated=False, reason="", queue_removed=True)  # the monitor removed it
+    assert not registry.has_queue(EP1) and registry.queued_count == 0
+
+
+def test_a_deleted_endpoint_with_a_queue_is_remembered_for_draining_and_one_without_is_not() -> None:
+    registry = EndpointRegistry()
+    _upsert(registry, stored_endpoint(EP1, ordered=True))
+    _upsert(registry, stored_endpoint(EP2))
+    for endpoint_id in (EP1, EP2):
+        registry.apply(EndpointDeleted(change_id="d", at=NOW, endpoint_id=endpoint_id))
+    assert [e.id for e in registry.deleted_with_queues_since(NOW)] == [EP1]
+    assert sorted(e.id for e in registry.deleted_since(NOW)) == [EP1, EP2]
+    assert registry.queued_count == 0
