@@ -86,6 +86,7 @@ def endpoint(n: int, receiver: str | None = None) -> StoredEndpoint:
         updated_at=now,
         secrets=[SigningSecret(value=generate_secret(), created_at=now)],
         routed=True,
+        laned=True,
     )
 
 
@@ -105,7 +106,7 @@ async def register(url: str, count: int, receiver: str | None = None) -> float:
             async with broker.channel() as channel:
                 while pending:
                     stored = endpoint(pending.pop(), receiver)
-                    await topology.provision(channel, stored)
+                    await topology.provision(channel, stored, isolated=False)
                     await change_log.upsert(stored, base_version=0, timeout_s=120)
 
         await asyncio.gather(*(worker() for _ in range(CONCURRENCY)))

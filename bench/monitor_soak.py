@@ -72,11 +72,11 @@ async def register(amqp_url: str) -> None:
             for n in range(ENDPOINTS):
                 endpoint = StoredEndpoint(
                     id=endpoint_id(n), tenant="bench", url=f"https://bench.example/{n}", event_types=["#"],
-                    created_at=now, updated_at=now, routed=True,
+                    created_at=now, updated_at=now, routed=True, laned=True,
                     secrets=[SigningSecret(value=generate_secret(), created_at=now)],
                 )  # fmt: skip
                 async with broker.channel() as channel:
-                    await topology.provision(channel, endpoint)
+                    await topology.provision(channel, endpoint, isolated=False)
                 await change_log.upsert(endpoint, base_version=0, timeout_s=30)
         finally:
             await supervisor.stop()

@@ -406,15 +406,14 @@ async def delay_accuracy(amqp_url: str) -> dict[str, Any]:
     endpoint = StoredEndpoint(
         id="ep_" + "D" * 26, tenant=TENANT, url="https://example.com/", event_types=["delay.#"],
         created_at=now, updated_at=now, secrets=[SigningSecret(value="whsec_" + "A" * 44, created_at=now)],
-        routed=True,
+        routed=True, laned=True,
     )  # fmt: skip
     arrived: dict[str, float] = {}
     done = asyncio.Event()
     async with Broker(amqp_url, name="bench-delays", connect_timeout_s=30) as broker:
         publisher = Publisher(broker)
         async with broker.channel() as channel:
-            await topology.provision(channel, endpoint)
-            queue = await channel.get_queue(topology.endpoint_queue(endpoint.id), ensure=False)
+            queue = await topology.declare_own_queue(channel, endpoint)
 
             async def on_message(incoming: aio_pika.abc.AbstractIncomingMessage) -> None:
                 arrived[incoming.message_id or ""] = time.monotonic()
@@ -429,11 +428,10 @@ async def delay_accuracy(amqp_url: str) -> dict[str, Any]:
                 sent[f"d{n}"] = (delay, time.monotonic())
                 await delays.schedule(
                     b"{}", content_type="application/json", timestamp=None, event_id=f"d{n}",
-                    destination=topology.retry_destination(endpoint), next_attempt=2,
+                    endpoint_id=endpoint.id, destination=topology.own_queue(endpoint), next_attempt=2,
                     first_attempt_at_s=time.time(), delay_s=delay,
                 )  # fmt: skip
             await asyncio.wait_for(done.wait(), 60)
-            await topology.unroute(channel, endpoint)
             await channel.queue_delete(queue.name)
         await publisher.close()
     late_ms = [(arrived[key] - at - delay) * 1000 for key, (delay, at) in sent.items()]

@@ -21,6 +21,9 @@ class Header(enum.StrEnum):
     # Set by the ingest API on an event sent with an Idempotency-Key: a digest of the request, so that
     # the key sent again with another request is refused.
     REQUEST_DIGEST = "x-hookline-request-digest"
+    # The fence an ingest puts in a deleted endpoint's lane (its value: the endpoint's id): every lane
+    # message before it was published before the deletion.
+    FENCE = "x-hookline-fence"
     # A message forwarded after it came back unroutable: how many times (it stops past a few).
     FORWARDS = "x-hookline-forwards"
     ORIGIN = (

@@ -385,6 +385,18 @@ class EndpointDeleted(Model):
     base_version: int | None = None
 
 
+class EndpointDrained(Model):
+    """A deleted endpoint's lane has passed the fence the ingest put in it after the deletion: every lane
+    message published before the deletion has been given out, so the fan-out stops counting the endpoint
+    (until then its copies become ``endpoint_gone`` dead letters). Written by the dispatcher that took the
+    fence; idempotent."""
+
+    kind: Literal["endpoint.drained"] = "endpoint.drained"
+    change_id: str
+    at: AwareDatetime
+    endpoint_id: EndpointId
+
+
 class Placement(Model):
     """Where an endpoint is delivered from, as far as it is decided at run time (its options and status
     decide the rest: :mod:`hookline.shared.placement`): from its lane, or from a queue of its own."""
@@ -455,6 +467,7 @@ class QuotaSet(Model):
 ChangeRecord = Annotated[
     EndpointUpserted
     | EndpointDeleted
+    | EndpointDrained
     | PlacementSet
     | EventTypeUpserted
     | EventTypeDeleted

@@ -29,6 +29,7 @@ from hookline.shared.ids import new_id
 from hookline.shared.models import (
     ChangeRecord,
     EndpointDeleted,
+    EndpointDrained,
     EndpointStatus,
     EndpointUpserted,
     EventTypeDeleted,
@@ -89,6 +90,9 @@ class EndpointRegistry:
         self._deleted: dict[str, StoredEndpoint] = {}
         self._deleted_at: dict[str, datetime] = {}
         self._deleted_with_queues: set[str] = set()
+        # Deleted endpoints whose lane has not passed the deletion's fence yet, by tenant: the fan-out
+        # still counts them, and their copies become endpoint_gone dead letters (not lost).
+        self._deleting: dict[str, dict[str, StoredEndpoint]] = {}
         self._placements: dict[str, Placement] = {}
         # Endpoints whose queue of their own exists (or may): from the first record that isolates one to
         # the placement that says it was removed. The same for every replica, being the same records in
@@ -119,14 +123,17 @@ class EndpointRegistry:
     def matching(self, tenant: str, event_type: str) -> tuple[StoredEndpoint, ...]:
         """The tenant's endpoints one of whose patterns matches ``event_type``: the fan-out of a lane
         message (remembered per tenant and type until one of the tenant's endpoints changes). An endpoint
-        of the version before lanes is passed over: its route exchange still feeds it, until the ingest
-        moves it onto its lane."""
+        deleted a moment ago is among them until its lane has passed the deletion's fence (its copy is
+        then kept as a dead letter: nothing published before a deletion is lost); an endpoint of the
+        version before lanes is passed over (its route exchange still feeds it, until the ingest moves it
+        onto its lane)."""
         of_tenant = self._matches.get(tenant)
         found = of_tenant.get(event_type) if of_tenant is not None else None
         if found is None:
             found = tuple(
                 endpoint
-                for endpoint in self._by_tenant.get(tenant, {}).values()
+                for endpoints in (self._by_tenant.get(tenant, {}), self._deleting.get(tenant, {}))
+                for endpoint in endpoints.values()
                 if endpoint.laned
                 and any(topology.topic_matches(pattern, event_type) for pattern in endpoint.event_types)
             )
@@ -190,6 +197,7 @@ class EndpointRegistry:
             self._deleted.pop(endpoint_id, None)
             self._deleted_at.pop(endpoint_id, None)
             self._deleted_with_queues.discard(endpoint_id)
+            self._drained(after.tenant, endpoint_id)
             self._changed(after)
             self._notify(before, after)
             return after
@@ -203,12 +211,31 @@ class EndpointRegistry:
             self._deleted_at[endpoint_id] = record.at
             if endpoint_id in self._queued:
                 self._deleted_with_queues.add(endpoint_id)
+            if before.laned:
+                self._deleting.setdefault(before.tenant, {})[endpoint_id] = before
             self._placements.pop(endpoint_id, None)
             self._has_queue.discard(endpoint_id)
             self._queued.discard(endpoint_id)
             self._forget_matches(before.tenant)
             self._notify(before, None)
         return None
+
+    def apply_drained(self, record: EndpointDrained) -> None:
+        gone = self._deleted.get(record.endpoint_id)
+        if gone is not None:
+            self._drained(gone.tenant, record.endpoint_id)
+
+    def deleting(self, endpoint_id: str) -> bool:
+        """Deleted, and its lane has not passed the deletion's fence yet."""
+        gone = self._deleted.get(endpoint_id)
+        return gone is not None and endpoint_id in self._deleting.get(gone.tenant, {})
+
+    def _drained(self, tenant: str, endpoint_id: str) -> None:
+        deleting = self._deleting.get(tenant)
+        if deleting is not None and deleting.pop(endpoint_id, None) is not None:
+            if not deleting:
+                del self._deleting[tenant]
+            self._forget_matches(tenant)
 
     def apply_placement(self, record: PlacementSet) -> Placement | Stale:
         """Apply a placement change: the placement as it now is, or :class:`Stale` when another change
@@ -310,6 +337,11 @@ class ChangeLog:
         )
         return await self._follower.append(message, timeout_s=timeout_s)
 
+    async def drained(self, endpoint_id: str, *, timeout_s: float) -> None:
+        """The deleted endpoint's lane has passed the deletion's fence (EndpointDrained)."""
+        record = EndpointDrained(change_id=new_id("chg"), at=datetime.now(UTC), endpoint_id=endpoint_id)
+        await self._append(record, timeout_s=timeout_s)
+
     async def place(
         self, endpoint_id: str, *, isolated: bool, reason: str, timeout_s: float, queue_removed: bool = False
     ) -> Placement | None:
@@ -406,6 +438,9 @@ class ChangeLog:
                 log.error("tenant_record_refused", offset=offset_of(message), user=message.user_id)
                 return None
             return self.tenants.apply(record)
+        if isinstance(record, EndpointDrained):
+            self.registry.apply_drained(record)
+            return None
         if isinstance(record, PlacementSet):
             placed = self.registry.apply_placement(record)
             if isinstance(placed, Stale):

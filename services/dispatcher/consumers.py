@@ -50,6 +50,7 @@ from hookline.shared.amqp import (
     on_cancel,
 )
 from hookline.shared.control import BreakerState, BreakerView
+from hookline.shared.headers import Header
 from hookline.shared.models import EndpointStatus, StoredEndpoint
 from hookline.shared.registry import EndpointRegistry
 from hookline.shared.supervision import Loop
@@ -237,6 +238,9 @@ class Consumers:
         metrics.LANE_MESSAGES.labels("addressed").inc()
         if endpoint_id is None:
             await self.track("", self._handler.stray, message)
+            return
+        if (message.headers or {}).get(Header.FENCE) == endpoint_id:
+            await self.track("", partial(self._handler.fence, endpoint_id=endpoint_id), message)
             return
         await self.track(endpoint_id, partial(handle_safely, self._handler, endpoint_id, lane=True), message)
 

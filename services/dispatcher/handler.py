@@ -713,8 +713,12 @@ class Handler:
                 self._order.done(endpoint.id, event.subject, event.id)
 
     async def _disable(self, endpoint_id: str, *, status: int | None) -> None:
-        """A 410: the endpoint is gone, paused or not."""
+        """A 410: the endpoint is gone, paused or not. Disabled, it holds its events in a queue of its own
+        (declared first, whatever the bound: what a resume delivers must not be lost)."""
         try:
+            endpoint = self._registry.get(endpoint_id)
+            if endpoint is not None and self._isolation is not None:
+                await self._isolation.ensure_queue(endpoint)
             written = await self._change_log.disable(
                 endpoint_id, unless=frozenset(), timeout_s=self._settings.connect_timeout_s
             )
@@ -781,6 +785,19 @@ class Handler:
         log.info(
             "message_forwarded", endpoint_id=endpoint.id, event_id=message.message_id, missing=destination
         )
+
+    async def fence(self, message: Incoming, endpoint_id: str) -> None:
+        """The fence an ingest put in a deleted endpoint's lane has come out of it: every lane message
+        published before the deletion has been given out (each counted the endpoint, its copy a dead
+        letter); the fan-out stops counting it. Taken before this replica knows of the deletion (it
+        follows the change log a moment behind): put back for a second."""
+        if self._registry.deleting(endpoint_id):
+            await self._change_log.drained(endpoint_id, timeout_s=self._settings.connect_timeout_s)
+            log.info("endpoint_fence_passed", endpoint_id=endpoint_id)
+        elif (endpoint := self._registry.get(endpoint_id)) is not None:
+            await self.hand_on(message, endpoint, delay_s=1)
+            return
+        await self.acks.ack(message)
 
     async def stray(self, message: Incoming) -> None:
         """A message in a lane that neither came from ``events`` nor names an endpoint (published there

@@ -39,11 +39,12 @@ from hookline.ingest.schemas import (
 )
 from hookline.ingest.state import IngestState, Registry, State
 from hookline.ingest.verification import verify
-from hookline.shared import credentials, notifications, placement, topology
+from hookline.shared import addressing, credentials, notifications, placement, topology
 from hookline.shared.amqp import Broker, QueueProbe
 from hookline.shared.api import ApiError, broker_unavailable
 from hookline.shared.capacity import QUORUM_QUEUE_FILE_HANDLES
 from hookline.shared.catalog import Catalog
+from hookline.shared.headers import Header as Headers
 from hookline.shared.ids import new_id
 from hookline.shared.models import (
     Endpoint,
@@ -664,10 +665,18 @@ async def delete_endpoint(
         await state.change_log.write(record, timeout_s=state.settings.registry_wait_s)
     except StaleWriteError as exc:
         raise _changed(exc.current) from None
-    # 2. Nothing more reaches it: the fan-out no longer knows it, and what is addressed to it (a retry
-    #    on its way) becomes an endpoint_gone dead letter; a pattern no other endpoint needs is unbound
-    #    by the leading monitor. An endpoint of the version before lanes loses its route exchanges.
-    if not endpoint.laned:
+    # 2. A fence in its lane, behind every event published before the deletion: until a dispatcher takes
+    #    it, the fan-out still counts the endpoint and keeps its copies as endpoint_gone dead letters, so
+    #    nothing published before the deletion is lost; after it, nothing reaches the endpoint. What is
+    #    addressed to it (a retry on its way) becomes an endpoint_gone dead letter; a pattern no other
+    #    endpoint needs is unbound by the leading monitor. An endpoint of the version before lanes loses
+    #    its route exchanges.
+    if endpoint.laned:
+        fence = addressing.message(
+            b"", event_id=new_id("fence"), endpoint_id=endpoint_id, headers={Headers.FENCE: endpoint_id}
+        )
+        await addressing.send(state.publisher, fence, destination=topology.lane_of(endpoint.tenant))
+    else:
         async with state.broker.channel() as admin:
             await topology.unroute_legacy(admin, endpoint)
     log.info(

@@ -277,11 +277,12 @@ async def _attempt_kinds(system: System, event_id: str, kinds: list[str]) -> boo
     return [a["kind"] for course in story["endpoints"] for a in course["attempts"]] == kinds
 
 
-async def test_file_handles_running_out_refuse_new_endpoints_and_are_alerted(
+async def test_file_handles_running_out_refuse_queues_of_their_own_and_are_alerted(
     system: System, receiver: Receiver
 ) -> None:
-    """Thresholds set above what the broker has: registration is refused with the numbers, before
-    anything is declared, and a monitor with a low ratio alerts on handles and queues."""
+    """Thresholds set above what the broker has: an endpoint that needs a queue of its own (a cap) is
+    refused with the numbers, before anything is declared, while one delivered from its lane costs the
+    broker no file handle and is registered; a monitor with a low ratio alerts on handles and queues."""
     acme = tenant()
     tight = services.start(
         "ingest", {**system.env, "HOOKLINE_BROKER_FD_RESERVE": "1000000"}, system.log_dir, name="ingest-tight"
@@ -297,9 +298,8 @@ async def test_file_handles_running_out_refuse_new_endpoints_and_are_alerted(
     await asyncio.to_thread(watchful.wait_ready, 60)
 
     before = await get_json(tight, "/v1/endpoints", tenant=acme)
-    refused = await post(
-        tight, "/v1/endpoints", {"tenant": acme, "url": receiver.url("/x"), "event_types": ["#"]}
-    )
+    capped = {"tenant": acme, "url": receiver.url("/x"), "event_types": ["#"], "max_in_flight": 2}
+    refused = await post(tight, "/v1/endpoints", capped)
     assert refused.status_code == 503, refused.text
     body = refused.json()
     assert body["error"] == "broker_capacity"
@@ -307,6 +307,8 @@ async def test_file_handles_running_out_refuse_new_endpoints_and_are_alerted(
     assert "HOOKLINE_BROKER_FD_RESERVE" in body["message"]
     assert refused.headers["retry-after"] == "60"
     assert await get_json(tight, "/v1/endpoints", tenant=acme) == before
+    plain = await post(tight, "/v1/endpoints", {**capped, "max_in_flight": None, "verify": False})
+    assert plain.status_code == 201, plain.text
 
     # The standby monitor knows what fires (its API says so) even though only the leader publishes.
     await eventually(
@@ -320,8 +322,28 @@ async def test_file_handles_running_out_refuse_new_endpoints_and_are_alerted(
     assert used is not None
     assert limit is not None
     assert 0 < used < limit
-    # The ordinary ingest, with the default reserve, still registers endpoints.
-    system.add_endpoint(acme, receiver.url("/fine"), ["#"])
+    # The ordinary ingest, with the default reserve, still registers endpoints with a cap.
+    system.add_endpoint(acme, receiver.url("/fine"), ["#"], max_in_flight=2)
+
+
+async def test_queues_of_their_own_are_bounded(system: System, receiver: Receiver) -> None:
+    """With HOOKLINE_MAX_ENDPOINT_QUEUES reached, a change that needs a queue of its own is a 503 naming
+    the bound; endpoints delivered from their lane are registered as before."""
+    acme = tenant()
+    bounded = services.start(
+        "ingest", {**system.env, "HOOKLINE_MAX_ENDPOINT_QUEUES": "0"}, system.log_dir, name="ingest-bounded"
+    )
+    system.extra.append(bounded)
+    await asyncio.to_thread(bounded.wait_ready, 60)
+    endpoint = {"tenant": acme, "url": receiver.url("/b"), "event_types": ["#"], "verify": False}
+    refused = await post(bounded, "/v1/endpoints", {**endpoint, "rate_limit_per_s": 5})
+    assert refused.status_code == 503, refused.text
+    assert refused.json()["error"] == "isolation_capacity"
+    assert "HOOKLINE_MAX_ENDPOINT_QUEUES=0" in refused.json()["message"]
+    created = await post(bounded, "/v1/endpoints", endpoint)
+    assert created.status_code == 201, created.text
+    paused = await post(bounded, f"/v1/endpoints/{created.json()['id']}/pause", {})
+    assert (paused.status_code, paused.json()["error"]) == (503, "isolation_capacity")
 
 
 async def _has(alerts: Any, *names: str) -> bool:

@@ -8,6 +8,7 @@ import subprocess
 import pytest
 from support import services
 from support.amqp import event, publish_event, read_stream
+from support.logs import logged
 from support.receiver import Receiver, Reply
 from support.system import System, tenant
 from support.system import cli as hookline
@@ -133,7 +134,8 @@ async def test_deleting_an_endpoint_keeps_its_queued_events_as_dead_letters(
         )
         assert forced.status_code == 204
         assert api.get(f"/v1/endpoints/{endpoint['id']}").status_code == 404
-    # More events for the tenant reach nobody now.
+    # Events for the tenant published now are never delivered to it (one published in the moment before
+    # its lane has passed the deletion's fence may be kept as a dead letter too: never lost, never sent).
     await publish_event(system.amqp_url, event(acme, "a.b", "evt_after_delete"), f"{acme}.a.b")
 
     async def accounted() -> tuple[set[str], set[str]] | None:
@@ -150,4 +152,21 @@ async def test_deleting_an_endpoint_keeps_its_queued_events_as_dead_letters(
     # Every event is either delivered (those in flight finish) or kept as a dead letter.
     delivered, gone = await eventually(accounted, timeout_s=30)
     assert gone, "some events were still queued when the endpoint was deleted"
-    assert "evt_after_delete" not in delivered | gone
+    assert "evt_after_delete" not in delivered
+    # Past the fence, nothing counts the endpoint any more: a sentinel published now is neither sent to
+    # it nor kept for it.
+    await eventually(lambda: _drained(system, endpoint["id"]), timeout_s=30)
+    await publish_event(system.amqp_url, event(acme, "a.b", "evt_after_fence"), f"{acme}.a.b")
+    sentinel = system.add_endpoint(acme, receiver.url("/sentinel"), ["a.b"])
+    await publish_event(system.amqp_url, event(acme, "a.b", "evt_sentinel"), f"{acme}.a.b")
+    await receiver.wait_for_ids({"evt_sentinel"}, path="/sentinel")
+    dead = await read_stream(system.amqp_url, "hookline.dead-letters", idle_s=0.3)
+    assert not [
+        m for m in dead if (m.headers or {}).get("x-hookline-event-id") in ("evt_after_fence", "evt_sentinel")
+    ], "an event published after the fence was kept for the deleted endpoint"
+    assert sentinel["id"] != endpoint["id"]
+
+
+async def _drained(system: System, endpoint_id: str) -> bool:
+    """A dispatcher took the deletion's fence out of the endpoint's lane (and said so in the change log)."""
+    return bool(logged(system.dispatchers, "endpoint_fence_passed", endpoint_id=endpoint_id))

@@ -239,13 +239,14 @@ async def test_dispatchers_are_never_blocked_on_a_silent_monitor(
 async def test_a_queue_deleted_by_hand_is_declared_again(
     system: System, receiver: Receiver, rabbitmq: Broker
 ) -> None:
-    """An endpoint queue deleted with rabbitmqctl: the dispatchers consuming it provision it again at
-    once (events published afterwards are delivered); a queue nobody consumes (a paused endpoint's) is
-    found by the leading monitor, alerted on and declared again with its bindings; queue polling goes on
-    reporting the depth of the other endpoints."""
+    """An endpoint's queue of its own deleted with rabbitmqctl: the dispatchers consuming it (a capped
+    endpoint's) provision it again at once (events published afterwards are delivered); a queue nobody
+    consumes (a paused endpoint's) is found by the leading monitor, alerted on and declared again with its
+    binding; queue polling goes on reporting the depth of the other endpoints."""
     acme = tenant()
     paths = Paths(receiver)
-    active = system.add_endpoint(acme, receiver.url("/active"), ["active.*"])
+    # A cap needs a single consumer, so a queue of its own: consumed by both dispatchers.
+    active = system.add_endpoint(acme, receiver.url("/active"), ["active.*"], max_in_flight=10)
     idle = system.add_endpoint(acme, receiver.url("/idle"), ["idle.*"])
     paused = system.add_endpoint(acme, receiver.url("/paused"), ["paused.*"])
     await set_status(system, idle["id"], "pause")

@@ -1,8 +1,11 @@
-"""An endpoint registered by the version before route exchanges keeps working after an upgrade.
+"""An endpoint registered by a version before lanes keeps working after an upgrade.
 
-Its queue was bound to ``events`` directly and its retries were addressed to the queue. The ingest
-gives it route exchanges at start (once, conditionally); nothing queued before is lost, nothing is
-delivered twice, and its retries still come back.
+Its queue was bound to ``events`` directly (two versions back; the version before added route exchanges
+in between) and its retries were addressed to the queue. The ingest moves it onto its tenant's lane at
+start (once, conditionally): the lane bound first, then its record, then its old bindings removed; its
+old queue is drained into its lane. Nothing queued before is lost, and its retries still come back.
+(An event published in the moment between its record and the removal of its old bindings reaches it
+twice: at least once; the test publishes after the move.)
 """
 
 from __future__ import annotations
@@ -39,7 +42,11 @@ async def _register_the_old_way(amqp_url: str, endpoint: StoredEndpoint) -> None
     async with Broker(amqp_url, name="old-ingest", connect_timeout_s=10) as broker:
         await topology.declare(broker, topology.Retention())
         async with broker.channel(confirms=True) as channel:
-            queue = await topology.endpoint_queue_declare(channel, endpoint)
+            queue = await channel.declare_queue(
+                topology.endpoint_queue(endpoint.id),
+                durable=True,
+                arguments=topology.endpoint_queue_arguments(single_consumer=False),
+            )
             for key in topology.binding_keys(endpoint.tenant, endpoint.event_types):
                 await queue.bind(topology.EVENTS_EXCHANGE, routing_key=key)
             await queue.bind(topology.DELAY_DELIVERY, routing_key=topology.delay_delivery_binding(queue.name))
@@ -49,7 +56,7 @@ async def _register_the_old_way(amqp_url: str, endpoint: StoredEndpoint) -> None
             body = record.model_dump_json(
                 exclude={
                     "base_version": True,
-                    "endpoint": {"queue_generation", "retired_queues", "routed", "version"},
+                    "endpoint": {"queue_generation", "retired_queues", "routed", "laned", "version"},
                 }
             )
             await channel.default_exchange.publish(
@@ -105,12 +112,18 @@ async def test_an_endpoint_of_the_previous_version_is_upgraded_without_loss(
             service.wait_ready()
         ingest = running[0]
 
+        queue = topology.endpoint_queue(endpoint.id)
+        lane = topology.lane_of(tenant)
+
         async def upgraded() -> dict[str, Any] | None:
             async with httpx.AsyncClient(
                 base_url=ingest.base_url, headers={"authorization": f"Bearer {services.TOKEN}"}
             ) as api:
                 shown = (await api.get(f"/v1/endpoints/{endpoint.id}")).json()
-            return shown if shown.get("version", 0) >= 2 else None
+            if shown.get("version", 0) < 2:
+                return None
+            pairs = await bindings(amqp_url)
+            return shown if ("events", queue) not in pairs and ("events", lane) in pairs else None
 
         await eventually(upgraded, timeout_s=30)
         after = ["evt_old_retried", *(f"evt_old_after_{n}" for n in range(5))]
@@ -123,17 +136,21 @@ async def test_an_endpoint_of_the_previous_version_is_upgraded_without_loss(
         delivered = Counter(r.headers["webhook-id"] for r in receiver.requests if r.path == "/old")
         # Every event once (the retried one twice: its failed attempt and its retry), none lost.
         assert delivered == {**dict.fromkeys([*before, *after, "evt_old_sentinel"], 1), "evt_old_retried": 2}
-        # The route exchange feeds the queue now: its direct bindings to events are gone.
-        bindings = await asyncio.to_thread(
-            subprocess.run,
-            ["rabbitmqctl", "-q", "list_bindings", "-p", amqp_url.rsplit("/", 1)[1], "source_name", "destination_name"],
-            capture_output=True, text=True, check=True, timeout=60,
-        )  # fmt: skip
-        pairs = {tuple(line.split("\t")) for line in bindings.stdout.splitlines()}
-        queue = topology.endpoint_queue(endpoint.id)
-        assert ("events", queue) not in pairs
-        assert ("events", topology.route_exchange(endpoint.id)) in pairs
-        assert (topology.route_exchange(endpoint.id), queue) in pairs
+        # Its lane feeds it now: no binding of its own is left, and no route exchange was made for it.
+        pairs = await bindings(amqp_url)
+        assert not [
+            pair for pair in pairs if queue in pair or topology.route_exchange(endpoint.id) in pair[0]
+        ]
+        assert ("events", lane) in pairs
     finally:
         codes = [service.stop() for service in running]
     assert codes == [0, 0]
+
+
+async def bindings(amqp_url: str) -> set[tuple[str, ...]]:
+    listed = await asyncio.to_thread(
+        subprocess.run,
+        ["rabbitmqctl", "-q", "list_bindings", "-p", amqp_url.rsplit("/", 1)[1], "source_name", "destination_name"],
+        capture_output=True, text=True, check=True, timeout=60,
+    )  # fmt: skip
+    return {tuple(line.split("\t")) for line in listed.stdout.splitlines()}

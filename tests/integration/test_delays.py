@@ -1,4 +1,5 @@
-"""The TTL delay hierarchy on a real RabbitMQ: order, accuracy, no loss; and the poison limit."""
+"""The TTL delay hierarchy on a real RabbitMQ: order, accuracy, no loss; addressing an endpoint's queue
+or its lane through it, a queue gone never losing the copy; and the poison limit."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from support.amqp import read_stream
 from support.broker import Broker as BrokerUnderTest
 
 from hookline.dispatcher.delays import Delays
-from hookline.shared import topology
+from hookline.shared import addressing, topology
 from hookline.shared.amqp import Broker, Publisher
 from hookline.shared.deadletters import read_item
 from hookline.shared.headers import Header
@@ -35,6 +36,7 @@ ENDPOINT = StoredEndpoint(
     updated_at=NOW,
     secrets=[SigningSecret(value="whsec_" + "A" * 44, created_at=NOW)],
     routed=True,
+    laned=True,
 )
 
 
@@ -58,16 +60,15 @@ async def delays(broker: Broker) -> AsyncIterator[Delays]:
 
 
 async def _endpoint_queue(connection: AbstractConnection) -> AbstractQueue:
-    """The endpoint's queue, fed through its route exchange, as the ingest provisions it."""
+    """The endpoint's queue of its own, as whoever isolates it declares it."""
     channel = await connection.channel()
-    await topology.provision(channel, ENDPOINT)
-    return await channel.get_queue(topology.endpoint_queue(ENDPOINT.id), ensure=False)
+    return await topology.declare_own_queue(channel, ENDPOINT)
 
 
-async def _schedule(delays: Delays, event_id: str, delay_s: int) -> None:
+async def _schedule(delays: Delays, event_id: str, delay_s: int, destination: str | None = None) -> None:
     await delays.schedule(
-        b"{}", content_type="application/json", timestamp=None, event_id=event_id,
-        destination=topology.retry_destination(ENDPOINT), next_attempt=2, first_attempt_at_s=time.time(),
+        b"{}", content_type="application/json", timestamp=None, event_id=event_id, endpoint_id=ENDPOINT.id,
+        destination=destination or topology.own_queue(ENDPOINT), next_attempt=2, first_attempt_at_s=time.time(),
         delay_s=delay_s,
     )  # fmt: skip
 
@@ -136,6 +137,44 @@ async def test_a_burst_of_thousands_loses_nothing(connection: AbstractConnection
         )
     await asyncio.wait_for(done.wait(), 60)
     assert received == {f"evt_{n}" for n in range(count)}
+
+
+async def test_a_copy_reaches_the_address_it_names_and_one_whose_queue_is_gone_is_kept(
+    connection: AbstractConnection, delays: Delays, broker: Broker
+) -> None:
+    """Addressed to the endpoint's lane, a retry arrives there naming its endpoint; addressed to a queue
+    that is not there (removed once drained), at once or after a delay, it is kept in
+    ``hookline.delay.unroutable`` for a dispatcher to forward, never dropped."""
+    channel = await connection.channel()
+    lane = await channel.get_queue(topology.lane_of(ENDPOINT.tenant), ensure=False)
+    unroutable = await channel.get_queue(topology.DELAY_UNROUTABLE, ensure=False)
+    await _schedule(delays, "evt_to_lane", 1, destination=topology.lane_of(ENDPOINT.tenant))
+    gone = topology.endpoint_queue(ENDPOINT.id, 99)
+    await _schedule(delays, "evt_to_gone_later", 1, destination=gone)
+    publisher = Publisher(broker)
+    try:
+        copy = addressing.message(b"{}", event_id="evt_to_gone_now", endpoint_id=ENDPOINT.id)
+        await addressing.send(publisher, copy, destination=gone)  # no delay: straight to the last exchange
+    finally:
+        await publisher.close()
+
+    async def take(queue: AbstractQueue, count: int) -> list[AbstractIncomingMessage]:
+        taken: list[AbstractIncomingMessage] = []
+        deadline_s = time.monotonic() + 30
+        while len(taken) < count and time.monotonic() < deadline_s:
+            message = await queue.get(no_ack=True, fail=False, timeout=5)
+            if message is None:
+                await asyncio.sleep(0.2)
+            else:
+                taken.append(message)
+        return taken
+
+    [in_lane] = await take(lane, 1)
+    assert (in_lane.message_id, addressing.endpoint_named(in_lane.headers)) == ("evt_to_lane", ENDPOINT.id)
+    kept = await take(unroutable, 2)
+    assert sorted(m.message_id or "" for m in kept) == ["evt_to_gone_later", "evt_to_gone_now"]
+    assert {topology.delay_destination(m.routing_key or "") for m in kept} == {gone}
+    assert {addressing.endpoint_named(m.headers) for m in kept} == {ENDPOINT.id}
 
 
 async def test_a_message_returned_too_often_becomes_a_delivery_limit_dead_letter(

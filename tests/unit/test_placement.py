@@ -15,7 +15,9 @@ NOW = datetime(2026, 12, 2, tzinfo=UTC)
 
 
 def _placed(isolated: bool, reason: str = "slow", **fields: Any) -> Placement:
-    return Placement(endpoint_id="ep_" + "1" * 26, generation=1, isolated=isolated, reason=reason, at=NOW, **fields)
+    return Placement(
+        endpoint_id="ep_" + "1" * 26, generation=1, isolated=isolated, reason=reason, at=NOW, **fields
+    )
 
 
 @pytest.mark.parametrize(

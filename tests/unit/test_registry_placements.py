@@ -11,6 +11,7 @@ from support.factories import stored_endpoint
 
 from hookline.shared.models import (
     EndpointDeleted,
+    EndpointDrained,
     EndpointStatus,
     EndpointUpserted,
     Placement,
@@ -29,7 +30,9 @@ def _upsert(registry: EndpointRegistry, endpoint: StoredEndpoint) -> None:
 
 def _place(registry: EndpointRegistry, endpoint_id: str, base: int, **fields: Any) -> Placement | Stale:
     placed = Placement(endpoint_id=endpoint_id, generation=base + 1, at=NOW, **{"reason": "slow", **fields})
-    return registry.apply_placement(PlacementSet(change_id="p", at=NOW, placement=placed, base_generation=base))
+    return registry.apply_placement(
+        PlacementSet(change_id="p", at=NOW, placement=placed, base_generation=base)
+    )
 
 
 def test_an_event_fans_out_to_the_tenants_endpoints_whose_patterns_match() -> None:
@@ -45,8 +48,10 @@ def test_an_event_fans_out_to_the_tenants_endpoints_whose_patterns_match() -> No
     assert ids("other", "order.created") == [EP3]  # never another tenant's
     # A change to one of the tenant's endpoints is seen at once (what was remembered is forgotten).
     _upsert(registry, stored_endpoint(EP1, event_types=["user.*"]))
-    assert ids("acme", "order.paid") == [] and ids("acme", "user.created") == [EP1]
+    assert ids("acme", "order.paid") == []
+    assert ids("acme", "user.created") == [EP1]
     registry.apply(EndpointDeleted(change_id="d", at=NOW, endpoint_id=EP2))
+    registry.apply_drained(EndpointDrained(change_id="f", at=NOW, endpoint_id=EP2))
     assert ids("acme", "order.created") == []
 
 
@@ -64,7 +69,8 @@ def test_a_placement_applies_on_the_generation_it_was_based_on() -> None:
     _upsert(registry, endpoint := stored_endpoint(EP1))
     assert not registry.isolated(endpoint)
     assert _place(registry, EP1, 0, isolated=True) == registry.placement(EP1)
-    assert registry.isolated(endpoint) and registry.address(endpoint) == f"hookline.endpoint.{EP1}"
+    assert registry.isolated(endpoint)
+    assert registry.address(endpoint) == f"hookline.endpoint.{EP1}"
     assert isinstance(_place(registry, EP1, 0, isolated=False), Stale)  # another writer came first
     assert registry.isolated(endpoint)
     # The endpoint's own version is untouched: a placement never makes an edit of it stale.
@@ -74,14 +80,19 @@ def test_a_placement_applies_on_the_generation_it_was_based_on() -> None:
 def test_a_queue_of_its_own_is_known_from_its_first_isolation_until_its_removal() -> None:
     registry = EndpointRegistry()
     _upsert(registry, endpoint := stored_endpoint(EP1))
-    assert not registry.has_queue(EP1) and registry.with_queues() == []
+    assert not registry.has_queue(EP1)
+    assert registry.with_queues() == []
     _upsert(registry, endpoint.model_copy(update={"status": EndpointStatus.PAUSED}))  # its events wait there
-    assert registry.has_queue(EP1) and registry.queued_count == 1
+    assert registry.has_queue(EP1)
+    assert registry.queued_count == 1
     _upsert(registry, endpoint)  # resumed: back in its lane, but the queue still holds what waited
-    assert not registry.isolated(endpoint) and registry.address(endpoint).startswith("hookline.lane.")
-    assert registry.has_queue(EP1) and [e.id for e in registry.with_queues()] == [EP1]
+    assert not registry.isolated(endpoint)
+    assert registry.address(endpoint).startswith("hookline.lane.")
+    assert registry.has_queue(EP1)
+    assert [e.id for e in registry.with_queues()] == [EP1]
     _place(registry, EP1, 0, isolated=False, reason="", queue_removed=True)  # the monitor removed it
-    assert not registry.has_queue(EP1) and registry.queued_count == 0
+    assert not registry.has_queue(EP1)
+    assert registry.queued_count == 0
 
 
 def test_a_deleted_endpoint_with_a_queue_is_remembered_for_draining_and_one_without_is_not() -> None:
@@ -93,3 +104,24 @@ def test_a_deleted_endpoint_with_a_queue_is_remembered_for_draining_and_one_with
     assert [e.id for e in registry.deleted_with_queues_since(NOW)] == [EP1]
     assert sorted(e.id for e in registry.deleted_since(NOW)) == [EP1, EP2]
     assert registry.queued_count == 0
+
+
+def test_a_deleted_endpoint_is_counted_by_the_fan_out_until_its_lane_passes_the_fence() -> None:
+    """Lane messages published before a deletion still count the endpoint (its copy becomes a dead
+    letter, never lost); once a dispatcher took the deletion's fence, nothing counts it."""
+    registry = EndpointRegistry()
+    _upsert(registry, stored_endpoint(EP1, event_types=["order.*"]))
+    registry.apply(EndpointDeleted(change_id="d", at=NOW, endpoint_id=EP1))
+    assert registry.get(EP1) is None
+    assert registry.deleting(EP1)
+    assert [e.id for e in registry.matching("acme", "order.paid")] == [EP1]
+    registry.apply_drained(EndpointDrained(change_id="f", at=NOW, endpoint_id=EP1))
+    assert not registry.deleting(EP1)
+    assert registry.matching("acme", "order.paid") == ()
+    registry.apply_drained(EndpointDrained(change_id="f", at=NOW, endpoint_id=EP1))  # again: no-op
+    # Created again under the same id (a notifier's is derived): live, and not deleting any more.
+    _upsert(registry, stored_endpoint(EP2, event_types=["order.*"]))
+    registry.apply(EndpointDeleted(change_id="d2", at=NOW, endpoint_id=EP2))
+    _upsert(registry, stored_endpoint(EP2, event_types=["order.*"]))
+    assert not registry.deleting(EP2)
+    assert [e.id for e in registry.matching("acme", "order.paid")] == [EP2]

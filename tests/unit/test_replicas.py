@@ -9,7 +9,9 @@ from hookline.ingest.replicas import LIVE_S, Replicas
 from hookline.shared.telemetry import Heartbeat
 
 
-def _beat(dispatcher_id: str, applied: int | None, *, age_s: float = 0.0, stopping: bool = False) -> Heartbeat:
+def _beat(
+    dispatcher_id: str, applied: int | None, *, age_s: float = 0.0, stopping: bool = False
+) -> Heartbeat:
     return Heartbeat(
         at_s=time.time() - age_s, dispatcher_id=dispatcher_id, in_flight=0, consumers=0,
         applied_offset=applied, stopping=stopping,

@@ -170,7 +170,9 @@ def test_endpoint_of(name: str, endpoint_id: str | None) -> None:
         (_stored(queue_generation=3), True, f"hookline.endpoint.{EP}.g3"),
     ],
 )
-def test_an_address_and_back_through_the_delays(endpoint: StoredEndpoint, isolated: bool, destination: str) -> None:
+def test_an_address_and_back_through_the_delays(
+    endpoint: StoredEndpoint, isolated: bool, destination: str
+) -> None:
     assert topology.address(endpoint, isolated=isolated) == destination
     for delay_s in (0, 1, 300, topology.MAX_DELAY_S):
         key = topology.delay_routing_key(delay_s, destination)
@@ -184,7 +186,8 @@ def test_an_address_and_back_through_the_delays(endpoint: StoredEndpoint, isolat
 def test_a_tenant_has_one_lane_of_a_fixed_set() -> None:
     lanes = topology.lane_queues()
     assert len(lanes) == len(set(lanes)) == topology.LANES
-    assert lanes[0] == "hookline.lane.00" and lanes[-1] == f"hookline.lane.{topology.LANES - 1:02d}"
+    assert lanes[0] == "hookline.lane.00"
+    assert lanes[-1] == f"hookline.lane.{topology.LANES - 1:02d}"
     assert all(topology.lane_of(f"t{n}") in lanes for n in range(1000))
     assert topology.lane_of("acme") == topology.lane_of("acme")  # the same for every service, every run
     # CRC-32 spreads tenants over the lanes: none holds more than twice its share of 1,000 tenants.
