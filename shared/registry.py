@@ -222,8 +222,13 @@ class EndpointRegistry:
 
     def apply_drained(self, record: EndpointDrained) -> None:
         gone = self._deleted.get(record.endpoint_id)
-        if gone is not None:
+        if gone is not None and self.deleting(record.endpoint_id):
             self._drained(gone.tenant, record.endpoint_id)
+            self._notify(gone, None)  # its patterns are no longer needed for it
+
+    def deleting_of_tenant(self, tenant: str) -> list[StoredEndpoint]:
+        """The tenant's endpoints deleted whose lane has not passed the deletion's fence yet."""
+        return list(self._deleting.get(tenant, {}).values())
 
     def deleting(self, endpoint_id: str) -> bool:
         """Deleted, and its lane has not passed the deletion's fence yet."""

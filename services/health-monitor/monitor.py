@@ -36,6 +36,7 @@ from pydantic import ValidationError
 
 from hookline.health_monitor import checkpoint
 from hookline.health_monitor.alerts import Alert, AlertBook, AlertKey, AlertPolicy, broker_alerts, evaluate
+from hookline.health_monitor.bindings import Bindings
 from hookline.health_monitor.breaker import Breaker, BreakerPolicy
 from hookline.health_monitor.canary import CANARY_TYPE, CanaryBook
 from hookline.health_monitor.health import Health, HealthPolicy
@@ -193,6 +194,11 @@ class Monitor:
             grace_s=settings.retired_queue_grace_s, max_queues=settings.max_endpoint_queues,
             timeout_s=settings.connect_timeout_s,
         )  # fmt: skip
+        self.bindings = Bindings(
+            broker, change_log, grace_s=settings.retired_queue_grace_s, timeout_s=settings.connect_timeout_s
+        )
+        self.registry.subscribe(self.bindings.on_change)
+        self.bindings.seed()
 
     @property
     def blocked(self) -> bool:
@@ -393,6 +399,7 @@ class Monitor:
             if endpoint_id not in depths:
                 health.queue_depth = None
         await self.placements.sweep(depths, leader=self.leader)
+        await self.bindings.sweep(leader=self.leader)
         await self._sweep_retired()
         await self._sweep_notifiers()
         self.missing = missing

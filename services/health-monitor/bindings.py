@@ -1,0 +1,110 @@
+"""Tenant patterns no endpoint needs any more, unbound from their lane by the leading monitor.
+
+The ingest binds a tenant's lane for a pattern when an endpoint first needs it (an idempotent bind,
+after every dispatcher knows the endpoint: endpoints.py); it never unbinds, since another replica may be
+creating an endpoint with the same pattern at that moment. Here, a pattern none of its tenant's
+endpoints (nor one being deleted, whose lane has not passed the fence yet) names any more is noted; once
+it has stayed unneeded for the grace period, the monitor reads the change log up to now, unbinds it if
+it is still unneeded, then reads the change log again and binds it back if an endpoint named it
+meanwhile. What is left is a window of milliseconds, between the read and the unbind, in which a
+creation of the same pattern on an ingest would have its binding removed and put back: events published
+in between would reach that endpoint's tenant's other patterns but not it.
+
+A binding nobody needs costs the broker a little memory (0.68 KiB) and each matching event a write to
+the lane that the fan-out then drops: worth removing, not urgent.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+
+import structlog
+
+from hookline.shared import topology
+from hookline.shared.amqp import BROKER_ERRORS, Broker
+from hookline.shared.models import StoredEndpoint
+from hookline.shared.registry import ChangeLog, EndpointRegistry
+
+log = structlog.get_logger(__name__)
+
+_Key = tuple[str, str]  # (tenant, pattern)
+
+
+def needed(registry: EndpointRegistry, tenant: str) -> set[str]:
+    """The patterns the tenant's lane must stay bound for: those of its endpoints, and of those deleted
+    whose lane has not passed the deletion's fence (their events still become dead letters)."""
+    return {
+        pattern
+        for endpoint in registry.of_tenant(tenant) + registry.deleting_of_tenant(tenant)
+        if endpoint.laned
+        for pattern in endpoint.event_types
+    }
+
+
+@dataclass
+class Bindings:
+    broker: Broker
+    change_log: ChangeLog
+    grace_s: float
+    timeout_s: float
+    _unneeded_since_s: dict[_Key, float] = field(default_factory=dict)
+
+    def on_change(self, before: StoredEndpoint | None, after: StoredEndpoint | None) -> None:
+        """A registry listener: the patterns an endpoint no longer names (changed, or deleted) may be
+        unneeded by its tenant now; one it names again is needed."""
+        registry = self.change_log.registry
+        for endpoint in (before, after):
+            if endpoint is None:
+                continue
+            still = needed(registry, endpoint.tenant)
+            now_s = time.monotonic()
+            for pattern in endpoint.event_types:
+                key = (endpoint.tenant, pattern)
+                if pattern in still:
+                    self._unneeded_since_s.pop(key, None)
+                else:
+                    self._unneeded_since_s.setdefault(key, now_s)
+
+    def seed(self) -> None:
+        """At start, after the change log was read (this tracker was not listening then): the patterns
+        of the endpoints deleted so far, the unneeded among them to be unbound. (A pattern dropped by an
+        edit before this start is not known here: its binding stays, harmless.)"""
+        for gone in self.change_log.registry.deleted_since(datetime.min.replace(tzinfo=UTC)):
+            self.on_change(gone, None)
+
+    @property
+    def unneeded(self) -> set[_Key]:
+        """The (tenant, pattern) pairs noted as unneeded, not unbound yet."""
+        return set(self._unneeded_since_s)
+
+    async def sweep(self, *, leader: bool) -> None:
+        if not leader or not self._unneeded_since_s:
+            return
+        now_s = time.monotonic()
+        due = [key for key, since_s in self._unneeded_since_s.items() if now_s - since_s >= self.grace_s]
+        if not due:
+            return
+        try:
+            await self.change_log.sync(timeout_s=self.timeout_s)
+            registry = self.change_log.registry
+            gone = [(t, p) for t, p in due if p not in needed(registry, t)]
+            async with self.broker.channel() as channel:
+                for tenant, pattern in gone:
+                    await topology.unbind_pattern(channel, tenant, pattern)
+            await self.change_log.sync(timeout_s=self.timeout_s)
+            # Named again meanwhile (an ingest was creating one): bound back at once.
+            again = [(t, p) for t, p in gone if p in needed(registry, t)]
+            async with self.broker.channel() as channel:
+                for tenant, pattern in again:
+                    await topology.bind_patterns(channel, tenant, [pattern])
+        except BROKER_ERRORS as exc:
+            log.warning("binding_sweep_failed", error=type(exc).__name__)
+            return
+        for key in due:
+            self._unneeded_since_s.pop(key, None)
+        for tenant, pattern in gone:
+            log.info("pattern_unbound", tenant=tenant, pattern=pattern, lane=topology.lane_of(tenant))
+        for tenant, pattern in again:
+            log.warning("pattern_bound_again", tenant=tenant, pattern=pattern, lane=topology.lane_of(tenant))

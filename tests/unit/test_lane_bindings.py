@@ -1,0 +1,61 @@
+"""Which tenant patterns a lane stays bound for, and which the leading monitor may unbind once unneeded."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+
+from support.factories import stored_endpoint
+
+from hookline.health_monitor.bindings import Bindings, needed
+from hookline.shared.models import EndpointDeleted, EndpointDrained, EndpointUpserted, StoredEndpoint
+from hookline.shared.registry import EndpointRegistry
+
+NOW = datetime(2026, 12, 2, tzinfo=UTC)
+EP1, EP2 = ("ep_" + str(n) * 26 for n in (1, 2))
+
+
+class _Log:
+    """What the tracker reads of a change log here: its registry."""
+
+    def __init__(self) -> None:
+        self.registry = EndpointRegistry()
+
+
+def _upsert(registry: EndpointRegistry, endpoint: StoredEndpoint) -> None:
+    registry.apply(EndpointUpserted(change_id="c", at=NOW, endpoint=endpoint))
+
+
+def test_a_pattern_is_needed_while_an_endpoint_of_the_tenant_names_it_or_is_being_deleted() -> None:
+    registry = EndpointRegistry()
+    _upsert(registry, stored_endpoint(EP1, event_types=["order.*", "invoice.#"]))
+    _upsert(registry, stored_endpoint(EP2, event_types=["order.*"]))
+    _upsert(registry, stored_endpoint("ep_" + "3" * 26, tenant="other", event_types=["user.*"]))
+    _upsert(registry, stored_endpoint("ep_" + "4" * 26, event_types=["legacy.*"], laned=False))
+    assert needed(registry, "acme") == {"order.*", "invoice.#"}  # a legacy endpoint has its own bindings
+    registry.apply(EndpointDeleted(change_id="d", at=NOW, endpoint_id=EP1))
+    assert needed(registry, "acme") == {"order.*", "invoice.#"}  # its lane has not passed the fence
+    registry.apply_drained(EndpointDrained(change_id="f", at=NOW, endpoint_id=EP1))
+    assert needed(registry, "acme") == {"order.*"}
+    assert needed(registry, "other") == {"user.*"}
+
+
+def test_patterns_an_endpoint_stops_naming_are_noted_and_named_again_forgotten() -> None:
+    change_log = _Log()
+    registry = change_log.registry
+    tracker = Bindings(broker=None, change_log=change_log, grace_s=60, timeout_s=1)  # type: ignore[arg-type]
+    registry.subscribe(tracker.on_change)
+    _upsert(registry, stored_endpoint(EP1, event_types=["order.*"]))
+    _upsert(registry, stored_endpoint(EP2, event_types=["order.*", "invoice.*"]))
+    assert tracker.unneeded == set()
+    _upsert(registry, stored_endpoint(EP2, event_types=["order.*"]))  # drops invoice.*: nobody names it
+    assert tracker.unneeded == {("acme", "invoice.*")}
+    _upsert(registry, stored_endpoint(EP1, event_types=["user.*"]))  # order.* is still named by EP2
+    assert tracker.unneeded == {("acme", "invoice.*")}
+    _upsert(registry, stored_endpoint(EP1, event_types=["invoice.*"]))  # named again; user.* now by nobody
+    assert tracker.unneeded == {("acme", "user.*")}
+    registry.apply(EndpointDeleted(change_id="d", at=NOW, endpoint_id=EP2))
+    assert tracker.unneeded == {
+        ("acme", "user.*")
+    }  # order.* still needed: EP2's lane has not passed the fence
+    registry.apply_drained(EndpointDrained(change_id="f", at=NOW, endpoint_id=EP2))  # listeners are told
+    assert tracker.unneeded == {("acme", "user.*"), ("acme", "order.*")}
