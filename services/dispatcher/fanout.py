@@ -145,7 +145,7 @@ async def _hand_on_alone(handler: Handler, endpoint_id: str, part: Part) -> None
     if endpoint is None:
         return  # deleted meanwhile: nothing owed to it (the lane message is acked for the others)
     try:
-        await handler.hand_on(part, endpoint, delay_s=1)
+        await handler.hand_on(part, endpoint, delay_s=1, reason="crashed")
     except Exception as exc:  # the lane message is handed back instead: every part is done again
         log.warning("part_not_handed_on", endpoint_id=endpoint_id, error=type(exc).__name__)
 

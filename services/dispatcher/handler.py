@@ -177,14 +177,14 @@ class Handler:
         if lane and self._registry.isolated(endpoint):
             # Its events go to its queue of its own (a part of a lane message, or a message that came to
             # the lane before the endpoint was isolated).
-            await self.hand_on(message, endpoint)
+            await self.hand_on(message, endpoint, reason="isolated")
             return False
         if not probe and self._breakers.state(endpoint_id) is not None:
             # Delivered before the breaker opened reached us: back, not attempted. After a pause: until
             # its consumer is cancelled the queue hands it straight back, and every return counts toward
             # the delivery limit.
             if lane:
-                await self.hand_on(message, endpoint, delay_s=int(BREAKER_NACK_PAUSE_S))
+                await self.hand_on(message, endpoint, delay_s=int(BREAKER_NACK_PAUSE_S), reason="breaker_open")
             else:
                 await asyncio.sleep(BREAKER_NACK_PAUSE_S)
                 await self.acks.nack(message, requeue=True)
@@ -201,7 +201,7 @@ class Handler:
         queue writes rather than of its answers."""
         under_way = self._from_lanes.get(endpoint.id, 0)
         if under_way >= self._settings.prefetch_per_endpoint and await self._isolate(endpoint, "backlogged"):
-            await self.hand_on(message, endpoint)
+            await self.hand_on(message, endpoint, reason="backlogged")
             return False
         self._from_lanes[endpoint.id] = under_way + 1
         try:
@@ -293,7 +293,7 @@ class Handler:
         if ticket is None:
             slow = self.admission.ledger.standing(endpoint.id) is Standing.SLOW
             if lane and await self._isolate(endpoint, "slow" if slow else "backlogged"):
-                await self.hand_on(message, endpoint)
+                await self.hand_on(message, endpoint, reason="no_slot")
             else:
                 await self._defer(message, endpoint, parsed, sequence, SLOW_SHARE_DEFER_S, "slow_share")
             return None
@@ -306,7 +306,7 @@ class Handler:
                 assert event.subject is not None
                 self._order.retrying(endpoint.id, event.subject, event.id, due_s=time.time())
             if lane:
-                await self.hand_on(message, endpoint, delay_s=int(BREAKER_NACK_PAUSE_S))
+                await self.hand_on(message, endpoint, delay_s=int(BREAKER_NACK_PAUSE_S), reason="breaker_open")
             else:
                 await self.acks.nack(message, requeue=True)
             return None
@@ -425,7 +425,7 @@ class Handler:
         on queues of their own, put off instead."""
         event = parsed.event
         if await self._isolate(endpoint, "slow"):
-            await self.hand_on(message, endpoint)
+            await self.hand_on(message, endpoint, reason="slow")
             delay_s = 0
         else:
             await self._delays.schedule(
@@ -456,9 +456,12 @@ class Handler:
             return False
         return await self._isolation.isolate(endpoint, reason)
 
-    async def hand_on(self, message: Incoming, endpoint: StoredEndpoint, *, delay_s: int = 0) -> None:
+    async def hand_on(
+        self, message: Incoming, endpoint: StoredEndpoint, *, reason: str, delay_s: int = 0
+    ) -> None:
         """The message, unattempted, to the endpoint's address (its queue of its own, or its lane) after
-        ``delay_s``, confirmed, then acked here: what it carried of hookline's own goes with it."""
+        ``delay_s``, confirmed, then acked here: what it carried of hookline's own goes with it.
+        ``reason``: what the count of hand-offs says (isolated: its usual way there)."""
         copy = addressing.message(
             message.body,
             event_id=message.message_id or "",
@@ -471,6 +474,7 @@ class Handler:
             self._publisher, copy, destination=self._registry.address(endpoint), delay_s=delay_s
         )
         await self.acks.ack(message)
+        metrics.HANDED_ON.labels(reason).inc()
 
     def _report(
         self,
@@ -748,7 +752,7 @@ class Handler:
         if endpoint is None:
             await self.gone(endpoint_id, message)
             return
-        await self.hand_on(message, endpoint)
+        await self.hand_on(message, endpoint, reason="forwarded")
 
     async def handle_unroutable(self, message: Incoming) -> None:
         """A message addressed to a queue that was not there (removed once drained, or deleted by hand):
@@ -795,7 +799,7 @@ class Handler:
             await self._change_log.drained(endpoint_id, timeout_s=self._settings.connect_timeout_s)
             log.info("endpoint_fence_passed", endpoint_id=endpoint_id)
         elif (endpoint := self._registry.get(endpoint_id)) is not None:
-            await self.hand_on(message, endpoint, delay_s=1)
+            await self.hand_on(message, endpoint, delay_s=1, reason="fence_early")
             return
         await self.acks.ack(message)
 

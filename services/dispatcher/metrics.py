@@ -72,6 +72,12 @@ LANE_MESSAGES = prometheus_client.Counter(
     "Lane messages handled: fanned out (fan_out), addressed to one endpoint (addressed), handed back.",
     ["kind"],
 )
+HANDED_ON = prometheus_client.Counter(
+    "hookline_handed_on",
+    "Copies handed on, unattempted, to their endpoint's address, by reason (isolated: an endpoint with a "
+    "queue of its own; breaker_open, slow, backlogged, no_slot, forwarded, crashed, fence_early).",
+    ["reason"],
+)
 QUEUES_REDECLARED = prometheus_client.Counter(
     "hookline_endpoint_queues_redeclared", "Endpoint queues found missing and declared again."
 )

@@ -156,7 +156,8 @@ def _assemble(
     telemetry.load = consumers.load
     # How far this replica has read the change log, said at once when an endpoint changes (an ingest
     # waits for every replica before it answers a new endpoint).
-    telemetry.applied_offset = lambda: change_log.applied_offset
+    # -1: nothing applied yet (None would say "a version that does not tell", which nobody waits for).
+    telemetry.applied_offset = lambda: -1 if change_log.applied_offset is None else change_log.applied_offset
     change_log.registry.subscribe(lambda _before, _after: telemetry.applied())
     metrics.IN_FLIGHT.set_function(lambda: consumers.in_flight)
     metrics.UNACKED.set_function(consumers.unacked)

@@ -1,0 +1,146 @@
+"""Lanes, with the real services: an endpoint with nothing to deliver costs the broker nothing of its own,
+an event reaches a tenant's endpoints through one lane message, an endpoint just registered is never
+skipped, and an endpoint that needs isolation (its breaker open) gets a queue of its own while it needs
+one: its events wait there, none in its lane, and it goes back to its lane, its queue removed."""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+
+import httpx
+import pytest
+from support.amqp import queue_exists
+from support.logs import logged
+from support.monitoring import get_json, publish
+from support.receiver import Received, Receiver, Reply
+from support.system import System, tenant
+from support.waiting import eventually
+
+from hookline.shared import topology
+
+pytestmark = pytest.mark.e2e
+
+SYSTEM_ENV = {
+    "HOOKLINE_RETIRED_QUEUE_GRACE_S": "1",
+    "HOOKLINE_QUEUE_POLL_S": "0.5",
+    "HOOKLINE_TICK_S": "0.2",
+    "HOOKLINE_BREAKER_FAILURE_THRESHOLD": "3",
+    "HOOKLINE_BREAKER_COOLDOWN_S": "2",
+    "HOOKLINE_BREAKER_MAX_COOLDOWN_S": "4",
+    "HOOKLINE_RETRY_SCHEDULE_S": "1",
+    "HOOKLINE_MAX_ATTEMPTS": "1000",
+}
+
+
+async def counted(system: System, series: str) -> float:
+    """A counter of the dispatchers' /metrics, summed over them."""
+    total = 0.0
+    async with httpx.AsyncClient(timeout=10) as client:
+        for dispatcher in system.dispatchers:
+            for line in (await client.get(f"{dispatcher.base_url}/metrics")).text.splitlines():
+                if line.startswith(series + " "):
+                    total += float(line.split()[-1])
+    return total
+
+
+async def lane_messages(system: System) -> float:
+    """Lane messages from ``events`` the dispatchers fanned out."""
+    return await counted(system, 'hookline_lane_messages_total{kind="fan_out"}')
+
+
+def ids_at(receiver: Receiver, path: str) -> Counter[str]:
+    return Counter(r.headers["webhook-id"] for r in receiver.requests if r.path == path)
+
+
+async def test_an_event_reaches_a_tenants_endpoints_through_one_lane_message(
+    system: System, receiver: Receiver
+) -> None:
+    """Twenty endpoints of one tenant on the same events: each event is one lane message, fanned out by
+    the dispatcher that takes it to all twenty, each getting it once; none of them has a queue."""
+    who = tenant()
+    endpoints = [system.add_endpoint(who, receiver.url(f"/fan{n}"), ["fan.*"]) for n in range(20)]
+    before = await lane_messages(system)
+    ids = await publish(system, who, "fan.out", [f"evt_fan_{n}" for n in range(10)])
+
+    async def everyone_got_everything() -> bool:
+        return all(set(ids_at(receiver, f"/fan{n}")) >= set(ids) for n in range(20))
+
+    await eventually(everyone_got_everything, timeout_s=60)
+    assert await lane_messages(system) - before == len(ids), "one lane message per event, not per endpoint"
+    for n in range(20):
+        assert ids_at(receiver, f"/fan{n}") == Counter(ids), f"/fan{n}: each event once"
+    for endpoint in endpoints:
+        assert not await queue_exists(system.amqp_url, topology.endpoint_queue(endpoint["id"]))
+
+
+async def test_an_endpoint_just_registered_gets_the_next_event(system: System, receiver: Receiver) -> None:
+    """Registered and, as soon as the API answers, an event published for it over AMQP: it arrives, with
+    the tenant's pattern bound already (another endpoint has it) and with a new pattern, ten times over,
+    whichever dispatcher takes the event (the answer waits until every one knows the endpoint)."""
+    who = tenant()
+    system.add_endpoint(who, receiver.url("/first"), ["known.*"])
+    for n in range(10):
+        pattern = "known.*" if n % 2 == 0 else f"new{n}.*"
+        await asyncio.to_thread(system.add_endpoint, who, receiver.url(f"/new{n}"), [pattern])
+        event_type = pattern.replace("*", "x")
+        await publish(system, who, event_type, [f"evt_new_{n}"])
+    for n in range(10):
+        await receiver.wait_for_ids({f"evt_new_{n}"}, path=f"/new{n}", timeout_s=30)
+
+
+async def test_an_open_breaker_holds_events_in_a_queue_of_its_own_then_back_to_the_lane(
+    system: System, receiver: Receiver
+) -> None:
+    """An endpoint failing until its breaker opens: the leading monitor gives it a queue of its own
+    first; what is published while the breaker is open waits there (no attempt, no trip through its
+    lane), goes out once the probe succeeds, and the endpoint goes back to its lane, its queue removed
+    once every dispatcher hands it nothing more."""
+    who = tenant()
+    failing = {"now": True}
+
+    def respond(request: Received) -> Reply:
+        return Reply(status=500 if failing["now"] and request.path == "/broken" else 204)
+
+    receiver.responder = respond
+    endpoint = system.add_endpoint(who, receiver.url("/broken"), ["b.*"])
+    await publish(system, who, "b.x", [f"evt_trip_{n}" for n in range(3)])
+
+    async def breaker(state: str) -> bool:
+        health = await get_json(system.monitor, f"/v1/endpoints/{endpoint['id']}/health")
+        return health is not None and health["breaker_state"] == state
+
+    await eventually(lambda: breaker("open"), timeout_s=30)
+    [isolated] = logged([system.monitor], "endpoint_isolated", endpoint_id=endpoint["id"])
+    assert isolated["reason"] == "breaker_open"
+    queue = topology.endpoint_queue(endpoint["id"])
+    assert await queue_exists(system.amqp_url, queue)
+
+    attempts_before = len(logged(system.dispatchers, "delivery_attempt", endpoint_id=endpoint["id"]))
+    handed_back = 'hookline_handed_on_total{reason="breaker_open"}'
+    hand_backs_before = await counted(system, handed_back)
+    held = await publish(system, who, "b.x", [f"evt_held_{n}" for n in range(5)])
+
+    async def waiting_in_its_queue() -> bool:
+        health = await get_json(system.monitor, f"/v1/endpoints/{endpoint['id']}/health")
+        return health is not None and (health["queue_depth"] or 0) >= len(held)
+
+    await eventually(waiting_in_its_queue, timeout_s=30)
+    # Nothing was attempted meanwhile (the probe aside), and none went round through its lane.
+    assert (
+        len(logged(system.dispatchers, "delivery_attempt", endpoint_id=endpoint["id"])) <= attempts_before + 1
+    )
+    assert await counted(system, handed_back) == hand_backs_before
+    failing["now"] = False
+    await receiver.wait_for_ids(set(held), path="/broken", timeout_s=60)
+    await eventually(lambda: breaker("closed"), timeout_s=30)
+
+    # Back in its lane, and its queue removed once drained and every dispatcher has applied that.
+    async def removed() -> bool:
+        return bool(logged([system.monitor], "queue_removed", endpoint_id=endpoint["id"]))
+
+    await eventually(removed, timeout_s=60)
+    assert logged([system.monitor], "endpoint_back_in_lane", endpoint_id=endpoint["id"])
+    assert not await queue_exists(system.amqp_url, queue)
+    after = await publish(system, who, "b.x", ["evt_after_lane"])
+    await receiver.wait_for_ids(set(after), path="/broken", timeout_s=30)
