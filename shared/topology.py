@@ -475,9 +475,12 @@ async def unroute_legacy(channel: AbstractChannel, endpoint: StoredEndpoint) -> 
     await channel.exchange_delete(route_exchange(endpoint.id))
     await channel.exchange_delete(route_alternate(endpoint.id))
     queue = await channel.get_queue(endpoint_queue(endpoint.id), ensure=False)
-    for key in sorted(binding_keys(endpoint.tenant, endpoint.event_types)):
-        await queue.unbind(EVENTS_EXCHANGE, routing_key=key)
-    await queue.unbind(DELAY_DELIVERY, routing_key=delay_delivery_binding(queue.name))
+    try:
+        for key in sorted(binding_keys(endpoint.tenant, endpoint.event_types)):
+            await queue.unbind(EVENTS_EXCHANGE, routing_key=key)
+        await queue.unbind(DELAY_DELIVERY, routing_key=delay_delivery_binding(queue.name))
+    except aio_pika.exceptions.ChannelNotFoundEntity:
+        pass  # its queue is gone already (drained and removed): so are its bindings
 
 
 def core_exchanges() -> list[str]:

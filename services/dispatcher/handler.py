@@ -184,7 +184,9 @@ class Handler:
             # its consumer is cancelled the queue hands it straight back, and every return counts toward
             # the delivery limit.
             if lane:
-                await self.hand_on(message, endpoint, delay_s=int(BREAKER_NACK_PAUSE_S), reason="breaker_open")
+                await self.hand_on(
+                    message, endpoint, delay_s=int(BREAKER_NACK_PAUSE_S), reason="breaker_open"
+                )
             else:
                 await asyncio.sleep(BREAKER_NACK_PAUSE_S)
                 await self.acks.nack(message, requeue=True)
@@ -306,7 +308,9 @@ class Handler:
                 assert event.subject is not None
                 self._order.retrying(endpoint.id, event.subject, event.id, due_s=time.time())
             if lane:
-                await self.hand_on(message, endpoint, delay_s=int(BREAKER_NACK_PAUSE_S), reason="breaker_open")
+                await self.hand_on(
+                    message, endpoint, delay_s=int(BREAKER_NACK_PAUSE_S), reason="breaker_open"
+                )
             else:
                 await self.acks.nack(message, requeue=True)
             return None

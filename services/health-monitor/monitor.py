@@ -34,7 +34,7 @@ import structlog
 from aio_pika.abc import AbstractIncomingMessage
 from pydantic import ValidationError
 
-from hookline.health_monitor import checkpoint
+from hookline.health_monitor import bindings, checkpoint
 from hookline.health_monitor.alerts import Alert, AlertBook, AlertKey, AlertPolicy, broker_alerts, evaluate
 from hookline.health_monitor.bindings import Bindings
 from hookline.health_monitor.breaker import Breaker, BreakerPolicy
@@ -417,12 +417,24 @@ class Monitor:
                 # A monitor with least privilege may not declare the core topology (only the ingest
                 # does, at its start): the alert above stands; endpoint queues are still repaired.
                 log.error("topology_not_repairable", detail=str(exc))
+            else:
+                await self._rebind_lanes({name for name in missing if topology.is_lane(name)})
         for endpoint_id in {endpoint_id for endpoint_id in missing.values() if endpoint_id}:
             endpoint = self.registry.get(endpoint_id)
             if endpoint is not None and self.registry.isolated(endpoint):
                 async with self._broker.channel() as channel:
                     await topology.declare_own_queue(channel, endpoint)
         log.warning("topology_repaired", declared=sorted(missing))
+
+    async def _rebind_lanes(self, lanes: set[str]) -> None:
+        """Lanes declared again (deleted by hand, lost with a node): every tenant pattern they held."""
+        if not lanes:
+            return
+        async with self._broker.channel() as channel:
+            for tenant in self.registry.tenants():
+                if topology.lane_of(tenant) in lanes:
+                    await topology.bind_patterns(channel, tenant, bindings.needed(self.registry, tenant))
+        log.warning("lanes_bound_again", lanes=sorted(lanes))
 
     async def _sweep_retired(self) -> None:
         """Queues endpoints have left (a move, a deletion) are drained by the dispatchers; once one has

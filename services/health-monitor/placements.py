@@ -128,11 +128,11 @@ class Placements:
             return False
         if empty_for_s < self.grace_s:
             return False
-        if current.reason in _DRAINED_REASONS:
-            return True
         health = self.health.endpoints.get(endpoint.id)
-        if current.reason == placement.Reason.BREAKER_OPEN.value:
-            return health is None or health.breaker.state is BreakerState.CLOSED
+        if health is not None and health.breaker.state is not BreakerState.CLOSED:
+            return False  # whatever isolated it, its events wait while its breaker is not closed
+        if current.reason in _DRAINED_REASONS or current.reason == placement.Reason.BREAKER_OPEN.value:
+            return True
         if current.reason == placement.Reason.SLOW.value:
             p95_ms = health.p95_recent_ms(time.time()) if health is not None else None
             return p95_ms is None or p95_ms < self.slow_p95_ms

@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import asyncio
 from collections import Counter
+from urllib.parse import unquote, urlsplit
 
 import httpx
 import pytest
 from support.amqp import queue_exists
+from support.broker import Broker
 from support.logs import logged
 from support.monitoring import get_json, publish
 from support.receiver import Received, Receiver, Reply
@@ -144,3 +146,30 @@ async def test_an_open_breaker_holds_events_in_a_queue_of_its_own_then_back_to_t
     assert not await queue_exists(system.amqp_url, queue)
     after = await publish(system, who, "b.x", ["evt_after_lane"])
     await receiver.wait_for_ids(set(after), path="/broken", timeout_s=30)
+
+
+async def test_a_lane_deleted_by_hand_is_declared_again_with_its_tenants_patterns(
+    system: System, receiver: Receiver, rabbitmq: Broker
+) -> None:
+    """``rabbitmqctl delete_queue`` of a lane: the leading monitor finds it missing, declares it again
+    and binds every pattern of the tenants in it; the dispatchers, whose consumers the broker cancelled,
+    consume it again; events published afterwards are delivered."""
+    who = tenant()
+    system.add_endpoint(who, receiver.url("/relaned"), ["r.*"])
+    await receiver.wait_for_ids(
+        set(await publish(system, who, "r.x", ["evt_before_lane_loss"])), path="/relaned"
+    )
+    vhost = unquote(urlsplit(system.amqp_url).path.lstrip("/"))
+    await rabbitmq.ctl_async(["delete_queue", "-p", vhost, topology.lane_of(who)])
+
+    async def bound_again() -> bool:
+        return bool(logged([system.monitor], "lanes_bound_again"))
+
+    await eventually(bound_again, timeout_s=30)
+
+    async def consumed_again() -> bool:
+        return len(logged(system.dispatchers, "lane_attached", queue=topology.lane_of(who))) >= 2
+
+    await eventually(consumed_again, timeout_s=30)
+    after = await publish(system, who, "r.x", ["evt_after_lane_loss"])
+    await receiver.wait_for_ids(set(after), path="/relaned", timeout_s=30)
