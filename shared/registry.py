@@ -226,6 +226,17 @@ class EndpointRegistry:
             self._drained(gone.tenant, record.endpoint_id)
             self._notify(gone, None)  # its patterns are no longer needed for it
 
+    def patterns_needed(self, tenant: str) -> set[str]:
+        """The patterns the tenant's lane must stay bound for: those of its endpoints, and of those deleted
+        whose lane has not passed the fence yet (their events still become dead letters)."""
+        return {
+            pattern
+            for endpoints in (self._by_tenant.get(tenant, {}), self._deleting.get(tenant, {}))
+            for endpoint in endpoints.values()
+            if endpoint.laned
+            for pattern in endpoint.event_types
+        }
+
     def deleting_of_tenant(self, tenant: str) -> list[StoredEndpoint]:
         """The tenant's endpoints deleted whose lane has not passed the deletion's fence yet."""
         return list(self._deleting.get(tenant, {}).values())

@@ -369,12 +369,14 @@ class Handler:
         # From a lane, an attempt is cut at the slow line (unless the endpoint's own timeout is shorter):
         # the events behind it in the lane must not wait for a slow endpoint.
         deadline_s = self._settings.slow_attempt_s if lane else None
+        cut = asyncio.timeout(deadline_s if deadline_s and deadline_s < endpoint.timeout_s else None)
         try:
-            async with asyncio.timeout(
-                deadline_s if deadline_s and deadline_s < endpoint.timeout_s else None
-            ):
+            async with cut:
                 result = await self._attempt(endpoint, parsed, message.body)
         except TimeoutError:
+            if not cut.expired():
+                self.admission.release(ticket, Ended.NOT_SENT)
+                raise  # not the cut: a crash of the attempt's own
             self.admission.release(ticket, Ended.TIMED_OUT)  # slow here from now on
             await self._cut(message, endpoint, parsed)
             return

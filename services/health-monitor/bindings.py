@@ -25,22 +25,11 @@ import structlog
 from hookline.shared import topology
 from hookline.shared.amqp import BROKER_ERRORS, Broker
 from hookline.shared.models import StoredEndpoint
-from hookline.shared.registry import ChangeLog, EndpointRegistry
+from hookline.shared.registry import ChangeLog
 
 log = structlog.get_logger(__name__)
 
 _Key = tuple[str, str]  # (tenant, pattern)
-
-
-def needed(registry: EndpointRegistry, tenant: str) -> set[str]:
-    """The patterns the tenant's lane must stay bound for: those of its endpoints, and of those deleted
-    whose lane has not passed the deletion's fence (their events still become dead letters)."""
-    return {
-        pattern
-        for endpoint in registry.of_tenant(tenant) + registry.deleting_of_tenant(tenant)
-        if endpoint.laned
-        for pattern in endpoint.event_types
-    }
 
 
 @dataclass
@@ -58,7 +47,7 @@ class Bindings:
         for endpoint in (before, after):
             if endpoint is None:
                 continue
-            still = needed(registry, endpoint.tenant)
+            still = registry.patterns_needed(endpoint.tenant)
             now_s = time.monotonic()
             for pattern in endpoint.event_types:
                 key = (endpoint.tenant, pattern)
@@ -89,13 +78,13 @@ class Bindings:
         try:
             await self.change_log.sync(timeout_s=self.timeout_s)
             registry = self.change_log.registry
-            gone = [(t, p) for t, p in due if p not in needed(registry, t)]
+            gone = [(t, p) for t, p in due if p not in registry.patterns_needed(t)]
             async with self.broker.channel() as channel:
                 for tenant, pattern in gone:
                     await topology.unbind_pattern(channel, tenant, pattern)
             await self.change_log.sync(timeout_s=self.timeout_s)
             # Named again meanwhile (an ingest was creating one): bound back at once.
-            again = [(t, p) for t, p in gone if p in needed(registry, t)]
+            again = [(t, p) for t, p in gone if p in registry.patterns_needed(t)]
             async with self.broker.channel() as channel:
                 for tenant, pattern in again:
                     await topology.bind_patterns(channel, tenant, [pattern])

@@ -34,7 +34,7 @@ import structlog
 from aio_pika.abc import AbstractIncomingMessage
 from pydantic import ValidationError
 
-from hookline.health_monitor import bindings, checkpoint
+from hookline.health_monitor import checkpoint
 from hookline.health_monitor.alerts import Alert, AlertBook, AlertKey, AlertPolicy, broker_alerts, evaluate
 from hookline.health_monitor.bindings import Bindings
 from hookline.health_monitor.breaker import Breaker, BreakerPolicy
@@ -433,7 +433,7 @@ class Monitor:
         async with self._broker.channel() as channel:
             for tenant in self.registry.tenants():
                 if topology.lane_of(tenant) in lanes:
-                    await topology.bind_patterns(channel, tenant, bindings.needed(self.registry, tenant))
+                    await topology.bind_patterns(channel, tenant, self.registry.patterns_needed(tenant))
         log.warning("lanes_bound_again", lanes=sorted(lanes))
 
     async def _sweep_retired(self) -> None:

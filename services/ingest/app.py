@@ -31,6 +31,7 @@ from hookline.ingest import (
 from hookline.ingest.attempts import Attempts
 from hookline.ingest.auth import parse_tenant_tokens, principal
 from hookline.ingest.bodylimit import BodyLimit
+from hookline.ingest.bound import BoundPatterns
 from hookline.ingest.deliverylog import DeliveryLog
 from hookline.ingest.duplicates import Duplicates
 from hookline.ingest.replicas import Replicas
@@ -153,6 +154,8 @@ async def _running(settings: IngestSettings, stores: _Stores) -> AsyncIterator[I
     held = HeldPublishes(publisher, max_held=HELD_RECORDS_MAX)
     try:
         endpoint_registry = registry.EndpointRegistry()
+        bound = BoundPatterns(endpoint_registry)
+        endpoint_registry.subscribe(bound.on_change)
         change_log = await registry.follow(
             broker, publisher, supervisor, endpoint_registry, sync_timeout_s=settings.connect_timeout_s
         )
@@ -193,6 +196,7 @@ async def _running(settings: IngestSettings, stores: _Stores) -> AsyncIterator[I
             audit=stores.audit_view,
             trail=audit.AuditTrail(held, broker.user),
             replicas=stores.replicas,
+            bound=bound,
         )
         supervisor.spawn("upgrade", partial(_upgrade_endpoints, state), required=False)
         supervisor.spawn("held-records", partial(held.run, broker), required=False)

@@ -265,9 +265,11 @@ async def _activate(state: IngestState, endpoint: StoredEndpoint, *, patterns: l
         if lagging:
             # Not waited for longer: each follows the change log live and catches up on its own.
             log.warning("endpoint_activation_late", endpoint_id=endpoint.id, dispatchers=lagging)
-    if patterns:
+    unbound = state.bound.unbound(endpoint.tenant, patterns)
+    if unbound:
         async with state.broker.channel() as admin:
-            await topology.bind_patterns(admin, endpoint.tenant, patterns)
+            await topology.bind_patterns(admin, endpoint.tenant, unbound)
+        state.bound.bound(endpoint.tenant, unbound)
 
 
 async def _record_verification(state: IngestState, endpoint: StoredEndpoint) -> StoredEndpoint:

@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     # Their modules import this one (audit and quotas for their routes' dependencies).
     from hookline.ingest.attempts import Attempts
     from hookline.ingest.audit import AuditTrail
+    from hookline.ingest.bound import BoundPatterns
     from hookline.ingest.quotas import Quotas
     from hookline.ingest.replicas import Replicas
 
@@ -54,6 +55,7 @@ class IngestState:
     audit: RowView  # the audit trail's view (audit.py)
     trail: AuditTrail  # where the routes append to it
     replicas: Replicas  # the dispatchers, and how far each has read the change log
+    bound: BoundPatterns  # tenant patterns bound on their lanes by this ingest, still needed
 
     def problems(self) -> list[str]:
         # Blocked counts: a load balancer should send events to an ingest that can take them.

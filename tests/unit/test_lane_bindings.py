@@ -6,7 +6,8 @@ from datetime import UTC, datetime
 
 from support.factories import stored_endpoint
 
-from hookline.health_monitor.bindings import Bindings, needed
+from hookline.health_monitor.bindings import Bindings
+from hookline.ingest.bound import BoundPatterns
 from hookline.shared.models import EndpointDeleted, EndpointDrained, EndpointUpserted, StoredEndpoint
 from hookline.shared.registry import EndpointRegistry
 
@@ -31,12 +32,15 @@ def test_a_pattern_is_needed_while_an_endpoint_of_the_tenant_names_it_or_is_bein
     _upsert(registry, stored_endpoint(EP2, event_types=["order.*"]))
     _upsert(registry, stored_endpoint("ep_" + "3" * 26, tenant="other", event_types=["user.*"]))
     _upsert(registry, stored_endpoint("ep_" + "4" * 26, event_types=["legacy.*"], laned=False))
-    assert needed(registry, "acme") == {"order.*", "invoice.#"}  # a legacy endpoint has its own bindings
+    assert registry.patterns_needed("acme") == {
+        "order.*",
+        "invoice.#",
+    }  # a legacy endpoint has its own bindings
     registry.apply(EndpointDeleted(change_id="d", at=NOW, endpoint_id=EP1))
-    assert needed(registry, "acme") == {"order.*", "invoice.#"}  # its lane has not passed the fence
+    assert registry.patterns_needed("acme") == {"order.*", "invoice.#"}  # its lane has not passed the fence
     registry.apply_drained(EndpointDrained(change_id="f", at=NOW, endpoint_id=EP1))
-    assert needed(registry, "acme") == {"order.*"}
-    assert needed(registry, "other") == {"user.*"}
+    assert registry.patterns_needed("acme") == {"order.*"}
+    assert registry.patterns_needed("other") == {"user.*"}
 
 
 def test_patterns_an_endpoint_stops_naming_are_noted_and_named_again_forgotten() -> None:
@@ -59,3 +63,21 @@ def test_patterns_an_endpoint_stops_naming_are_noted_and_named_again_forgotten()
     }  # order.* still needed: EP2's lane has not passed the fence
     registry.apply_drained(EndpointDrained(change_id="f", at=NOW, endpoint_id=EP2))  # listeners are told
     assert tracker.unneeded == {("acme", "user.*"), ("acme", "order.*")}
+
+
+def test_an_ingest_binds_a_pattern_once_while_it_stays_needed() -> None:
+    registry = EndpointRegistry()
+    bound = BoundPatterns(registry)
+    registry.subscribe(bound.on_change)
+    _upsert(registry, stored_endpoint(EP1, event_types=["order.*"]))
+    assert bound.unbound("acme", ["order.*"]) == ["order.*"]
+    bound.bound("acme", ["order.*"])
+    _upsert(registry, stored_endpoint(EP2, event_types=["order.*"]))
+    assert bound.unbound("acme", ["order.*"]) == []  # the tenant's second endpoint binds nothing
+    assert bound.unbound("other", ["order.*"]) == ["order.*"]  # another tenant's is its own
+    _upsert(registry, stored_endpoint(EP2, event_types=["invoice.*"]))
+    assert bound.unbound("acme", ["order.*"]) == []  # still named by EP1
+    registry.apply(EndpointDeleted(change_id="d", at=NOW, endpoint_id=EP1))
+    registry.apply_drained(EndpointDrained(change_id="f", at=NOW, endpoint_id=EP1))
+    # Needed by nobody for a moment: the monitor may unbind it, so the next endpoint naming it binds it.
+    assert bound.unbound("acme", ["order.*"]) == ["order.*"]
