@@ -26,6 +26,7 @@ import aio_pika
 
 from bench.endpoint_scale import rss_mib
 from bench.run import Services, events_exchange, start_sink, vhost
+from bench.slow_endpoints import wait_for
 
 CONCURRENCY = 32
 EVENT_TYPE = "order.created"
@@ -116,8 +117,7 @@ async def run(amqp_url: str, *, tenants: int, per_tenant: int, wait_s: float) ->
         rss = [round(rss_mib(process.pid), 1) for process in dispatchers]
         published = time.perf_counter()
         await publish_one_each(amqp_url, tenants)
-        while time.perf_counter() - published < wait_s and await sink.count() < expected:
-            await asyncio.sleep(0.5)
+        await wait_for(sink.count, expected, time.monotonic() + wait_s)
         delivered_s = time.perf_counter() - published
         rss_after = [round(rss_mib(process.pid), 1) for process in dispatchers]
     finally:
