@@ -1,0 +1,197 @@
+"""One endpoint receiving a burst, and the endpoints beside it (issue 24, item 3): tenant ``burst`` has
+one endpoint to which B events are published at once; tenant ``neighbour`` shares its lane (a tenant
+name chosen to hash to the same lane), tenant ``elsewhere`` is in another lane; each of those two has
+an endpoint receiving a steady trickle of events throughout.
+
+Reported for each: deliveries, latency publish → arrival (p50, p99, max) while the burst is on, and for
+the burst: how long until the last of its events left the lane (the dispatchers fanned it out: delivered
+inline, or handed to the endpoint's queue of its own once it was backlogged), and until the last was
+delivered. What the lane's neighbours wait is at most the first of these.
+
+    .venv/bin/python -m bench.burst --burst 10000
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import aio_pika
+
+from bench.run import Services, events_exchange, percentile, start_sink, vhost
+from bench.slow_endpoints import log_lines, wait_for
+from hookline.shared import topology
+
+
+def _same_lane(as_tenant: str, *, other: bool) -> str:
+    lane = topology.lane_of(as_tenant)
+    for n in range(10_000):
+        candidate = f"{'elsewhere' if other else 'neighbour'}-{n}"
+        if (topology.lane_of(candidate) == lane) is not other:
+            return candidate
+    raise RuntimeError("no such tenant name")
+
+
+def _body(tenant: str, event_id: str, event_type: str) -> bytes:
+    return json.dumps(
+        {"id": event_id, "type": event_type, "tenant": tenant, "occurred_at": "2026-12-02T00:00:00Z",
+         "data": {"x": "a" * 1000}}
+    ).encode()  # fmt: skip
+
+
+async def _publish(
+    exchange: aio_pika.abc.AbstractExchange, tenant: str, event_id: str, event_type: str
+) -> None:
+    await exchange.publish(
+        aio_pika.Message(
+            _body(tenant, event_id, event_type), content_type="application/json", message_id=event_id,
+            delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
+        ),
+        f"{tenant}.{event_type}",
+    )  # fmt: skip
+
+
+async def trickle(amqp_url: str, tenants: list[str], stop: asyncio.Event, per_s: float) -> dict[str, float]:
+    """``per_s`` events a second to each tenant's trickle endpoint until ``stop``; when each was sent."""
+    sent: dict[str, float] = {}
+    async with events_exchange(amqp_url) as exchange:
+        n = 0
+        started = time.monotonic()
+        while not stop.is_set():
+            for tenant in tenants:
+                event_id = f"evt_{tenant}_{n}"
+                sent[event_id] = time.time()
+                await _publish(exchange, tenant, event_id, "tick.x")
+            n += 1
+            await asyncio.sleep(max(0.0, started + n / per_s - time.monotonic()))
+    return sent
+
+
+async def burst(amqp_url: str, count: int) -> dict[str, float]:
+    sent: dict[str, float] = {}
+    async with events_exchange(amqp_url) as exchange:
+        slots = asyncio.Semaphore(500)
+
+        async def one(n: int) -> None:
+            async with slots:
+                event_id = f"evt_burst_{n}"
+                sent[event_id] = time.time()
+                await _publish(exchange, "burst", event_id, "burst.x")
+
+        await asyncio.gather(*(one(n) for n in range(count)))
+    return sent
+
+
+async def lane_emptied(amqp_url: str, lane: str, after: asyncio.Event) -> float:
+    """When the lane had nothing ready or unacked left, once ``after`` is set (the burst is published)."""
+    connection = await aio_pika.connect(amqp_url)
+    async with connection:
+        channel = await connection.channel()
+        while True:
+            queue = await channel.declare_queue(lane, passive=True)
+            result = queue.declaration_result
+            if after.is_set() and result.message_count == 0:
+                return time.time()
+            await asyncio.sleep(0.1)
+
+
+async def run(amqp_url: str, *, count: int, trickle_per_s: float, dispatchers: int) -> dict[str, Any]:
+    work = Path(tempfile.mkdtemp(prefix="hookline-burst-"))
+    print(f"logs in {work}", flush=True)
+    sink = start_sink(work)
+    neighbour, elsewhere = _same_lane("burst", other=False), _same_lane("burst", other=True)
+    services = Services(amqp_url, work)
+    try:
+        services.start_ingest()
+        services.start_monitor()
+        async with services.api() as api:
+            for tenant, path, types in (
+                ("burst", "/burst", ["burst.*"]),
+                (neighbour, "/neighbour", ["tick.*"]),
+                (elsewhere, "/elsewhere", ["tick.*"]),
+            ):
+                response = await api.post(
+                    "/v1/endpoints",
+                    json={"tenant": tenant, "url": f"http://127.0.0.1:{sink.port}{path}", "event_types": types,
+                          "verify": False},
+                )  # fmt: skip
+                response.raise_for_status()
+        services.start_dispatchers(dispatchers)
+        stop = asyncio.Event()
+        ticking = asyncio.create_task(trickle(amqp_url, [neighbour, elsewhere], stop, trickle_per_s))
+        await asyncio.sleep(3)  # the trickle's own latency before the burst
+        burst_started = time.time()
+        published = asyncio.Event()
+        emptied = asyncio.create_task(lane_emptied(amqp_url, topology.lane_of("burst"), published))
+        burst_sent = await burst(amqp_url, count)
+        published.set()
+        lane_empty_at = await asyncio.wait_for(emptied, 600)
+        await wait_for(sink.count, count, time.monotonic() + 600)
+        await asyncio.sleep(3)
+        stop.set()
+        trickle_sent = await ticking
+        await asyncio.sleep(2)
+    finally:
+        services.stop_all()
+        arrivals = sink.finish()["arrivals"]
+
+    def latencies(path: str, sent: dict[str, float], *, during: bool) -> list[float]:
+        found = []
+        for key, at in arrivals.items():
+            if not key.startswith(path + " "):
+                continue
+            event_id = key.split(" ", 1)[1]
+            if event_id in sent and (not during or sent[event_id] >= burst_started):
+                found.append((at - sent[event_id]) * 1000)
+        return found
+
+    result: dict[str, Any] = {"burst": count, "trickle_per_s": trickle_per_s, "lanes": topology.LANES}
+    for path in ("/neighbour", "/elsewhere"):
+        values = latencies(path, trickle_sent, during=True)
+        result[path.strip("/")] = {
+            "delivered": len(values),
+            "p50_ms": round(percentile(values, 0.5), 1),
+            "p99_ms": round(percentile(values, 0.99), 1),
+            "max_ms": round(max(values), 1),
+        }
+    burst_arrivals = [at for key, at in arrivals.items() if key.startswith("/burst ")]
+    lines = log_lines(work, "dispatcher")
+    handed = [r for r in lines if r.get("event") == "endpoint_isolated"]
+    result["burst_delivered"] = len(burst_arrivals)
+    result["burst_published_s"] = round(max(burst_sent.values()) - burst_started, 2)
+    result["burst_all_delivered_s"] = (
+        round(max(burst_arrivals) - burst_started, 2) if burst_arrivals else None
+    )
+    result["burst_off_the_lane_s"] = round(lane_empty_at - burst_started, 2)
+    result["burst_endpoint_isolated"] = [r.get("reason") for r in handed]
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--amqp-url", default="amqp://guest:guest@localhost:5672/")
+    parser.add_argument("--burst", type=int, default=10_000)
+    parser.add_argument("--trickle-per-s", type=float, default=20.0)
+    parser.add_argument("--dispatchers", type=int, default=2)
+    arguments = parser.parse_args()
+    with vhost(arguments.amqp_url) as amqp_url:
+        result = asyncio.run(
+            run(
+                amqp_url,
+                count=arguments.burst,
+                trickle_per_s=arguments.trickle_per_s,
+                dispatchers=arguments.dispatchers,
+            )
+        )
+    print(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()
