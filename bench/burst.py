@@ -56,9 +56,10 @@ async def _publish(
     )  # fmt: skip
 
 
-async def trickle(amqp_url: str, tenants: list[str], stop: asyncio.Event, per_s: float) -> dict[str, float]:
+async def trickle(
+    amqp_url: str, tenants: list[str], stop: asyncio.Event, per_s: float, sent: dict[str, float]
+) -> None:
     """``per_s`` events a second to each tenant's trickle endpoint until ``stop``; when each was sent."""
-    sent: dict[str, float] = {}
     async with events_exchange(amqp_url) as exchange:
         n = 0
         started = time.monotonic()
@@ -69,7 +70,6 @@ async def trickle(amqp_url: str, tenants: list[str], stop: asyncio.Event, per_s:
                 await _publish(exchange, tenant, event_id, "tick.x")
             n += 1
             await asyncio.sleep(max(0.0, started + n / per_s - time.monotonic()))
-    return sent
 
 
 async def burst(amqp_url: str, count: int) -> dict[str, float]:
@@ -123,7 +123,10 @@ async def run(amqp_url: str, *, count: int, trickle_per_s: float, dispatchers: i
                 response.raise_for_status()
         services.start_dispatchers(dispatchers)
         stop = asyncio.Event()
-        ticking = asyncio.create_task(trickle(amqp_url, [neighbour, elsewhere], stop, trickle_per_s))
+        trickle_sent: dict[str, float] = {}
+        ticking = asyncio.create_task(
+            trickle(amqp_url, [neighbour, elsewhere], stop, trickle_per_s, trickle_sent)
+        )
         await asyncio.sleep(3)  # the trickle's own latency before the burst
         burst_started = time.time()
         published = asyncio.Event()
@@ -131,10 +134,9 @@ async def run(amqp_url: str, *, count: int, trickle_per_s: float, dispatchers: i
         burst_sent = await burst(amqp_url, count)
         published.set()
         lane_empty_at = await asyncio.wait_for(emptied, 600)
-        await wait_for(sink.count, count, time.monotonic() + 600)
-        await asyncio.sleep(3)
         stop.set()
-        trickle_sent = await ticking
+        await ticking
+        await wait_for(sink.count, count + len(trickle_sent), time.monotonic() + 600)
         await asyncio.sleep(2)
     finally:
         services.stop_all()
