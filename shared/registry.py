@@ -198,6 +198,10 @@ class EndpointRegistry:
             self._deleted_at.pop(endpoint_id, None)
             self._deleted_with_queues.discard(endpoint_id)
             self._drained(after.tenant, endpoint_id)
+            if before is not None and before.queue_generation != after.queue_generation:
+                # A queue of the next generation: the one it had is among those it left (drained);
+                # the new one exists only if it is isolated.
+                self._has_queue.discard(endpoint_id)
             self._changed(after)
             self._notify(before, after)
             return after

@@ -151,6 +151,10 @@ class Placements:
 
     async def _leave(self, endpoint: StoredEndpoint, depth: int | None, empty_for_s: float) -> None:
         """Steps 2 to 5 of the module's docstring, one poll at a time."""
+        if depth is None:
+            # Not there (removed by hand, or never declared for this generation): nothing to wait for.
+            await self._removed(endpoint)
+            return
         leaving = self._leaving.get(endpoint.id)
         if leaving is None:
             offset = self.change_log.applied_offset
@@ -171,18 +175,26 @@ class Placements:
                 leaving.empty_since_s = None
                 self._empty_since_s.pop(endpoint.id, None)  # the grace counts from the unbinding
                 return
-            if depth is None or depth > 0 or empty_for_s < self.grace_s:
+            if depth > 0 or empty_for_s < self.grace_s:
                 return
             async with self.broker.channel() as channel:
                 await channel.queue_delete(name, timeout=CALL_TIMEOUT_S)
+        except BROKER_ERRORS as exc:
+            log.warning("queue_removal_failed", endpoint_id=endpoint.id, queue=name, error=type(exc).__name__)
+            return
+        log.info("queue_removed", queue=name, endpoint_id=endpoint.id)
+        await self._removed(endpoint)
+
+    async def _removed(self, endpoint: StoredEndpoint) -> None:
+        """The placement that says its queue of its own is gone (nobody consumes or counts it)."""
+        try:
             await self.change_log.place(
                 endpoint.id, isolated=False, reason="", queue_removed=True, timeout_s=self.timeout_s
             )
         except BROKER_ERRORS as exc:
-            log.warning("queue_removal_failed", endpoint_id=endpoint.id, queue=name, error=type(exc).__name__)
+            log.warning("placement_failed", endpoint_id=endpoint.id, error=type(exc).__name__)
             return
-        del self._leaving[endpoint.id]
-        log.info("queue_removed", queue=name, endpoint_id=endpoint.id)
+        self._leaving.pop(endpoint.id, None)
 
     def _lagging(self, offset: int) -> bool:
         """Whether a live dispatcher has not applied the change log up to ``offset`` yet."""
