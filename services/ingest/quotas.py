@@ -82,7 +82,7 @@ class Quotas:
         self._admitted: dict[str, deque[tuple[float, int]]] = {}  # tenant -> (when, bytes), recent
 
     def _endpoint_count(self, tenant: str) -> int:
-        return sum(1 for endpoint in self._registry.all() if endpoint.tenant == tenant)
+        return len(self._registry.of_tenant(tenant))
 
     def check_endpoints(self, tenant: str) -> None:
         limit = self._tenants.quota(tenant).max_endpoints

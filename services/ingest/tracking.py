@@ -212,9 +212,8 @@ async def _story(state: IngestState, logged: LoggedEvent, *, with_attempts: bool
     dead = await state.dead_letters_index.select(event_id=logged.event_id)
     subscribed = [
         endpoint.id
-        for endpoint in state.registry.all()
-        if endpoint.tenant == logged.tenant
-        and any(topology.topic_matches(pattern, logged.type) for pattern in endpoint.event_types)
+        for endpoint in state.registry.matching(logged.tenant, logged.type)
+        if state.registry.get(endpoint.id) is not None
     ]
     # Endpoints that were attempted too: their patterns may have changed since, or they are gone.
     endpoint_ids = list(dict.fromkeys([*subscribed, *(a.endpoint_id for a in attempts)]))
