@@ -283,7 +283,6 @@ class Consumers:
             if queue_name not in self._active:
                 await self._attach(queue_name, want)
         self._maybe_probe(endpoint_id)
-        metrics.CONSUMERS.set(len(self._active))
 
     def _wanted(self, endpoint_id: str) -> dict[str, _Wanted]:
         endpoint = self._registry.get(endpoint_id)
@@ -563,6 +562,11 @@ class Consumers:
             self._unacked[endpoint_id] -= 1
             if not self._unacked[endpoint_id]:
                 del self._unacked[endpoint_id]
+
+    @property
+    def consumer_count(self) -> int:
+        """Consumers this replica holds: the lanes', and those of queues of their own."""
+        return len(self._lanes) + len(self._active)
 
     @property
     def consuming(self) -> int:

@@ -160,6 +160,7 @@ def _assemble(
     telemetry.applied_offset = lambda: -1 if change_log.applied_offset is None else change_log.applied_offset
     change_log.registry.subscribe(lambda _before, _after: telemetry.applied())
     metrics.IN_FLIGHT.set_function(lambda: consumers.in_flight)
+    metrics.CONSUMERS.set_function(lambda: consumers.consumer_count)
     metrics.UNACKED.set_function(consumers.unacked)
     ledger = handler.admission.ledger
     for share in Share:

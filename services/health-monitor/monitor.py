@@ -86,6 +86,9 @@ QUEUE_DEPTH = prometheus_client.Gauge(
     "hookline_endpoint_queue_depth", "Ready messages per endpoint queue.", ["endpoint_id"]
 )
 AWAITING_RETRY = prometheus_client.Gauge("hookline_awaiting_retry", "Messages waiting in the delay queues.")
+LANE_DEPTH = prometheus_client.Gauge(
+    "hookline_lane_depth", "Ready messages per lane (events not yet fanned out to their endpoints).", ["lane"]
+)
 DEAD_LETTERS = prometheus_client.Gauge("hookline_dead_letters_pending", "Dead letters not yet redriven.")
 ALERTS_FIRING = prometheus_client.Gauge("hookline_alerts_firing", "Alerts firing, by name.", ["alert"])
 LEADER = prometheus_client.Gauge("hookline_monitor_leader", "1 while this health monitor leads.")
@@ -383,6 +386,8 @@ class Monitor:
         levels = (topology.delay_level(level) for level in range(topology.DELAY_BITS))
         self.awaiting_retry = sum(core[name] or 0 for name in levels)
         self.lanes_pending = sum(core[name] or 0 for name in topology.lane_queues())
+        for name in topology.lane_queues():
+            LANE_DEPTH.labels(name).set(core[name] or 0)
         missing: dict[str, str | None] = {name: None for name, depth in core.items() if depth is None}
         # Only endpoints with a queue of their own have a depth of their own; the others' events pass
         # through their lane (pending there, in lanes_pending).
