@@ -47,7 +47,8 @@ TELEMETRY_DROPPED = prometheus_client.Counter(
     "Telemetry records dropped: the broker was unreachable or refusing publishes (an alarm).",
 )
 CONSUMERS = prometheus_client.Gauge(
-    "hookline_dispatcher_consumers", "Queues this dispatcher consumes (the lanes, and queues of endpoints of their own)."
+    "hookline_dispatcher_consumers",
+    "Queues this dispatcher consumes (the lanes, and queues of endpoints of their own).",
 )
 REDELIVERIES_SETTLED = prometheus_client.Counter(
     "hookline_redeliveries_already_settled",
