@@ -37,6 +37,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -230,11 +231,11 @@ async def register_each(services: Services, endpoints: list[tuple[str, list[str]
     return ids
 
 
-def event_body(event_id: str, endpoint_n: int) -> bytes:
+def event_body(event_id: str, endpoint_n: int, event_type: str | None = None) -> bytes:
     return json.dumps(
         {
             "id": event_id,
-            "type": f"load.e{endpoint_n}",
+            "type": event_type or f"load.e{endpoint_n}",
             "tenant": TENANT,
             "occurred_at": "2026-11-29T18:00:00Z",
             "data": {"x": "a" * 1000},
@@ -250,26 +251,32 @@ async def events_exchange(amqp_url: str) -> AsyncIterator[aio_pika.abc.AbstractE
         yield await channel.get_exchange("events")
 
 
-def message(event_id: str, endpoint_n: int) -> aio_pika.Message:
+def message(event_id: str, endpoint_n: int, event_type: str | None = None) -> aio_pika.Message:
     return aio_pika.Message(
-        event_body(event_id, endpoint_n),
+        event_body(event_id, endpoint_n, event_type),
         content_type="application/json",
         delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
         message_id=event_id,
     )
 
 
-async def publish_burst(amqp_url: str, count: int, endpoints: int, prefix: str) -> dict[str, float]:
-    """Publish ``count`` events as fast as confirms allow (window 500); returns id → publish time."""
+async def publish_burst(
+    amqp_url: str, count: int, endpoints: int, prefix: str, *, fanout: bool = False
+) -> dict[str, float]:
+    """Publish ``count`` events as fast as confirms allow (window 500), each to its own endpoint's type
+    (``fanout``: count/endpoints events of the type all of them have); returns id → publish time."""
     sent: dict[str, float] = {}
     async with events_exchange(amqp_url) as exchange:
         pending = []
-        for n in range(count):
+        for n in range(count // endpoints if fanout else count):
             event_id = f"{prefix}{n}"
             sent[event_id] = time.time()
-            pending.append(
-                exchange.publish(message(event_id, n % endpoints), f"{TENANT}.load.e{n % endpoints}")
+            published = (
+                (message(event_id, 0, "load.fan"), f"{TENANT}.load.fan")
+                if fanout
+                else (message(event_id, n % endpoints), f"{TENANT}.load.e{n % endpoints}")
             )
+            pending.append(exchange.publish(*published))
             if len(pending) >= 500:
                 await asyncio.gather(*pending)
                 pending = []
@@ -304,10 +311,16 @@ async def publish_paced(
     return sent
 
 
-def rates(sent: dict[str, float], arrived: dict[str, float], *, backlog: bool) -> dict[str, Any]:
+def rates(
+    sent: dict[str, float], arrived: dict[str, float], *, backlog: bool, fanout: int = 0
+) -> dict[str, Any]:
     """Deliveries/s at the receiver: from the first arrival (a backlog) or the first publish (live) to
-    the last arrival, and the steady rate."""
-    arrivals = [arrived[event_id] for event_id in sent if event_id in arrived]
+    the last arrival, and the steady rate. ``fanout``: each event went to that many endpoints, each on a
+    path of its own (/f<n>)."""
+    if fanout:
+        arrivals = [at for key, at in arrived.items() if key.split(" ", 1)[-1] in sent]
+    else:
+        arrivals = [arrived[event_id] for event_id in sent if event_id in arrived]
     first = min(arrivals) if backlog else min(sent.values())
     return {
         "delivered": len(arrivals),
@@ -339,8 +352,10 @@ async def throughput(
     backlog: bool,
     monitor: bool = False,
     failing: bool = False,
+    fanout: bool = False,
 ) -> dict[str, Any]:
-    """Deliveries/s at the receiver, to ``endpoints`` healthy endpoints.
+    """Deliveries/s at the receiver, to ``endpoints`` healthy endpoints (``fanout``: each event to all of
+    them, ``count`` deliveries from count/endpoints events; else each its own type, one each).
 
     ``backlog``: the events wait in the queues before the dispatchers start (what the bare loop
     measures); otherwise they are published while being delivered. ``monitor``: the health monitor
@@ -350,9 +365,14 @@ async def throughput(
     sink = start_sink(work)
     failing_sink = start_sink(work, status=500) if failing else None
     monitor_process = services.start_monitor() if monitor else None
-    prefix = f"tp{dispatchers}{backlog:d}{monitor:d}{failing:d}_"
+    prefix = f"tp{dispatchers}{backlog:d}{monitor:d}{failing:d}{fanout:d}_"
     try:
-        await register_for(services, sink, endpoints)
+        if fanout:
+            await register_each(
+                services, [(f"http://127.0.0.1:{sink.port}/f{n}", ["load.fan"]) for n in range(endpoints)]
+            )
+        else:
+            await register_for(services, sink, endpoints)
         if failing_sink is not None:
             await register(services, 1, f"http://127.0.0.1:{failing_sink.port}/hook", first=endpoints)
             async with events_exchange(services.amqp_url) as exchange:
@@ -362,21 +382,26 @@ async def throughput(
                         for n in range(count // 10)
                     )
                 )
+        publish = partial(publish_burst, services.amqp_url, count, endpoints, prefix, fanout=fanout)
         if backlog:
-            sent = await publish_burst(services.amqp_url, count, endpoints, prefix)
+            sent = await publish()
             services.start_dispatchers(dispatchers)
         else:
             services.start_dispatchers(dispatchers)
-            sent = await publish_burst(services.amqp_url, count, endpoints, prefix)
+            sent = await publish()
         await drain(sink, count)
     finally:
         result = sink.finish()
         failed_attempts = failing_sink.finish()["count"] if failing_sink is not None else None
+        # Deleted while the dispatchers run: each deletion's fence passes its lane at once, so the next
+        # configuration's events are not kept as dead letters for these endpoints.
+        await delete_endpoints(services)
+        await asyncio.sleep(1)
         services.stop_dispatchers()
         if monitor_process is not None:
             services.stop(monitor_process)
-        await delete_endpoints(services)
     mode = "backlog" if backlog else "live"
+    mode += f", each event to {endpoints} endpoints of the tenant" if fanout else ""
     mode += ", health monitor running" if monitor else ""
     mode += (
         f", plus an endpoint answering 500 ({count // 10:,} events, {failed_attempts:,} attempts)"
@@ -387,7 +412,7 @@ async def throughput(
         "mode": mode,
         "dispatchers": dispatchers,
         "events": count,
-        **rates(sent, result["arrivals"], backlog=backlog),
+        **rates(sent, result["arrivals"], backlog=backlog, fanout=endpoints if fanout else 0),
         "failing_endpoint_attempts": failed_attempts,
     }
 
@@ -477,8 +502,9 @@ async def latency(
         await asyncio.sleep(1)
     finally:
         result = sink.finish()
+        await delete_endpoints(services)  # while the dispatchers run (see throughput)
+        await asyncio.sleep(1)
         services.stop_dispatchers()
-        await delete_endpoints(services)
     delays_ms = [(result["arrivals"][i] - t) * 1000 for i, t in sent.items() if i in result["arrivals"]]
     return {
         "offered_per_s": rate_per_s,
@@ -594,6 +620,8 @@ async def main(arguments: argparse.Namespace) -> dict[str, Any]:
                 {"dispatchers": 4, "backlog": True},
                 {"dispatchers": 2, "backlog": True, "monitor": True},
                 {"dispatchers": 2, "backlog": True, "failing": True},
+                {"dispatchers": 2, "backlog": True, "fanout": True, "endpoints": 20},
+                {"dispatchers": 2, "backlog": False, "fanout": True, "endpoints": 20},
                 {"dispatchers": 1, "backlog": False},
                 {"dispatchers": 2, "backlog": False},
             ]
@@ -613,7 +641,7 @@ async def main(arguments: argparse.Namespace) -> dict[str, Any]:
                     print(f"throughput {configuration}, run {repeat + 1}/{arguments.repeat}…", flush=True)
                     runs[n].append(
                         await throughput(
-                            services, work, count=arguments.events, endpoints=10, **configuration
+                            services, work, count=arguments.events, **{"endpoints": 10, **configuration}
                         )
                     )
                 for n, (pool, concurrency, backlog) in enumerate(peers):
