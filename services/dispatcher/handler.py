@@ -34,7 +34,6 @@ from hookline.dispatcher.admission import Admission, Ended, Ledger, Standing, Ti
 from hookline.dispatcher.backoff import Jitter, RetryPolicy, honoured_retry_after_s
 from hookline.dispatcher.delays import Delays
 from hookline.dispatcher.incoming import Incoming
-from hookline.dispatcher.isolation import Isolation
 from hookline.dispatcher.ordering import SubjectOrder
 from hookline.dispatcher.outcome import Ack, DeadLetter, Retry, Settlement, classify, settle
 from hookline.dispatcher.pacing import Pacer
@@ -47,6 +46,7 @@ from hookline.shared.credentials import Credentials
 from hookline.shared.deadletters import dead_letter_message
 from hookline.shared.delivery import AttemptResult, DeliveryClient, ErrorKind
 from hookline.shared.headers import Header
+from hookline.shared.isolation import Isolation
 from hookline.shared.models import DeadLetterReason, Event, StoredEndpoint
 from hookline.shared.registry import ChangeLog, EndpointRegistry
 from hookline.shared.sealing import Sealer
@@ -457,10 +457,12 @@ class Handler:
         )  # fmt: skip
 
     async def _isolate(self, endpoint: StoredEndpoint, reason: str) -> bool:
-        """Give the endpoint a queue of its own (isolation.py); whether it has one now."""
+        """Give the endpoint a queue of its own (shared/isolation.py); whether it has one now."""
         if self._isolation is None:
             return False
-        return await self._isolation.isolate(endpoint, reason)
+        isolated = await self._isolation.isolate(endpoint, reason)
+        metrics.ISOLATIONS.labels(reason if isolated else "refused").inc()
+        return isolated
 
     async def hand_on(
         self, message: Incoming, endpoint: StoredEndpoint, *, reason: str, delay_s: int = 0

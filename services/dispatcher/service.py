@@ -29,13 +29,13 @@ from hookline.dispatcher import incoming, metrics
 from hookline.dispatcher.admission import Share
 from hookline.dispatcher.consumers import Consumers, check_consumers, expire_breakers, refit_prefetch
 from hookline.dispatcher.handler import USER_AGENT, Handler
-from hookline.dispatcher.isolation import Isolation
 from hookline.dispatcher.telemetry import Telemetry
 from hookline.shared import lifecycle, registry, topology
 from hookline.shared import logging as hookline_logging
 from hookline.shared.amqp import CALL_TIMEOUT_S, Broker, Publisher, passive_queue, until_closed
 from hookline.shared.control import BREAKER_LOOKBACK, BreakerView, control_record
 from hookline.shared.delivery import DeliveryClient
+from hookline.shared.isolation import Isolation
 from hookline.shared.models import error_summary
 from hookline.shared.probes import probe_server
 from hookline.shared.registry import ChangeLog, EndpointRegistry

@@ -50,6 +50,7 @@ from hookline.shared.deadletters import DeadLetterIndex
 from hookline.shared.envelope import event_message
 from hookline.shared.heldpublishes import HeldPublishes
 from hookline.shared.ids import new_id
+from hookline.shared.isolation import Isolation
 from hookline.shared.models import EndpointDeleted, EndpointStatus, Event, StoredEndpoint, error_summary
 from hookline.shared.registry import ChangeLog, StaleWriteError
 from hookline.shared.settings import MonitorSettings
@@ -192,10 +193,12 @@ class Monitor:
         self._unnamed_since_s: dict[str, float] = {}  # notifier -> when no endpoint named it any more
         self._probe = QueueProbe(broker)
         self.lanes_pending = 0  # ready messages in the lanes (read with the core queues)
+        isolation = Isolation(
+            broker, change_log, max_queues=settings.max_endpoint_queues, timeout_s=settings.connect_timeout_s
+        )
         self.placements = Placements(
-            broker, change_log, self.health, slow_p95_ms=settings.slow_p95_ms,
-            grace_s=settings.retired_queue_grace_s, max_queues=settings.max_endpoint_queues,
-            timeout_s=settings.connect_timeout_s,
+            broker, change_log, isolation, self.health, slow_p95_ms=settings.slow_p95_ms,
+            grace_s=settings.retired_queue_grace_s, timeout_s=settings.connect_timeout_s,
         )  # fmt: skip
         self.bindings = Bindings(
             broker, change_log, grace_s=settings.retired_queue_grace_s, timeout_s=settings.connect_timeout_s

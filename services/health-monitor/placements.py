@@ -28,6 +28,7 @@ from hookline.health_monitor.health import Health
 from hookline.shared import placement, topology
 from hookline.shared.amqp import BROKER_ERRORS, CALL_TIMEOUT_S, Broker
 from hookline.shared.control import BreakerState
+from hookline.shared.isolation import Isolation
 from hookline.shared.models import StoredEndpoint
 from hookline.shared.registry import ChangeLog
 
@@ -50,10 +51,10 @@ class _Leaving:
 class Placements:
     broker: Broker
     change_log: ChangeLog
+    isolation: Isolation
     health: Health
     slow_p95_ms: float
     grace_s: float
-    max_queues: int
     timeout_s: float
     _leaving: dict[str, _Leaving] = field(default_factory=dict)
     _empty_since_s: dict[str, float] = field(default_factory=dict)
@@ -62,31 +63,11 @@ class Placements:
         """Before a breaker opens: the endpoint's queue of its own, where its events wait (none is held
         in its lane), unless it has one already or the bound is reached (then its lane copies are handed
         back through the delay queues until the breaker closes)."""
-        registry = self.change_log.registry
-        endpoint = registry.get(endpoint_id)
-        if endpoint is None or registry.isolated(endpoint):
-            return
-        if registry.queued_count >= self.max_queues:
-            log.warning(
-                "isolation_refused", endpoint_id=endpoint_id, reason="breaker_open", queues=self.max_queues
-            )
-            return
-        try:
-            async with self.broker.channel() as channel:
-                await topology.declare_own_queue(channel, endpoint)
-            await self.change_log.place(
-                endpoint_id,
-                isolated=True,
-                reason=placement.Reason.BREAKER_OPEN.value,
-                timeout_s=self.timeout_s,
-            )
-        except BROKER_ERRORS as exc:
-            log.warning(
-                "isolation_failed", endpoint_id=endpoint_id, reason="breaker_open", error=type(exc).__name__
-            )
-            return
-        self._leaving.pop(endpoint_id, None)
-        log.warning("endpoint_isolated", endpoint_id=endpoint_id, reason="breaker_open")
+        endpoint = self.change_log.registry.get(endpoint_id)
+        if endpoint is not None and await self.isolation.isolate(
+            endpoint, placement.Reason.BREAKER_OPEN.value
+        ):
+            self._leaving.pop(endpoint_id, None)
 
     async def sweep(self, depths: dict[str, int | None], *, leader: bool) -> None:
         """``depths``: the ready messages of each endpoint's queue of its own (None: it is missing)."""

@@ -46,6 +46,7 @@ from hookline.shared.credentials import Credentials
 from hookline.shared.deadletters import DeadLetterIndex
 from hookline.shared.delivery import DeliveryClient
 from hookline.shared.heldpublishes import HeldPublishes
+from hookline.shared.isolation import Isolation
 from hookline.shared.models import error_summary
 from hookline.shared.sealing import Sealer
 from hookline.shared.settings import IngestSettings, load, metrics_tokens
@@ -197,6 +198,12 @@ async def _running(settings: IngestSettings, stores: _Stores) -> AsyncIterator[I
             trail=audit.AuditTrail(held, broker.user),
             replicas=stores.replicas,
             bound=bound,
+            isolation=Isolation(
+                broker,
+                change_log,
+                max_queues=settings.max_endpoint_queues,
+                timeout_s=settings.registry_wait_s,
+            ),
         )
         supervisor.spawn("upgrade", partial(_upgrade_endpoints, state), required=False)
         supervisor.spawn("held-records", partial(held.run, broker), required=False)

@@ -136,6 +136,7 @@ async def redrive(request: RedriveRequest, state: State, caller: Caller) -> Redr
     sent = await resend(
         state.registry,
         state.publisher,
+        state.isolation,
         (
             Resend(item.endpoint_id or "", item.event_id or "", bodies[item.id], origin="redrive")
             for item in items

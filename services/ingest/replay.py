@@ -105,6 +105,7 @@ async def replay(endpoint_id: str, request: ReplayRequest, state: State, caller:
     sent = await resend(
         state.registry,
         state.publisher,
+        state.isolation,
         (Resend(endpoint.id, event_id, body, origin="replay") for event_id, body in found.items()),
     )
     log.info("endpoint_replayed", endpoint_id=endpoint.id, tenant=endpoint.tenant, count=sent)

@@ -13,6 +13,7 @@ from hookline.shared.amqp import Broker, Publisher
 from hookline.shared.capacity import CapacityReader
 from hookline.shared.control import BreakerView
 from hookline.shared.deadletters import DeadLetterIndex
+from hookline.shared.isolation import Isolation
 from hookline.shared.registry import ChangeLog, EndpointRegistry
 from hookline.shared.sealing import Sealer
 from hookline.shared.settings import IngestSettings
@@ -56,6 +57,7 @@ class IngestState:
     trail: AuditTrail  # where the routes append to it
     replicas: Replicas  # the dispatchers, and how far each has read the change log
     bound: BoundPatterns  # tenant patterns bound on their lanes by this ingest, still needed
+    isolation: Isolation  # a queue of its own for an endpoint many events are sent to again
 
     def problems(self) -> list[str]:
         # Blocked counts: a load balancer should send events to an ingest that can take them.

@@ -1,12 +1,13 @@
-"""Giving an endpoint a queue of its own from a dispatcher: one that is slow (an attempt from its lane
-outlived the slow line) or backlogged (more of its lane messages under way here than its prefetch).
+"""Giving an endpoint a queue of its own at run time (:mod:`hookline.shared.placement`): a dispatcher
+for one that is slow or backlogged, the leading monitor before its breaker opens, the ingest before it
+replays or redrives many events to it.
 
-Its queue is declared first, then its placement written to the change log (:mod:`hookline.shared.
-placement`), conditionally: every replica applies the same record, hands the endpoint's copies to that
-queue from then on, and consumes it. One isolation at a time per endpoint on this replica; another
-replica doing the same at once loses the conditional write and finds the endpoint isolated. The number
-of queues of their own is bounded (``HOOKLINE_MAX_ENDPOINT_QUEUES``): past it, the endpoint stays in its
-lane (still bounded there by the slot shares) and the caller puts the delivery off instead.
+Its queue is declared first, then its placement written to the change log, conditionally: every
+replica applies the same record, hands the endpoint's copies to that queue from then on, and consumes
+it. One isolation at a time per endpoint in a process; another process doing the same at once loses the
+conditional write and finds the endpoint isolated. The number of queues of their own is bounded
+(``HOOKLINE_MAX_ENDPOINT_QUEUES``): past it, the endpoint stays in its lane and the caller does what it
+can without (a dispatcher puts the delivery off, still bounded by the slot shares).
 """
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ import asyncio
 
 import structlog
 
-from hookline.dispatcher import metrics
 from hookline.shared import topology
 from hookline.shared.amqp import BROKER_ERRORS, Broker
 from hookline.shared.models import StoredEndpoint
@@ -44,7 +44,6 @@ class Isolation:
                 log.warning(
                     "isolation_refused", endpoint_id=endpoint.id, reason=reason, queues=self._max_queues
                 )
-            metrics.ISOLATIONS.labels("refused").inc()
             return False
         lock = self._isolating.setdefault(endpoint.id, asyncio.Lock())
         try:
@@ -67,7 +66,6 @@ class Isolation:
         now = registry.get(endpoint.id)
         isolated = now is not None and registry.isolated(now)
         if isolated:
-            metrics.ISOLATIONS.labels(reason).inc()
             log.warning("endpoint_isolated", endpoint_id=endpoint.id, reason=reason)
         return isolated
 
