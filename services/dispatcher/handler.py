@@ -100,6 +100,28 @@ def _order_key(event: Event, parsed: inbound.Inbound) -> int:
     return parsed.sequence or time.time_ns()
 
 
+class _LaneGate:
+    """An endpoint's turns for deliveries from lanes: ``limit`` at once, the others waiting in order."""
+
+    __slots__ = ("_turns", "users")
+
+    def __init__(self, limit: int) -> None:
+        self._turns = asyncio.Semaphore(limit)
+        self.users = 0  # under way: waiting for a turn, or delivering
+
+    async def enter(self, *, timeout_s: float | None) -> bool:
+        """Whether a turn was had within ``timeout_s``."""
+        try:
+            async with asyncio.timeout(timeout_s):
+                await self._turns.acquire()
+        except TimeoutError:
+            return False
+        return True
+
+    def leave(self) -> None:
+        self._turns.release()
+
+
 @dataclass(frozen=True, slots=True)
 class _Keys:
     version: datetime  # the endpoint's updated_at they were made from
@@ -134,8 +156,8 @@ class Handler:
         self._registry = change_log.registry
         self._change_log = change_log
         self._isolation = isolation
-        # Deliveries from lanes under way per endpoint: past its prefetch, it is backlogged (isolated).
-        self._from_lanes: dict[str, int] = {}
+        # Deliveries from lanes under way per endpoint, and their turns (see _from_lane).
+        self._lane_gates: dict[str, _LaneGate] = {}
         self._credentials = Credentials(sealer, client)
         self._tracing = tracing or Tracing("dispatcher", None)
         self._publisher = publisher
@@ -156,7 +178,7 @@ class Handler:
 
     def from_lanes(self) -> dict[str, int]:
         """Deliveries from lanes under way, per endpoint (for heartbeats: what a delete waits for)."""
-        return dict(self._from_lanes)
+        return {endpoint_id: gate.users for endpoint_id, gate in self._lane_gates.items()}
 
     async def handle(
         self,
@@ -198,22 +220,29 @@ class Handler:
     async def _from_lane(
         self, endpoint: StoredEndpoint, message: Incoming, parsed: inbound.Inbound | None
     ) -> bool:
-        """A lane message's delivery, counted: one endpoint with more of them under way here than its
-        prefetch is backlogged, and isolated, so that a burst to it is moved off the lane at the rate of
-        queue writes rather than of its answers."""
-        under_way = self._from_lanes.get(endpoint.id, 0)
-        if under_way >= self._settings.prefetch_per_endpoint and await self._isolate(endpoint, "backlogged"):
-            await self.hand_on(message, endpoint, reason="backlogged")
-            return False
-        self._from_lanes[endpoint.id] = under_way + 1
+        """A lane message's delivery: at most ``HOOKLINE_PREFETCH_PER_ENDPOINT`` of an endpoint's go at
+        once here; one that waits for its turn longer than a quarter of the slow line means the endpoint
+        is backlogged (its events come faster than it answers), and it is isolated, so that a burst to it
+        is moved off the lane at the rate of queue writes rather than of its answers. (A tenant's twenty
+        endpoints each taking their share of the same events wait for each other no longer than that.)"""
+        gate = self._lane_gates.get(endpoint.id)
+        if gate is None:
+            gate = self._lane_gates[endpoint.id] = _LaneGate(self._settings.prefetch_per_endpoint)
+        gate.users += 1
         try:
-            return await self._handle(endpoint, message, parsed, probe=False, lane=True)
+            if not await gate.enter(timeout_s=self._settings.slow_attempt_s / 4):
+                if await self._isolate(endpoint, "backlogged"):
+                    await self.hand_on(message, endpoint, reason="backlogged")
+                    return False
+                await gate.enter(timeout_s=None)  # no queue of its own to be had: its turn, then
+            try:
+                return await self._handle(endpoint, message, parsed, probe=False, lane=True)
+            finally:
+                gate.leave()
         finally:
-            left = self._from_lanes[endpoint.id] - 1
-            if left:
-                self._from_lanes[endpoint.id] = left
-            else:
-                del self._from_lanes[endpoint.id]
+            gate.users -= 1
+            if not gate.users:
+                del self._lane_gates[endpoint.id]
 
     def parse_event(self, message: Incoming, *, tenant: str) -> inbound.Inbound | inbound.Invalid:
         """The event in a message for one of ``tenant``'s endpoints, checked (the catalog's schema too,
