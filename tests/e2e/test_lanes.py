@@ -173,3 +173,34 @@ async def test_a_lane_deleted_by_hand_is_declared_again_with_its_tenants_pattern
     await eventually(consumed_again, timeout_s=30)
     after = await publish(system, who, "r.x", ["evt_after_lane_loss"])
     await receiver.wait_for_ids(set(after), path="/relaned", timeout_s=30)
+
+
+async def test_a_dispatcher_killed_in_the_middle_of_fan_outs_loses_nothing(
+    own_system: System, receiver: Receiver
+) -> None:
+    """Ten endpoints of one tenant on the same events, one of them answering slowly, so that lane
+    messages are in the middle of their fan-out (some copies delivered, others not) when both
+    dispatchers are SIGKILLed: the broker gives the lane messages out again, a new dispatcher fans them
+    out again, and every endpoint gets every event (those done before the kill twice: at least once)."""
+    system = own_system
+    who = tenant()
+
+    def respond(request: Received) -> Reply:
+        return Reply(delay_s=0.3 if request.path == "/mid9" else 0.0)
+
+    receiver.responder = respond
+    for n in range(10):
+        system.add_endpoint(who, receiver.url(f"/mid{n}"), ["mid.*"])
+    ids = await publish(system, who, "mid.x", [f"evt_mid_{n}" for n in range(30)])
+
+    async def some_done_some_not() -> bool:
+        fast = set(ids_at(receiver, "/mid0"))
+        slow = set(ids_at(receiver, "/mid9"))
+        return len(fast) >= 5 and len(slow) < len(ids)
+
+    await eventually(some_done_some_not, timeout_s=30, every_s=0.05)
+    for dispatcher in system.dispatchers:
+        dispatcher.kill()  # SIGKILL: no drain, no acks
+    system.start_dispatcher("dispatcher-after-kill")
+    for n in range(10):
+        await receiver.wait_for_ids(set(ids), path=f"/mid{n}", timeout_s=60)
