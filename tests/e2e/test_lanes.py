@@ -186,7 +186,7 @@ async def test_a_dispatcher_killed_in_the_middle_of_fan_outs_loses_nothing(
     who = tenant()
 
     def respond(request: Received) -> Reply:
-        return Reply(delay_s=0.3 if request.path == "/mid9" else 0.0)
+        return Reply(delay_s=1.5 if request.path == "/mid9" else 0.0)  # under the slow line (2 s)
 
     receiver.responder = respond
     for n in range(10):
