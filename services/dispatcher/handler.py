@@ -505,7 +505,7 @@ class Handler:
             endpoint_id=endpoint.id,
             content_type=message.content_type,
             timestamp=message.timestamp,
-            headers=_carried_headers(message),
+            headers=carried_headers(message),
         )
         await addressing.send(
             self._publisher, copy, destination=self._registry.address(endpoint), delay_s=delay_s
@@ -819,7 +819,7 @@ class Handler:
             endpoint_id=endpoint.id,
             content_type=message.content_type,
             timestamp=message.timestamp,
-            headers={**_carried_headers(message), Header.FORWARDS: forwards + 1},
+            headers={**carried_headers(message), Header.FORWARDS: forwards + 1},
         )
         await addressing.send(self._publisher, copy, destination=self._registry.address(endpoint))
         await self.acks.ack(message)
@@ -935,7 +935,7 @@ async def handle_safely(
     return False
 
 
-def _carried_headers(message: Incoming) -> dict[str, object]:
+def carried_headers(message: Incoming) -> dict[str, object]:
     """What a copy for one endpoint keeps of a message's headers: everything hookline put there but the
     broker's own additions; of an upstream's message (from ``events``), only the trace context."""
     headers = message.headers or {}
