@@ -14,8 +14,10 @@ before the record is written, so an endpoint that answers it is never isolated f
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import time
+from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Annotated, Any
 
@@ -29,6 +31,9 @@ from hookline.ingest import audit
 from hookline.ingest.audit import AuditTrail
 from hookline.ingest.auth import Caller
 from hookline.ingest.schemas import (
+    EndpointBatch,
+    EndpointBatchCreated,
+    EndpointBatchItem,
     EndpointCreate,
     EndpointCreated,
     EndpointList,
@@ -74,6 +79,8 @@ IfMatch = Annotated[
     Header(description="the endpoint version (its ETag) this change is based on; 409 if it is not current"),
 ]
 
+#: Endpoints of one batch created at once (each a handshake, a write and its read-back).
+BATCH_CONCURRENCY = 64
 #: How far back the delete check looks for dispatcher heartbeats (they come every 5 s).
 _HEARTBEAT_LOOKBACK = timedelta(seconds=12)
 
@@ -258,18 +265,39 @@ async def _own_queue_if_isolated(
 
 async def _activate(state: IngestState, endpoint: StoredEndpoint, *, patterns: list[str]) -> None:
     """Once the endpoint's record is written: wait until every live dispatcher has applied it, then bind
-    its lane for ``patterns`` (those it did not have: binding is idempotent)."""
-    offset = state.change_log.applied_offset
-    if offset is not None:
-        lagging = await state.replicas.applied(offset, timeout_s=state.settings.registry_wait_s)
-        if lagging:
-            # Not waited for longer: each follows the change log live and catches up on its own.
-            log.warning("endpoint_activation_late", endpoint_id=endpoint.id, dispatchers=lagging)
-    unbound = state.bound.unbound(endpoint.tenant, patterns)
-    if unbound:
-        async with state.broker.channel() as admin:
-            await topology.bind_patterns(admin, endpoint.tenant, unbound)
-        state.bound.bound(endpoint.tenant, unbound)
+    its lane for ``patterns`` (those this ingest has not bound: binding is idempotent)."""
+    await _applied_everywhere(state, [endpoint.id])
+    await _bind(state, {endpoint.tenant: patterns})
+
+
+async def _activate_all(state: IngestState, endpoints: list[StoredEndpoint]) -> None:
+    """``_activate`` for a batch: one wait for the last record, each tenant's patterns bound once."""
+    await _applied_everywhere(state, [endpoint.id for endpoint in endpoints])
+    patterns: dict[str, list[str]] = {}
+    for endpoint in endpoints:
+        patterns.setdefault(endpoint.tenant, []).extend(endpoint.event_types)
+    await _bind(state, {tenant: sorted(set(named)) for tenant, named in patterns.items()})
+
+
+async def _applied_everywhere(state: IngestState, endpoint_ids: list[str]) -> None:
+    offset = state.change_log.applied_offset  # at or past the records just written (read back)
+    if offset is None:
+        return
+    lagging = await state.replicas.applied(offset, timeout_s=state.settings.registry_wait_s)
+    if lagging:
+        # Not waited for longer: each follows the change log live and catches up on its own.
+        log.warning("endpoint_activation_late", endpoint_ids=endpoint_ids[:10], dispatchers=lagging)
+
+
+async def _bind(state: IngestState, patterns: dict[str, list[str]]) -> None:
+    unbound = {tenant: state.bound.unbound(tenant, named) for tenant, named in patterns.items()}
+    unbound = {tenant: named for tenant, named in unbound.items() if named}
+    if not unbound:
+        return
+    async with state.broker.channel() as admin:
+        for tenant, named in unbound.items():
+            await topology.bind_patterns(admin, tenant, named)
+            state.bound.bound(tenant, named)
 
 
 async def _record_verification(state: IngestState, endpoint: StoredEndpoint) -> StoredEndpoint:
@@ -301,6 +329,53 @@ async def _record_verification(state: IngestState, endpoint: StoredEndpoint) -> 
 async def create_endpoint(
     spec: EndpointCreate, state: State, caller: Caller, response: Response
 ) -> EndpointCreated:
+    created = await _create(state, caller, spec)
+    await _activate(state, created.endpoint, patterns=created.endpoint.event_types)
+    await _created(state, caller, created)
+    _etag(response, created.endpoint)
+    return created.answer
+
+
+@router.post("/batch", response_model=EndpointBatchCreated)
+async def create_endpoints(batch: EndpointBatch, state: State, caller: Caller) -> EndpointBatchCreated:
+    """Up to BATCH_MAX endpoints at once: each created as ``POST /v1/endpoints`` would (a result per
+    item, in order; one refused does not stop the others), and the whole batch answered once every live
+    dispatcher has applied the last of them (one wait, not one each)."""
+    slots = asyncio.Semaphore(BATCH_CONCURRENCY)
+
+    async def one(index: int, spec: EndpointCreate) -> _Created | EndpointBatchItem:
+        async with slots:
+            try:
+                return await _create(state, caller, spec)
+            except ApiError as error:
+                return EndpointBatchItem.refused(index, error)
+
+    outcomes = await asyncio.gather(*(one(index, spec) for index, spec in enumerate(batch.endpoints)))
+    created = [outcome for outcome in outcomes if isinstance(outcome, _Created)]
+    if created:
+        await _activate_all(state, [c.endpoint for c in created])
+        await asyncio.gather(*(_created(state, caller, c) for c in created))
+    results = [
+        outcome
+        if isinstance(outcome, EndpointBatchItem)
+        else EndpointBatchItem(index=index, status=201, endpoint=outcome.answer)
+        for index, outcome in enumerate(outcomes)
+    ]
+    log.info(
+        "endpoints_batch", endpoints=len(results), created=len(created), refused=len(results) - len(created)
+    )
+    return EndpointBatchCreated(results=results)
+
+
+@dataclass(frozen=True, slots=True)
+class _Created:
+    endpoint: StoredEndpoint
+    answer: EndpointCreated
+
+
+async def _create(state: IngestState, caller: Caller, spec: EndpointCreate) -> _Created:
+    """An endpoint checked, handshaken (unless skipped), with its queue of its own if it needs one, and
+    written; not answered for yet (``_activate``)."""
     caller.require(spec.tenant)
     _may_skip_verification(caller, verify=spec.verify)
     _reserved(spec.tenant)
@@ -325,7 +400,17 @@ async def create_endpoint(
         endpoint = await _handshake(state, endpoint)
     await _own_queue_if_isolated(state, None, endpoint)
     endpoint = await _write(state, endpoint, base_version=0)
-    await _activate(state, endpoint, patterns=endpoint.event_types)
+    answer = EndpointCreated(
+        **endpoint.public().model_dump(),
+        secret=secret,
+        notify_secret=state.sealer.open(notifier.secrets[0].value) if notifier else None,
+        warnings=_pattern_warnings(state.change_log.catalog, endpoint),
+    )
+    return _Created(endpoint, answer)
+
+
+async def _created(state: IngestState, caller: Caller, created: _Created) -> None:
+    endpoint = created.endpoint
     log.info(
         "endpoint_created",
         endpoint_id=endpoint.id,
@@ -333,13 +418,6 @@ async def create_endpoint(
         isolated=_isolation(state, endpoint),
     )
     await _audit(state.trail, caller, "endpoint.created", None, endpoint)
-    _etag(response, endpoint)
-    return EndpointCreated(
-        **endpoint.public().model_dump(),
-        secret=secret,
-        notify_secret=state.sealer.open(notifier.secrets[0].value) if notifier else None,
-        warnings=_pattern_warnings(state.change_log.catalog, endpoint),
-    )
 
 
 def _warn_in_headers(response: Response, warnings: list[str]) -> None:

@@ -4,7 +4,7 @@ services share (an event, an endpoint, the change log's) are in :mod:`hookline.s
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Annotated, Any
+from typing import Annotated, Any, Self
 
 from pydantic import AwareDatetime, Field, StringConstraints
 
@@ -64,12 +64,11 @@ class BatchIn(Model):
     events: list[dict[str, Any]] = Field(min_length=1, max_length=BATCH_MAX)
 
 
-class BatchItem(Model):
-    """One item's result: ``status`` as the single-event route would have answered it."""
+class ItemResult(Model):
+    """One item of a batch: ``status`` as the single route would have answered it."""
 
     index: int
     status: int
-    event: EventAccepted | None = None
     error: str | None = None
     message: str | None = None
     details: list[ErrorDetail] = Field(default_factory=list)
@@ -78,8 +77,8 @@ class BatchItem(Model):
     )
 
     @classmethod
-    def refused(cls, index: int, error: ApiError) -> BatchItem:
-        """The item as the single-event route would have refused it."""
+    def refused(cls, index: int, error: ApiError) -> Self:
+        """The item as the single route would have refused it."""
         retry_after = error.headers.get("Retry-After")
         return cls(
             index=index,
@@ -89,6 +88,10 @@ class BatchItem(Model):
             details=error.details,
             retry_after_s=int(retry_after) if retry_after else None,
         )
+
+
+class BatchItem(ItemResult):
+    event: EventAccepted | None = None
 
 
 class BatchAccepted(Model):
@@ -149,6 +152,22 @@ class EndpointCreated(Endpoint):
     warnings: list[str] = Field(
         default_factory=list, description="patterns the event-type catalog does not know"
     )
+
+
+#: Endpoints in one POST /v1/endpoints/batch.
+ENDPOINT_BATCH_MAX = 500
+
+
+class EndpointBatch(Model):
+    endpoints: list[EndpointCreate] = Field(min_length=1, max_length=ENDPOINT_BATCH_MAX)
+
+
+class EndpointBatchItem(ItemResult):
+    endpoint: EndpointCreated | None = None
+
+
+class EndpointBatchCreated(Model):
+    results: list[EndpointBatchItem]
 
 
 class EndpointSecret(Model):

@@ -11,6 +11,7 @@ from urllib.parse import unquote, urlsplit
 
 import httpx
 import pytest
+from support import services
 from support.amqp import queue_exists
 from support.broker import Broker
 from support.logs import logged
@@ -204,3 +205,30 @@ async def test_a_dispatcher_killed_in_the_middle_of_fan_outs_loses_nothing(
     system.start_dispatcher("dispatcher-after-kill")
     for n in range(10):
         await receiver.wait_for_ids(set(ids), path=f"/mid{n}", timeout_s=60)
+
+
+async def test_a_batch_of_endpoints_is_created_at_once_and_each_gets_the_next_event(
+    system: System, receiver: Receiver
+) -> None:
+    """``POST /v1/endpoints/batch``: a result per item in order (one refused, the rest created), answered
+    once every dispatcher knows them all: an event published right after reaches each."""
+    tenants = [tenant() for _ in range(5)]
+    items: list[dict[str, object]] = [
+        {"tenant": tenants[n % 5], "url": receiver.url(f"/batch{n}"), "event_types": ["b.*"], "verify": False}
+        for n in range(40)
+    ]
+    items.insert(7, {"tenant": tenants[0], "url": "ftp://nowhere", "event_types": ["b.*"], "verify": False})
+    async with httpx.AsyncClient(
+        base_url=system.ingest.base_url, headers={"authorization": f"Bearer {services.TOKEN}"}, timeout=60
+    ) as api:
+        answer = await api.post("/v1/endpoints/batch", json={"endpoints": items})
+    assert answer.status_code == 200, answer.text
+    results = answer.json()["results"]
+    assert [r["index"] for r in results] == list(range(41))
+    assert [r["status"] for r in results] == [201] * 7 + [422] + [201] * 33
+    assert results[7]["error"] == "invalid_fields"
+    assert all(r["endpoint"]["secret"].startswith("whsec_") for r in results if r["status"] == 201)
+    for who in tenants:
+        await publish(system, who, "b.x", [f"evt_batch_{who}"])
+    for n in range(40):
+        await receiver.wait_for_ids({f"evt_batch_{tenants[n % 5]}"}, path=f"/batch{n}", timeout_s=30)
