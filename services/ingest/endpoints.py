@@ -46,7 +46,7 @@ from hookline.ingest.state import IngestState, Registry, State
 from hookline.ingest.verification import verify
 from hookline.shared import addressing, credentials, notifications, placement, topology
 from hookline.shared.amqp import Broker, QueueProbe
-from hookline.shared.api import ApiError, broker_unavailable
+from hookline.shared.api import ApiError, broker_unavailable, invalid_input
 from hookline.shared.capacity import QUORUM_QUEUE_FILE_HANDLES
 from hookline.shared.catalog import Catalog
 from hookline.shared.headers import Header as Headers
@@ -343,14 +343,18 @@ async def create_endpoints(batch: EndpointBatch, state: State, caller: Caller) -
     dispatcher has applied the last of them (one wait, not one each)."""
     slots = asyncio.Semaphore(BATCH_CONCURRENCY)
 
-    async def one(index: int, spec: EndpointCreate) -> _Created | EndpointBatchItem:
+    async def one(index: int, item: dict[str, Any]) -> _Created | EndpointBatchItem:
+        try:
+            spec = EndpointCreate.model_validate(item)
+        except ValidationError as exc:
+            return EndpointBatchItem.refused(index, invalid_input(exc.errors()))
         async with slots:
             try:
                 return await _create(state, caller, spec)
             except ApiError as error:
                 return EndpointBatchItem.refused(index, error)
 
-    outcomes = await asyncio.gather(*(one(index, spec) for index, spec in enumerate(batch.endpoints)))
+    outcomes = await asyncio.gather(*(one(index, item) for index, item in enumerate(batch.endpoints)))
     created = [outcome for outcome in outcomes if isinstance(outcome, _Created)]
     if created:
         await _activate_all(state, [c.endpoint for c in created])

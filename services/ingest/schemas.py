@@ -159,7 +159,8 @@ ENDPOINT_BATCH_MAX = 500
 
 
 class EndpointBatch(Model):
-    endpoints: list[EndpointCreate] = Field(min_length=1, max_length=ENDPOINT_BATCH_MAX)
+    # Items are validated one by one (an invalid one is refused alone, with its index).
+    endpoints: list[dict[str, Any]] = Field(min_length=1, max_length=ENDPOINT_BATCH_MAX)
 
 
 class EndpointBatchItem(ItemResult):
