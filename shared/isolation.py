@@ -54,7 +54,7 @@ class Isolation:
                 if registry.isolated(current):
                     return True  # another task here, or another replica, did it meanwhile
                 await self.ensure_queue(current)
-                await self._change_log.place(
+                placed = await self._change_log.place(
                     current.id, isolated=True, reason=reason, timeout_s=self._timeout_s
                 )
         except BROKER_ERRORS as exc:  # the write timed out, or the broker refused
@@ -63,11 +63,10 @@ class Isolation:
         finally:
             if not lock.locked():
                 self._isolating.pop(endpoint.id, None)
-        now = registry.get(endpoint.id)
-        isolated = now is not None and registry.isolated(now)
-        if isolated:
+        if placed is not None:  # this process's write, not another's that came first
             log.warning("endpoint_isolated", endpoint_id=endpoint.id, reason=reason)
-        return isolated
+        now = registry.get(endpoint.id)
+        return now is not None and registry.isolated(now)
 
     async def ensure_queue(self, endpoint: StoredEndpoint) -> None:
         """Its queue of its own, declared (idempotent), bound for what is addressed to it."""

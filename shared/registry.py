@@ -171,6 +171,19 @@ class EndpointRegistry:
         """Endpoints deleted at or after ``since``."""
         return [self._deleted[i] for i, at in self._deleted_at.items() if at >= since]
 
+    def deleted_matching(self, tenant: str, event_type: str, *, since: datetime) -> list[StoredEndpoint]:
+        """The tenant's endpoints deleted at or after ``since`` (past their fence) that an event of
+        ``event_type`` would have gone to: a lane message given out again (its dispatcher died) may have
+        been published before they were deleted, and what it owed them is kept as a dead letter."""
+        return [
+            endpoint
+            for endpoint_id, endpoint in self._deleted.items()
+            if endpoint.tenant == tenant
+            and endpoint.laned
+            and self._deleted_at[endpoint_id] >= since
+            and any(topology.topic_matches(pattern, event_type) for pattern in endpoint.event_types)
+        ]
+
     def deleted_with_queues_since(self, since: datetime) -> list[StoredEndpoint]:
         """Endpoints deleted at or after ``since`` that had queues of their own (they may still hold
         messages to drain into dead letters)."""

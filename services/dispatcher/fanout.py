@@ -23,8 +23,8 @@ endpoint named.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Mapping
-from datetime import datetime
+from collections.abc import Mapping, Sequence
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import aiormq
@@ -34,12 +34,14 @@ from hookline.dispatcher import inbound
 from hookline.dispatcher.handler import Handler, handle_safely
 from hookline.dispatcher.incoming import Delivery
 from hookline.shared import topology
-from hookline.shared.models import DeadLetterReason
+from hookline.shared.models import DeadLetterReason, StoredEndpoint
 
 log = structlog.get_logger(__name__)
 
 #: Deliveries of one lane message after which it is dead-lettered per endpoint instead of fanned out.
 POISON_DELIVERIES = 20
+#: A lane message given out again counts the endpoints deleted this recently (see _targets).
+REDELIVERY_COUNTS_DELETED = timedelta(days=1)
 
 
 class Part:
@@ -113,7 +115,7 @@ async def fan_out(handler: Handler, message: Delivery) -> bool:
     False when it was handed back to be given out again."""
     tenant, event_type = _tenant_and_type(message.routing_key)
     parsed = handler.parse_event(message, tenant=tenant)
-    targets = handler.registry.matching(tenant, event_type)
+    targets = _targets(handler, message, tenant, event_type)
     if isinstance(parsed, inbound.Invalid):
         await handler.dead_letter_invalid(message, parsed, tenant=tenant, endpoints=targets)
         await handler.acks.ack(message)
@@ -148,6 +150,22 @@ async def _hand_on_alone(handler: Handler, endpoint_id: str, part: Part) -> None
         await handler.hand_on(part, endpoint, delay_s=1, reason="crashed")
     except Exception as exc:  # the lane message is handed back instead: every part is done again
         log.warning("part_not_handed_on", endpoint_id=endpoint_id, error=type(exc).__name__)
+
+
+def _targets(handler: Handler, message: Delivery, tenant: str, event_type: str) -> Sequence[StoredEndpoint]:
+    """The endpoints the lane message is fanned out to. Given out again (its dispatcher died before it
+    acked), it may have been published before an endpoint's deletion whose fence has passed since: such
+    endpoints count too, their copies kept as ``endpoint_gone`` dead letters (never lost; one published
+    after the deletion is kept so too, never sent)."""
+    targets = handler.registry.matching(tenant, event_type)
+    if not message.redelivered:
+        return targets
+    since = datetime.now(UTC) - REDELIVERY_COUNTS_DELETED
+    known = {endpoint.id for endpoint in targets}
+    gone = [
+        e for e in handler.registry.deleted_matching(tenant, event_type, since=since) if e.id not in known
+    ]
+    return (*targets, *gone)
 
 
 def _delivered_too_often(message: Delivery) -> bool:

@@ -459,7 +459,11 @@ class Handler:
         endpoint's whole timeout (the receiver may have had the request: at least once). Past the bound
         on queues of their own, put off instead."""
         event = parsed.event
-        if await self._isolate(endpoint, "slow"):
+        if self._registry.get(endpoint.id) is None:
+            # Deleted while the attempt was under way: kept as a dead letter, like any copy of it left.
+            await self.gone(endpoint.id, message)
+            delay_s = 0
+        elif await self._isolate(endpoint, "slow"):
             await self.hand_on(message, endpoint, reason="slow")
             delay_s = 0
         else:

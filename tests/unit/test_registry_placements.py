@@ -4,7 +4,7 @@ records alone, in their order)."""
 
 from __future__ import annotations
 
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from support.factories import stored_endpoint
@@ -125,3 +125,18 @@ def test_a_deleted_endpoint_is_counted_by_the_fan_out_until_its_lane_passes_the_
     _upsert(registry, stored_endpoint(EP2, event_types=["order.*"]))
     assert not registry.deleting(EP2)
     assert [e.id for e in registry.matching("acme", "order.paid")] == [EP2]
+
+
+def test_a_lane_message_given_out_again_counts_the_endpoints_deleted_since() -> None:
+    """Its dispatcher died before acking it, and the fence of an endpoint deleted meanwhile has passed:
+    the endpoint is named for it (its copy kept as a dead letter), by tenant, pattern and time."""
+    registry = EndpointRegistry()
+    _upsert(registry, stored_endpoint(EP1, event_types=["order.*"]))
+    _upsert(registry, stored_endpoint(EP2, event_types=["user.*"]))
+    _upsert(registry, stored_endpoint(EP3, tenant="other", event_types=["order.*"]))
+    for endpoint_id in (EP1, EP2, EP3):
+        registry.apply(EndpointDeleted(change_id="d", at=NOW, endpoint_id=endpoint_id))
+        registry.apply_drained(EndpointDrained(change_id="f", at=NOW, endpoint_id=endpoint_id))
+    assert registry.matching("acme", "order.paid") == ()
+    assert [e.id for e in registry.deleted_matching("acme", "order.paid", since=NOW)] == [EP1]
+    assert registry.deleted_matching("acme", "order.paid", since=NOW + timedelta(seconds=1)) == []
