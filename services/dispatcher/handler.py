@@ -863,10 +863,10 @@ class Handler:
                 message, endpoint_id, tenant or None, DeadLetterReason.INVALID_EVENT,
                 event_id=invalid.event_id, attempts=0, last_status=None, last_error=invalid.reason,
             )  # fmt: skip
-        log.warning(
-            "event_invalid", tenant=tenant, event_id=invalid.event_id, reason=invalid.reason,
-            endpoints=[endpoint.id for endpoint in endpoints],
-        )  # fmt: skip
+            log.warning(
+                "event_invalid", endpoint_id=endpoint_id or None, tenant=tenant, event_id=invalid.event_id,
+                reason=invalid.reason,
+            )  # fmt: skip
 
     async def dead_letter_part(
         self, message: Incoming, endpoint: StoredEndpoint, reason: DeadLetterReason, parsed: inbound.Inbound

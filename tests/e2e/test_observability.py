@@ -514,7 +514,9 @@ async def test_every_metric_the_dashboard_and_alerts_use_is_exported(
     receiver.responder = script
     acme = tenant()
     for path in ("/ok", "/flaky", "/gone"):
-        system.add_endpoint(acme, receiver.url(path), ["order.*"])
+        # /ok capped: a queue of its own, so that the per-endpoint queue depth has a series too.
+        capped = {"max_in_flight": 10} if path == "/ok" else {}
+        system.add_endpoint(acme, receiver.url(path), ["order.*"], **capped)
     system.add_endpoint("canary", receiver.url("/canary"), ["hookline.canary"])
     async with client(system.ingest.base_url) as api:
         for n in range(3):
