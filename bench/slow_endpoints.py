@@ -9,6 +9,7 @@ breakers that changed (the monitor's log). For the slow ones, what arrived by th
 
     .venv/bin/python -m bench.slow_endpoints --slow 100 --healthy 100 --events 50   # the check
     .venv/bin/python -m bench.slow_endpoints --slow 200                             # part of make bench
+    .venv/bin/python -m bench.slow_endpoints --slow 100 --slow-ms 0 --slow-status 500  # failing, not slow
 
 The broker needs about three file handles per endpoint queue (RabbitMQ 3.x counts them): 300 endpoints
 fit a broker as a distribution installs it (927).
@@ -73,10 +74,10 @@ async def wait_for(sink_count: Any, expected: int, deadline_s: float) -> None:
 
 
 async def run(amqp_url: str, *, slow: int, healthy: int, events: int, rate_per_s: float, slow_ms: int,
-              dispatchers: int, wait_s: float) -> dict[str, Any]:  # fmt: skip
+              dispatchers: int, wait_s: float, slow_status: int = 204) -> dict[str, Any]:  # fmt: skip
     work = Path(tempfile.mkdtemp(prefix="hookline-isolation-"))
     print(f"logs in {work}", flush=True)
-    healthy_sink, slow_sink = start_sink(work), start_sink(work, delay_ms=slow_ms)
+    healthy_sink, slow_sink = start_sink(work), start_sink(work, status=slow_status, delay_ms=slow_ms)
     # Defaults for everything that decides isolation; the bench's own short retry step is not used.
     services = Services(amqp_url, work, settings={"HOOKLINE_RETRY_SCHEDULE_S": "30,120,600,1800,7200,21600"})
     try:
@@ -119,6 +120,7 @@ async def run(amqp_url: str, *, slow: int, healthy: int, events: int, rate_per_s
     return {
         "slow_endpoints": slow,
         "slow_ms": slow_ms,
+        "slow_status": slow_status,
         "healthy_endpoints": healthy,
         "events": events,
         "events_per_s": rate_per_s,
@@ -150,6 +152,9 @@ def main() -> None:
     parser.add_argument("--events", type=int, default=50)
     parser.add_argument("--rate-per-s", type=float, default=2.0, help="events published a second")
     parser.add_argument("--slow-ms", type=int, default=8000)
+    parser.add_argument(
+        "--slow-status", type=int, default=204, help="what the others answer (500 with --slow-ms 0: failing)"
+    )
     parser.add_argument("--dispatchers", type=int, default=2)
     parser.add_argument("--wait-s", type=float, default=300.0, help="how long to wait for the healthy ones")
     parser.add_argument(
@@ -169,7 +174,8 @@ def measure(arguments: argparse.Namespace) -> dict[str, Any]:
             results[label] = asyncio.run(
                 run(amqp_url, slow=slow, healthy=arguments.healthy, events=arguments.events,
                     rate_per_s=arguments.rate_per_s, slow_ms=arguments.slow_ms,
-                    dispatchers=arguments.dispatchers, wait_s=arguments.wait_s)
+                    dispatchers=arguments.dispatchers, wait_s=arguments.wait_s,
+                    slow_status=getattr(arguments, "slow_status", 204))
             )  # fmt: skip
     return results
 
