@@ -386,6 +386,10 @@ class MonitorSettings(CommonSettings):
         259_200.0, gt=0, description="An endpoint whose breaker stays open this long is disabled."
     )
     oldest_pending_alert_s: float = Field(1800.0, gt=0)
+    metrics_max_endpoints: int = Field(
+        500, ge=0,
+        description="Endpoints with series of their own in /metrics: those needing attention, the slowest, the busiest.",
+    )  # fmt: skip
     tick_s: float = Field(1.0, gt=0, le=60, description="How often breakers and alerts are evaluated.")
     queue_poll_s: float = Field(
         5.0,

@@ -8,10 +8,11 @@ endpoint as a :class:`Part`: a view of the lane message whose ack settles that e
 The handler settles a part as it settles any message (delivered, retry scheduled with a confirm, dead
 letter confirmed, or handed on to the endpoint's address with a confirm), so the lane message is acked
 only once every part's outcome is recorded somewhere durable. A part that could not be settled (a
-publish failed, the dispatcher is stopping) leaves the lane message unacked, and it is handed back:
-the broker gives it out again and every part is handled again (at least once: an endpoint whose copy
-was already delivered may get it twice; the handler's memory of settled deliveries spares it when the
-same replica takes it again).
+publish was not confirmed in time) is handed on alone to its endpoint's address, so the endpoints
+already served are not served again; only when that fails too, or the channel is lost, is the lane
+message handed back: the broker gives it out again and every part is handled again (at least once: an
+endpoint whose copy was already delivered may get it twice; the handler's memory of settled deliveries
+spares it when the same replica takes it again).
 
 A part whose handling crashed is handed on alone, through the delay queues, as a message of its own
 (the broker's delivery limit then counts that copy, not the lane message), so that one endpoint's poison
@@ -133,21 +134,35 @@ async def fan_out(handler: Handler, message: Delivery) -> bool:
         *(handle_safely(handler, endpoint_id, part, parsed=parsed, lane=True) for endpoint_id, part in parts)
     )
     for endpoint_id, part in parts:
-        if part.crashed and not part.settled:
-            await _hand_on_alone(handler, endpoint_id, part)
-    if all(part.settled for _, part in parts):
+        if part.settled:
+            continue
+        if part.crashed:
+            await _hand_on_alone(handler, endpoint_id, part, reason="crashed")
+        elif not message.channel.is_closed:
+            # A broker error in the middle of its settlement (a publish not confirmed in time): this copy
+            # alone goes on, so that the endpoints already served are not served again by whichever
+            # replica the lane message would be given to next. (On a lost channel the broker gives the
+            # lane message out again by itself: a copy handed on too would only double this one.)
+            await _hand_on_alone(handler, endpoint_id, part, reason="unsettled")
+    unsettled = [endpoint_id for endpoint_id, part in parts if not part.settled]
+    if not unsettled:
         await handler.acks.ack(message)
         return True
+    log.warning(
+        "lane_message_handed_back", event_id=parsed.event.id, tenant=tenant, endpoints=unsettled[:10],
+        unsettled=len(unsettled), of=len(parts),
+    )  # fmt: skip
     await handler.acks.nack(message, requeue=True)
     return False
 
 
-async def _hand_on_alone(handler: Handler, endpoint_id: str, part: Part) -> None:
+async def _hand_on_alone(handler: Handler, endpoint_id: str, part: Part, *, reason: str) -> None:
     endpoint = handler.registry.get(endpoint_id)
-    if endpoint is None:
-        return  # deleted meanwhile: nothing owed to it (the lane message is acked for the others)
     try:
-        await handler.hand_on(part, endpoint, delay_s=1, reason="crashed")
+        if endpoint is None:  # deleted meanwhile: its copy is kept as a dead letter, like any left
+            await handler.gone(endpoint_id, part)
+        else:
+            await handler.hand_on(part, endpoint, delay_s=1, reason=reason)
     except Exception as exc:  # the lane message is handed back instead: every part is done again
         log.warning("part_not_handed_on", endpoint_id=endpoint_id, error=type(exc).__name__)
 

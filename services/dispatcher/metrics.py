@@ -76,7 +76,8 @@ LANE_MESSAGES = prometheus_client.Counter(
 HANDED_ON = prometheus_client.Counter(
     "hookline_handed_on",
     "Copies handed on, unattempted, to their endpoint's address, by reason (isolated: an endpoint with a "
-    "queue of its own; breaker_open, slow, backlogged, no_slot, forwarded, crashed, fence_early).",
+    "queue of its own; breaker_open, slow, backlogged, no_slot, forwarded, crashed, fence_early; "
+    "unsettled: a broker error in the middle of its settlement).",
     ["reason"],
 )
 QUEUES_REDECLARED = prometheus_client.Counter(

@@ -34,12 +34,12 @@ import structlog
 from aio_pika.abc import AbstractIncomingMessage
 from pydantic import ValidationError
 
-from hookline.health_monitor import checkpoint
+from hookline.health_monitor import checkpoint, series
 from hookline.health_monitor.alerts import Alert, AlertBook, AlertKey, AlertPolicy, broker_alerts, evaluate
 from hookline.health_monitor.bindings import Bindings
 from hookline.health_monitor.breaker import Breaker, BreakerPolicy
 from hookline.health_monitor.canary import CANARY_TYPE, CanaryBook
-from hookline.health_monitor.health import Health, HealthPolicy
+from hookline.health_monitor.health import EndpointHealth, Health, HealthPolicy
 from hookline.health_monitor.placements import Placements
 from hookline.health_monitor.sinks import AlertSinks
 from hookline.shared import addressing, notifications, topology
@@ -712,7 +712,12 @@ class Monitor:
     async def _export_metrics(self, now_s: float) -> None:
         for gauge in (BREAKER_STATE, ENDPOINT_P95_MS, QUEUE_DEPTH, ALERTS_FIRING):
             gauge.clear()
-        for endpoint_id, health in self.health.endpoints.items():
+        endpoints = self.health.endpoints
+        for endpoint_id in series.chosen(
+            (_standing(endpoint_id, health, now_s) for endpoint_id, health in endpoints.items()),
+            max_endpoints=self.settings.metrics_max_endpoints,
+        ):
+            health = endpoints[endpoint_id]
             BREAKER_STATE.labels(endpoint_id).set(_STATE_VALUE[health.breaker.state])
             for window, stats in (("24h", health.day), ("5m", health.recent)):
                 p95 = stats.total(now_s=now_s).percentile_ms(0.95)
@@ -728,6 +733,18 @@ class Monitor:
         AWAITING_RETRY.set(self.awaiting_retry)
         DEAD_LETTERS.set(await self.dead_letters.count())
         QUEUES_MISSING.set(len(self.missing))
+
+
+def _standing(endpoint_id: str, health: EndpointHealth, now_s: float) -> series.Standing:
+    recent = health.recent.total(now_s=now_s)
+    return series.Standing(
+        endpoint_id=endpoint_id,
+        needs_attention=health.breaker.state is not BreakerState.CLOSED
+        or bool(health.queue_depth)
+        or recent.failures + recent.permanent > 0,
+        p95_recent_ms=health.p95_recent_ms(now_s),
+        attempts_recent=recent.attempts,
+    )
 
 
 def _export_capacity(capacity: BrokerCapacity | None) -> None:

@@ -59,7 +59,11 @@ async def test_slow_endpoints_do_not_make_the_others_time_out(system: System, re
     attempts = await eventually(all_recorded)
     failed = [(a["event_id"], a["outcome"], a.get("error")) for a in attempts if a["outcome"] != "success"]
     assert failed == [], "a healthy endpoint's attempt failed beside slow ones"
-    assert sorted(a["event_id"] for a in attempts) == sorted(ids), "one attempt each"
+    # At least once: a lane message given out again (its replica lost its channel under load) is sent
+    # again, a second attempt of its own; what must never be is one attempt listed twice.
+    listed = [(a["event_id"], a["dispatcher_id"], a["at"]) for a in attempts]
+    assert len(listed) == len(set(listed)), "an attempt listed twice"
+    assert {a["event_id"] for a in attempts} == set(ids)
 
     # The slow ones are served too, within their share (nothing is lost or dropped for them).
     async def slow_served() -> bool:
