@@ -22,26 +22,41 @@ def troubled(endpoint_id: str) -> Standing:
         pytest.param([quiet("a"), troubled("b")], 0, [], id="none wanted"),
         pytest.param([quiet("a"), quiet("b")], 10, ["b", "a"], id="room for all"),
         pytest.param(
-            [troubled("z"), quiet("a", p95_ms=900, attempts=1), quiet("b", attempts=50)], 2,
-            ["z", "a"], id="attention first, then the slowest",
-        ),  # fmt: skip
+            [troubled("z"), quiet("a", p95_ms=900, attempts=1), quiet("b", attempts=50)],
+            2,
+            ["z", "a"],
+            id="attention first, then the slowest",
+        ),
         pytest.param(
-            [troubled("c"), troubled("a"), troubled("b"), quiet("d", attempts=99)], 2,
-            ["a", "b"], id="too many needing attention: in id order",
-        ),  # fmt: skip
+            [troubled("c"), troubled("a"), troubled("b"), quiet("d", attempts=99)],
+            2,
+            ["a", "b"],
+            id="too many needing attention: in id order",
+        ),
         pytest.param(
-            [quiet("slow", p95_ms=3000), quiet("slower", p95_ms=5000), quiet("busy", attempts=500),
-             quiet("idle", attempts=1), quiet("busier", attempts=900)], 4,
-            ["slower", "slow", "busier", "busy"], id="half the room the slowest, half the busiest",
-        ),  # fmt: skip
+            [
+                quiet("slow", p95_ms=3000),
+                quiet("slower", p95_ms=5000),
+                quiet("busy", attempts=500),
+                quiet("idle", attempts=1),
+                quiet("busier", attempts=900),
+            ],
+            4,
+            ["slower", "slow", "busier", "busy"],
+            id="half the room the slowest, half the busiest",
+        ),
         pytest.param(
-            [quiet("fast", p95_ms=10, attempts=1000), quiet("busy", attempts=500), quiet("idle")], 2,
-            ["fast", "busy"], id="one slowest, then the busiest of the rest",
-        ),  # fmt: skip
+            [quiet("fast", p95_ms=10, attempts=1000), quiet("busy", attempts=500), quiet("idle")],
+            2,
+            ["fast", "busy"],
+            id="one slowest, then the busiest of the rest",
+        ),
         pytest.param(
-            [quiet("a", p95_ms=100), quiet("b", p95_ms=200)], 3, ["b", "a"],
+            [quiet("a", p95_ms=100), quiet("b", p95_ms=200)],
+            3,
+            ["b", "a"],
             id="no busiest left after the slowest",
-        ),  # fmt: skip
+        ),
     ],
 )
 def test_chosen(standings: list[Standing], max_endpoints: int, expected: list[str]) -> None:
