@@ -13,7 +13,7 @@ The catalog also exports and imports an OpenAPI 3.1 document whose ``webhooks`` 
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -86,6 +86,11 @@ class Catalog:
 
     def __len__(self) -> int:
         return len(self._types)
+
+    def restore(self, types: Iterable[EventTypeInfo]) -> None:
+        """What a registry's store kept (the state of the change log up to its offset)."""
+        for event_type in types:
+            self._types[event_type.name] = event_type
 
     def apply(self, record: EventTypeUpserted | EventTypeDeleted) -> EventTypeInfo | Stale | None:
         name = record.event_type.name if isinstance(record, EventTypeUpserted) else record.name

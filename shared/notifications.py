@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import enum
 import hashlib
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from datetime import datetime
 from typing import Any
 
@@ -71,13 +71,13 @@ def notifier_of(endpoint: StoredEndpoint) -> str | None:
     return notifier_id(endpoint.tenant, endpoint.notify_url, endpoint.notify_format)
 
 
-def unnamed_notifiers(endpoints: Iterable[StoredEndpoint]) -> list[StoredEndpoint]:
-    """The notifiers no endpoint names any more: every endpoint that named one changed its notify_url
-    or notify_format, dropped it, or was deleted."""
-    every = list(endpoints)
-    named = {notifier_of(endpoint) for endpoint in every if endpoint.tenant != OPERATOR_TENANT}
-    # Only notifiers live in the operator tenant: the ingest refuses it to every caller.
-    return [e for e in every if e.tenant == OPERATOR_TENANT and e.id not in named]
+def unnamed_notifiers(
+    notifiers: Iterable[StoredEndpoint], named: Callable[[str], bool]
+) -> list[StoredEndpoint]:
+    """The notifiers (the operator tenant's endpoints: the ingest refuses that tenant to every caller)
+    that no endpoint names any more (``named``: whether one does): every endpoint that named one changed
+    its notify_url or notify_format, dropped it, or was deleted."""
+    return [notifier for notifier in notifiers if not named(notifier.id)]
 
 
 def notification(notice: Notice, endpoint: StoredEndpoint, detail: str, *, now: datetime) -> Event:

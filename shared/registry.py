@@ -14,16 +14,20 @@ meanwhile) changes nothing: the API answers 409, internal writers re-read and tr
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import json
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from pathlib import Path
 
 import aio_pika
 import structlog
 from aio_pika.abc import AbstractIncomingMessage
 from pydantic import TypeAdapter, ValidationError
 
-from hookline.shared import catalog, permissions, placement, topology
+from hookline.shared import catalog, notifications, permissions, placement, topology
 from hookline.shared.amqp import Broker, Publisher
 from hookline.shared.ids import new_id
 from hookline.shared.models import (
@@ -44,6 +48,7 @@ from hookline.shared.models import (
     TokenUpserted,
     error_summary,
 )
+from hookline.shared.registrystore import RegistryStore
 from hookline.shared.streams import StreamFollower, follow_synced, offset_of
 from hookline.shared.supervision import Supervisor
 from hookline.shared.tenants import Tenants
@@ -55,6 +60,11 @@ _LEGACY_SYNC = b'{"kind":"sync"'
 LOOP = "endpoint-log"
 #: (tenant, type) pairs whose matching endpoints are remembered; past it the memo starts over.
 _MATCHES_KEPT = 100_000
+#: Parsed endpoints kept by id, and by tenant (their sum): a few KiB each.
+CACHED_ENDPOINTS = 10_000
+CACHED_TENANT_ENDPOINTS = 20_000
+#: What the store's rows mean: a file of another version is built again from the log.
+_STORE_VERSION = 1
 
 #: Called with (before, after) for every endpoint that changed; either side is None on create/delete.
 Listener = Callable[[StoredEndpoint | None, StoredEndpoint | None], None]
@@ -80,19 +90,27 @@ class StaleEventTypeError(Exception):
 
 
 class EndpointRegistry:
-    """The endpoints as of the last change-log record applied, with their placements."""
+    """The endpoints as of the last change-log record applied, with their placements.
 
-    def __init__(self) -> None:
-        self._endpoints: dict[str, StoredEndpoint] = {}
-        self._by_tenant: dict[str, dict[str, StoredEndpoint]] = {}
-        # Deleted endpoints' last definitions: messages still on their way can be dead-lettered by tenant,
-        # and their queues drained.
-        self._deleted: dict[str, StoredEndpoint] = {}
-        self._deleted_at: dict[str, datetime] = {}
-        self._deleted_with_queues: set[str] = set()
+    The endpoints themselves are rows of a :class:`~hookline.shared.registrystore.RegistryStore` (a
+    file, or memory), with the parsed ones a process uses kept in two bounded caches: by id, and by
+    tenant (what the fan-out reads: a lane message is matched against its tenant's endpoints). What is
+    small stays in memory and is saved with the rows: placements, which endpoints have queues of their
+    own, which deleted ones still wait for their fence."""
+
+    def __init__(self, store: RegistryStore | None = None) -> None:
+        self.store = store if store is not None else RegistryStore(None, identity="memory")
+        if store is None:
+            self.store.open()  # in memory: nothing to read, so usable at once (a test, a backup)
+        self.store.before_commit = self._save_sets
+        self._count = 0
+        self._by_id: OrderedDict[str, StoredEndpoint] = OrderedDict()  # parsed, least recently used first
+        self._by_tenant: OrderedDict[str, dict[str, StoredEndpoint]] = OrderedDict()
+        self._by_tenant_size = 0
         # Deleted endpoints whose lane has not passed the deletion's fence yet, by tenant: the fan-out
         # still counts them, and their copies become endpoint_gone dead letters (not lost).
         self._deleting: dict[str, dict[str, StoredEndpoint]] = {}
+        self._deleted_with_queues: set[str] = set()
         self._placements: dict[str, Placement] = {}
         # Endpoints whose queue of their own exists (or may): from the first record that isolates one to
         # the placement that says it was removed. The same for every replica, being the same records in
@@ -100,39 +118,136 @@ class EndpointRegistry:
         # consumes a queue of, or the monitor reads the depth of.
         self._has_queue: set[str] = set()
         self._queued: set[str] = set()
+        self._sets_changed = False
         self._matches: dict[str, dict[str, tuple[StoredEndpoint, ...]]] = {}  # tenant -> type ->
         self._matches_kept = 0
         self._listeners: list[Listener] = []
 
+    def open(self) -> int | None:
+        """Read the store: the offset of the last change-log record it holds (None: build it from the
+        first)."""
+        offset = self.store.open()
+        self._count = self.store.count()
+        for body in self.store.kept("placement"):
+            placed = Placement.model_validate_json(body)
+            self._placements[placed.endpoint_id] = placed
+        sets = json.loads(self.store.state("sets") or "{}")
+        self._has_queue = set(sets.get("has_queue", ()))
+        self._queued = set(sets.get("queued", ()))
+        self._deleted_with_queues = set(sets.get("deleted_with_queues", ()))
+        for endpoint_id in sets.get("deleting", ()):
+            gone = self._deleted(endpoint_id)
+            if gone is not None:
+                self._deleting.setdefault(gone[0].tenant, {})[endpoint_id] = gone[0]
+        return offset
+
+    def close(self) -> None:
+        self.store.close()
+
+    def _save_sets(self) -> None:
+        if self._sets_changed:
+            self._sets_changed = False
+            sets = {
+                "has_queue": sorted(self._has_queue),
+                "queued": sorted(self._queued),
+                "deleted_with_queues": sorted(self._deleted_with_queues),
+                "deleting": sorted(i for endpoints in self._deleting.values() for i in endpoints),
+            }
+            self.store.set_state("sets", json.dumps(sets))
+
     def get(self, endpoint_id: str) -> StoredEndpoint | None:
-        return self._endpoints.get(endpoint_id)
+        found = self._by_id.get(endpoint_id)
+        if found is not None:
+            self._by_id.move_to_end(endpoint_id)
+            return found
+        body = self.store.endpoint(endpoint_id)
+        if body is None:
+            return None
+        found = StoredEndpoint.model_validate_json(body)
+        self._cache(found)
+        return found
+
+    def _cache(self, endpoint: StoredEndpoint) -> None:
+        self._by_id[endpoint.id] = endpoint
+        self._by_id.move_to_end(endpoint.id)
+        while len(self._by_id) > CACHED_ENDPOINTS:
+            self._by_id.popitem(last=False)
+
+    def _deleted(self, endpoint_id: str) -> tuple[StoredEndpoint, datetime] | None:
+        found = self.store.deleted(endpoint_id)
+        if found is None:
+            return None
+        return StoredEndpoint.model_validate_json(found[0]), datetime.fromtimestamp(found[1], UTC)
 
     def last_known(self, endpoint_id: str) -> StoredEndpoint | None:
         """The endpoint, or its definition when it was deleted."""
-        return self._endpoints.get(endpoint_id) or self._deleted.get(endpoint_id)
+        found = self.get(endpoint_id)
+        if found is not None:
+            return found
+        gone = self._deleted(endpoint_id)
+        return gone[0] if gone else None
 
     def all(self) -> list[StoredEndpoint]:
-        return list(self._endpoints.values())
+        """Every endpoint, parsed at once: for what needs them all (a backup, a test); a service walks
+        :meth:`every` or asks for what it needs."""
+        return list(self.every())
+
+    def every(self, *, unlaned_only: bool = False) -> Iterator[StoredEndpoint]:
+        """Every endpoint in id order (or those not moved onto their lane yet), read a batch at a time."""
+        for body in self.store.every(unlaned_only=unlaned_only):
+            yield StoredEndpoint.model_validate_json(body)
+
+    def page(self, *, tenant: str | None, after: str | None, limit: int) -> list[StoredEndpoint]:
+        """Endpoints in id order (creation order: ids are ULIDs) after ``after``."""
+        return [
+            StoredEndpoint.model_validate_json(body)
+            for body in self.store.page(tenant=tenant, after=after, limit=limit)
+        ]
 
     def of_tenant(self, tenant: str) -> list[StoredEndpoint]:
-        return list(self._by_tenant.get(tenant, {}).values())
+        return list(self._tenant(tenant).values())
+
+    def count_of_tenant(self, tenant: str) -> int:
+        cached = self._by_tenant.get(tenant)
+        return len(cached) if cached is not None else self.store.count(tenant)
+
+    def _tenant(self, tenant: str) -> dict[str, StoredEndpoint]:
+        cached = self._by_tenant.get(tenant)
+        if cached is not None:
+            self._by_tenant.move_to_end(tenant)
+            return cached
+        cached = {}
+        for body in self.store.of_tenant(tenant):
+            endpoint = StoredEndpoint.model_validate_json(body)
+            cached[endpoint.id] = self._by_id.get(endpoint.id, endpoint)
+        self._by_tenant[tenant] = cached
+        self._by_tenant_size += len(cached)
+        while self._by_tenant_size > CACHED_TENANT_ENDPOINTS and len(self._by_tenant) > 1:
+            evicted, endpoints = self._by_tenant.popitem(last=False)
+            self._by_tenant_size -= len(endpoints)
+            self._forget_matches(evicted)
+        return cached
 
     def tenants(self) -> list[str]:
-        return list(self._by_tenant)
+        return self.store.tenants()
+
+    def notifier_named(self, notifier_id: str) -> bool:
+        """Whether an endpoint names this notifier (:func:`hookline.shared.notifications.notifier_of`)."""
+        return self.store.named(notifier_id)
 
     def matching(self, tenant: str, event_type: str) -> tuple[StoredEndpoint, ...]:
         """The tenant's endpoints one of whose patterns matches ``event_type``: the fan-out of a lane
-        message (remembered per tenant and type until one of the tenant's endpoints changes). An endpoint
-        deleted a moment ago is among them until its lane has passed the deletion's fence (its copy is
-        then kept as a dead letter: nothing published before a deletion is lost); an endpoint of the
-        version before lanes is passed over (its route exchange still feeds it, until the ingest moves it
-        onto its lane)."""
+        message (remembered per tenant and type until one of the tenant's endpoints changes, or the
+        tenant leaves the cache). An endpoint deleted a moment ago is among them until its lane has
+        passed the deletion's fence (its copy is then kept as a dead letter: nothing published before a
+        deletion is lost); an endpoint of the version before lanes is passed over (its route exchange
+        still feeds it, until the ingest moves it onto its lane)."""
         of_tenant = self._matches.get(tenant)
         found = of_tenant.get(event_type) if of_tenant is not None else None
         if found is None:
             found = tuple(
                 endpoint
-                for endpoints in (self._by_tenant.get(tenant, {}), self._deleting.get(tenant, {}))
+                for endpoints in (self._tenant(tenant), self._deleting.get(tenant, {}))
                 for endpoint in endpoints.values()
                 if endpoint.laned
                 and any(topology.topic_matches(pattern, event_type) for pattern in endpoint.event_types)
@@ -165,32 +280,35 @@ class EndpointRegistry:
 
     def with_queues(self) -> list[StoredEndpoint]:
         """Live endpoints with a queue of their own, or queues left to drain."""
-        return [self._endpoints[endpoint_id] for endpoint_id in self._queued]
+        return [e for endpoint_id in sorted(self._queued) if (e := self.get(endpoint_id)) is not None]
 
     def deleted_since(self, since: datetime) -> list[StoredEndpoint]:
         """Endpoints deleted at or after ``since``."""
-        return [self._deleted[i] for i, at in self._deleted_at.items() if at >= since]
+        return [StoredEndpoint.model_validate_json(b) for b, _ in self.store.deleted_since(_seconds(since))]
 
     def deleted_matching(self, tenant: str, event_type: str, *, since: datetime) -> list[StoredEndpoint]:
         """The tenant's endpoints deleted at or after ``since`` (past their fence) that an event of
         ``event_type`` would have gone to: a lane message given out again (its dispatcher died) may have
         been published before they were deleted, and what it owed them is kept as a dead letter."""
+        deleted = (
+            StoredEndpoint.model_validate_json(body)
+            for body, _ in self.store.deleted_since(_seconds(since), tenant=tenant)
+        )
         return [
             endpoint
-            for endpoint_id, endpoint in self._deleted.items()
-            if endpoint.tenant == tenant
-            and endpoint.laned
-            and self._deleted_at[endpoint_id] >= since
+            for endpoint in deleted
+            if endpoint.laned
             and any(topology.topic_matches(pattern, event_type) for pattern in endpoint.event_types)
         ]
 
     def deleted_with_queues_since(self, since: datetime) -> list[StoredEndpoint]:
         """Endpoints deleted at or after ``since`` that had queues of their own (they may still hold
         messages to drain into dead letters)."""
-        return [self._deleted[i] for i in self._deleted_with_queues if self._deleted_at[i] >= since]
+        found = (self._deleted(endpoint_id) for endpoint_id in sorted(self._deleted_with_queues))
+        return [gone for gone, at in filter(None, found) if at >= since]
 
     def __len__(self) -> int:
-        return len(self._endpoints)
+        return self._count
 
     def subscribe(self, listener: Listener) -> None:
         self._listeners.append(listener)
@@ -198,18 +316,18 @@ class EndpointRegistry:
     def apply(self, record: EndpointUpserted | EndpointDeleted) -> StoredEndpoint | Stale | None:
         """Apply one record: the endpoint as it now is (None once deleted), or :class:`Stale`."""
         endpoint_id = record.endpoint.id if isinstance(record, EndpointUpserted) else record.endpoint_id
-        before = self._endpoints.get(endpoint_id)
+        before = self.get(endpoint_id)
         if record.base_version is not None and record.base_version != (before.version if before else 0):
             return Stale(before)
         if isinstance(record, EndpointUpserted):
             after = record.endpoint.model_copy(update={"version": (before.version if before else 0) + 1})
-            self._endpoints[endpoint_id] = after
-            self._by_tenant.setdefault(after.tenant, {})[endpoint_id] = after
+            self._put(before, after)
             # Created again under the id of a deleted one (a notifier's id is derived from its tenant and
-            # URL): no longer deleted, so nothing drains or removes the queues it uses again.
-            self._deleted.pop(endpoint_id, None)
-            self._deleted_at.pop(endpoint_id, None)
-            self._deleted_with_queues.discard(endpoint_id)
+            # URL): no longer deleted (the store forgot its deletion), so nothing drains or removes the
+            # queues it uses again.
+            if endpoint_id in self._deleted_with_queues:
+                self._deleted_with_queues.discard(endpoint_id)
+                self._sets_changed = True
             self._drained(after.tenant, endpoint_id)
             if before is not None and before.queue_generation != after.queue_generation:
                 # A queue of the next generation: the one it had is among those it left (drained);
@@ -219,36 +337,61 @@ class EndpointRegistry:
             self._notify(before, after)
             return after
         if before is not None:
-            del self._endpoints[endpoint_id]
-            tenant = self._by_tenant[before.tenant]
-            del tenant[endpoint_id]
-            if not tenant:
-                del self._by_tenant[before.tenant]
-            self._deleted[endpoint_id] = before
-            self._deleted_at[endpoint_id] = record.at
+            self._remove(before, record.at)
             if endpoint_id in self._queued:
                 self._deleted_with_queues.add(endpoint_id)
             if before.laned:
                 self._deleting.setdefault(before.tenant, {})[endpoint_id] = before
-            self._placements.pop(endpoint_id, None)
+            if self._placements.pop(endpoint_id, None) is not None:
+                self.store.keep("placement", endpoint_id, None)
             self._has_queue.discard(endpoint_id)
             self._queued.discard(endpoint_id)
+            self._sets_changed = True
             self._forget_matches(before.tenant)
             self._notify(before, None)
         return None
 
+    def _put(self, before: StoredEndpoint | None, after: StoredEndpoint) -> None:
+        self.store.put(
+            after.id,
+            after.tenant,
+            notifications.notifier_of(after),
+            after.laned,
+            after.model_dump_json().encode(),
+        )
+        self._count += before is None
+        self._cache(after)
+        if before is not None and before.tenant != after.tenant:
+            self._leave_tenant(before)
+        cached = self._by_tenant.get(after.tenant)
+        if cached is not None:
+            self._by_tenant_size += after.id not in cached
+            cached[after.id] = after
+
+    def _remove(self, before: StoredEndpoint, at: datetime) -> None:
+        self.store.delete(before.id, before.tenant, _seconds(at), before.model_dump_json().encode())
+        self._count -= 1
+        self._by_id.pop(before.id, None)
+        self._leave_tenant(before)
+
+    def _leave_tenant(self, endpoint: StoredEndpoint) -> None:
+        cached = self._by_tenant.get(endpoint.tenant)
+        if cached is not None and cached.pop(endpoint.id, None) is not None:
+            self._by_tenant_size -= 1
+
     def apply_drained(self, record: EndpointDrained) -> None:
-        gone = self._deleted.get(record.endpoint_id)
-        if gone is not None and self.deleting(record.endpoint_id):
-            self._drained(gone.tenant, record.endpoint_id)
-            self._notify(gone, None)  # its patterns are no longer needed for it
+        if self.deleting(record.endpoint_id):
+            gone = self._deleted(record.endpoint_id)
+            assert gone is not None
+            self._drained(gone[0].tenant, record.endpoint_id)
+            self._notify(gone[0], None)  # its patterns are no longer needed for it
 
     def patterns_needed(self, tenant: str) -> set[str]:
         """The patterns the tenant's lane must stay bound for: those of its endpoints, and of those deleted
         whose lane has not passed the fence yet (their events still become dead letters)."""
         return {
             pattern
-            for endpoints in (self._by_tenant.get(tenant, {}), self._deleting.get(tenant, {}))
+            for endpoints in (self._tenant(tenant), self._deleting.get(tenant, {}))
             for endpoint in endpoints.values()
             if endpoint.laned
             for pattern in endpoint.event_types
@@ -260,25 +403,26 @@ class EndpointRegistry:
 
     def deleting(self, endpoint_id: str) -> bool:
         """Deleted, and its lane has not passed the deletion's fence yet."""
-        gone = self._deleted.get(endpoint_id)
-        return gone is not None and endpoint_id in self._deleting.get(gone.tenant, {})
+        return any(endpoint_id in endpoints for endpoints in self._deleting.values())
 
     def _drained(self, tenant: str, endpoint_id: str) -> None:
         deleting = self._deleting.get(tenant)
         if deleting is not None and deleting.pop(endpoint_id, None) is not None:
             if not deleting:
                 del self._deleting[tenant]
+            self._sets_changed = True
             self._forget_matches(tenant)
 
     def apply_placement(self, record: PlacementSet) -> Placement | Stale:
         """Apply a placement change: the placement as it now is, or :class:`Stale` when another change
         came first (or the endpoint is gone)."""
         endpoint_id = record.placement.endpoint_id
-        endpoint = self._endpoints.get(endpoint_id)
+        endpoint = self.get(endpoint_id)
         current = self._placements.get(endpoint_id)
         if endpoint is None or record.base_generation != (current.generation if current else 0):
             return Stale(endpoint)
         self._placements[endpoint_id] = record.placement
+        self.store.keep("placement", endpoint_id, record.placement.model_dump_json().encode())
         if record.placement.queue_removed:
             self._has_queue.discard(endpoint_id)
         self._changed(endpoint)
@@ -292,6 +436,7 @@ class EndpointRegistry:
             self._queued.add(endpoint.id)
         else:
             self._queued.discard(endpoint.id)
+        self._sets_changed = True
         self._forget_matches(endpoint.tenant)
 
     def _forget_matches(self, tenant: str) -> None:
@@ -300,6 +445,22 @@ class EndpointRegistry:
     def _notify(self, before: StoredEndpoint | None, after: StoredEndpoint | None) -> None:
         for listener in self._listeners:
             listener(before, after)
+
+
+@asynccontextmanager
+async def kept_at(path: Path | None, *, vhost: str) -> AsyncIterator[EndpointRegistry]:
+    """A registry whose store is the file at ``path`` (None: in memory, built from the log at every
+    start), for the change log of ``vhost``; closed (what it had not committed, committed) on the way
+    out, after whatever follows the log into it has stopped."""
+    kept = EndpointRegistry(RegistryStore(path, identity=f"{vhost}/{topology.ENDPOINT_LOG}/{_STORE_VERSION}"))
+    try:
+        yield kept
+    finally:
+        kept.close()
+
+
+def _seconds(at: datetime) -> float:
+    return at.timestamp() if at.year > 1 else 0.0
 
 
 class ChangeLog:
@@ -318,6 +479,21 @@ class ChangeLog:
         self.tenants = Tenants()
         self._follower = StreamFollower(broker, topology.ENDPOINT_LOG, self._on_record, publisher=publisher)
         self._user = broker.user
+
+    def resume(self) -> None:
+        """Start from the registry's store: the event types, tokens and quotas it kept, and the change
+        log from the record after the last one it holds (from the first when it holds none)."""
+        offset = self.registry.open()
+        if offset is None:
+            return
+        store = self.registry.store
+        self.catalog.restore(EventTypeInfo.model_validate_json(body) for body in store.kept("type"))
+        self.tenants.restore(
+            (StoredToken.model_validate_json(body) for body in store.kept("token")),
+            {quota.tenant: quota.quota for quota in map(QuotaSet.model_validate_json, store.kept("quota"))},
+        )
+        self._follower.next_offset = offset + 1
+        log.info("registry_resumed", path=str(store.path), offset=offset, endpoints=len(self.registry))
 
     @property
     def applied_offset(self) -> int | None:
@@ -456,6 +632,21 @@ class ChangeLog:
         await self._follower.sync(timeout_s=timeout_s)
 
     def _on_record(self, message: AbstractIncomingMessage) -> object:
+        result = self._apply(message)
+        offset = offset_of(message)
+        if offset is not None:
+            self.registry.store.applied(offset)
+        return result
+
+    def _apply_tenant_record(self, record: TokenUpserted | QuotaSet, body: bytes) -> object:
+        kept = self.tenants.apply(record)
+        if isinstance(record, QuotaSet):
+            self.registry.store.keep("quota", record.tenant, body)
+        elif isinstance(kept, StoredToken):  # as applied (a revocation stands)
+            self.registry.store.keep("token", kept.id, kept.model_dump_json().encode())
+        return kept
+
+    def _apply(self, message: AbstractIncomingMessage) -> object:
         if message.body.startswith(_LEGACY_SYNC):
             return None  # read-back markers of versions that wrote them as records
         try:
@@ -470,7 +661,7 @@ class ChangeLog:
                 # a token or a quota: such a record is forged.
                 log.error("tenant_record_refused", offset=offset_of(message), user=message.user_id)
                 return None
-            return self.tenants.apply(record)
+            return self._apply_tenant_record(record, message.body)
         if isinstance(record, EndpointDrained):
             self.registry.apply_drained(record)
             return None
@@ -483,6 +674,10 @@ class ChangeLog:
             applied = self.catalog.apply(record)
             if isinstance(applied, catalog.Stale):
                 log.info("event_type_change_stale", base_version=record.base_version)
+            else:
+                name = record.event_type.name if isinstance(record, EventTypeUpserted) else record.name
+                body = applied.model_dump_json().encode() if applied is not None else None
+                self.registry.store.keep("type", name, body)
             return applied
         result = self.registry.apply(record)
         if isinstance(result, Stale):
@@ -503,5 +698,6 @@ async def follow(
     """Replay the change log into ``registry`` (and ``event_types``) and keep following it under
     ``supervisor``; returns once caught up (a service is not ready before it knows every endpoint)."""
     change_log = ChangeLog(broker, publisher, registry, event_types)
+    change_log.resume()
     await follow_synced(supervisor, LOOP, change_log._follower, timeout_s=sync_timeout_s)
     return change_log

@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import secrets
+from collections.abc import Iterable, Mapping
 from datetime import datetime
 
 from hookline.shared.models import QuotaSet, StoredToken, TenantQuota, TokenUpserted
@@ -55,6 +56,13 @@ class Tenants:
         self._tokens[token.id] = token
         self._by_digest[token.digest] = token.id
         return token
+
+    def restore(self, tokens: Iterable[StoredToken], quotas: Mapping[str, TenantQuota]) -> None:
+        """What a registry's store kept (the state of the change log up to its offset)."""
+        for token in tokens:
+            self._tokens[token.id] = token
+            self._by_digest[token.digest] = token.id
+        self._quotas.update(quotas)
 
     def authenticate(self, presented: str, now: datetime) -> StoredToken | None:
         """The active token ``presented`` is, if any."""

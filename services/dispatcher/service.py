@@ -10,6 +10,7 @@ restart or a closed connection makes them start over, and ``/readyz`` answers 50
 from __future__ import annotations
 
 import asyncio
+import itertools
 import os
 import resource
 import socket
@@ -47,10 +48,14 @@ from hookline.shared.tracing import Tracing
 
 log = structlog.get_logger(__name__)
 
+#: Endpoints whose secret is opened at start to check HOOKLINE_SECRET_KEY.
+SECRETS_CHECKED = 100
+
 
 def _check_secrets_open(endpoint_registry: EndpointRegistry, sealer: Sealer) -> None:
     """A missing or wrong HOOKLINE_SECRET_KEY stops the dispatcher at start, rather than at every delivery."""
-    for endpoint in endpoint_registry.all():
+    # The first endpoints stand for all (one key seals every secret); a million need not be opened.
+    for endpoint in itertools.islice(endpoint_registry.every(), SECRETS_CHECKED):
         try:
             sealer.open(endpoint.secrets[0].value)
         except SealedSecretError as exc:
@@ -259,8 +264,9 @@ def main() -> None:
 
 async def serve(settings: DispatcherSettings, stopping: asyncio.Event) -> None:
     """Run one dispatcher until ``stopping`` is set, then shut down in order (see :func:`dispatching`)."""
-    endpoint_registry = EndpointRegistry()
     supervisor = Supervisor()
+    port = settings.dispatcher_metrics_port  # a replica's own file: one per port (0: in memory)
+    registry_path = settings.state_file("dispatcher", port).with_suffix(".registry.sqlite") if port else None
 
     def problems() -> list[str]:
         # Not blocked: a dispatcher goes on delivering (and acking) while the broker refuses publishes.
@@ -270,6 +276,8 @@ async def serve(settings: DispatcherSettings, stopping: asyncio.Event) -> None:
         Broker(
             settings.amqp_url, name="hookline-dispatcher", connect_timeout_s=settings.connect_timeout_s
         ) as broker,
+        # Closed after the change log's follower (stopped below), the last to write it.
+        registry.kept_at(registry_path, vhost=broker.vhost) as endpoint_registry,
         # No limit of the client's own: the handler's admission is the limit (HOOKLINE_HTTP_MAX_CONNECTIONS),
         # and an attempt's timeout must never include a wait for one of hookline's connections.
         DeliveryClient.for_endpoints(settings, max_connections=0, user_agent=USER_AGENT) as client,

@@ -67,23 +67,25 @@ async def _monitor_running(
     broker = connections.broker
     await topology.declare(broker, settings.retention)
     publisher = Publisher(broker)
-    try:
-        change_log = await registry.follow(
-            broker,
-            publisher,
-            supervisor,
-            registry.EndpointRegistry(),
-            sync_timeout_s=settings.connect_timeout_s,
-        )
-        async with monitoring(
-            settings, broker, publisher, supervisor, change_log, connections.capacity, connections.alert_sinks
-        ) as monitor:
-            log.info("monitor_ready", endpoints=len(change_log.registry))
-            yield monitor
-    finally:
-        # The loops left (the endpoint log's follower among them) stop before the channel they publish on.
-        await supervisor.stop()
-        await publisher.close()
+    registry_path = settings.state_file("health-monitor", settings.monitor_port).with_suffix(
+        ".registry.sqlite"
+    )
+    async with registry.kept_at(registry_path, vhost=broker.vhost) as endpoint_registry:
+        try:
+            change_log = await registry.follow(
+                broker, publisher, supervisor, endpoint_registry, sync_timeout_s=settings.connect_timeout_s
+            )
+            async with monitoring(
+                settings, broker, publisher, supervisor, change_log, connections.capacity,
+                connections.alert_sinks,
+            ) as monitor:  # fmt: skip
+                log.info("monitor_ready", endpoints=len(change_log.registry))
+                yield monitor
+        finally:
+            # The loops left (the endpoint log's follower among them) stop before the channel they
+            # publish on, and before the registry they write closes.
+            await supervisor.stop()
+            await publisher.close()
 
 
 def create_app(settings: MonitorSettings) -> FastAPI:

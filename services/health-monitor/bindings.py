@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 
 import structlog
 
@@ -28,6 +28,9 @@ from hookline.shared.models import StoredEndpoint
 from hookline.shared.registry import ChangeLog
 
 log = structlog.get_logger(__name__)
+
+#: How far back a start looks for deleted endpoints whose bindings may be unneeded.
+SEED_LOOKBACK = timedelta(days=1)
 
 _Key = tuple[str, str]  # (tenant, pattern)
 
@@ -58,9 +61,11 @@ class Bindings:
 
     def seed(self) -> None:
         """At start, after the change log was read (this tracker was not listening then): the patterns
-        of the endpoints deleted so far, the unneeded among them to be unbound. (A pattern dropped by an
-        edit before this start is not known here: its binding stays, harmless.)"""
-        for gone in self.change_log.registry.deleted_since(datetime.min.replace(tzinfo=UTC)):
+        of the endpoints deleted in the last day, the unneeded among them to be unbound. (A pattern
+        dropped by an edit before this start, or by a deletion before that day, which a monitor running
+        then would have unbound, is not known here: its binding stays, harmless.)"""
+        since = datetime.now(UTC) - SEED_LOOKBACK
+        for gone in self.change_log.registry.deleted_since(since):
             self.on_change(gone, None)
 
     @property

@@ -255,8 +255,8 @@ async def overview(request: Request, session: Current, monitor: LocalState) -> H
     tenant = session.tenant or request.query_params.get("tenant") or None
     views = [
         (endpoint, endpoint_view(monitor, endpoint.id, endpoint, now_s))
-        for endpoint in monitor.registry.all()
-        if session.may_see(endpoint.tenant) and (tenant is None or endpoint.tenant == tenant)
+        for endpoint in monitor.endpoints_listed(tenant)
+        if session.may_see(endpoint.tenant)
     ]
     rows = ranked([EndpointRow(health=view, url=endpoint.url, sparkline="") for endpoint, view in views])
     shown = [

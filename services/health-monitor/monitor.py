@@ -21,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
 from datetime import UTC, datetime, timedelta
 from functools import partial
@@ -60,6 +60,9 @@ from hookline.shared.telemetry import AttemptRecord, batch
 from hookline.shared.views import follow_view
 
 log = structlog.get_logger(__name__)
+
+#: Registered endpoints up to which the status API and the dashboard list every one.
+LISTED_WHOLE = 5_000
 
 #: How long a repair waits for core names it may not declare itself (the ingest declares them).
 REPAIR_WAIT_S = 5.0
@@ -472,7 +475,7 @@ class Monitor:
         is removed once it has stayed unnamed for the grace period (named again meanwhile, it stays, its
         secret unchanged). Removed as an endpoint is deleted: what its queue still holds is dead-lettered,
         and the queue goes once drained (:meth:`_sweep_retired`)."""
-        unnamed = {notifier.id: notifier for notifier in notifications.unnamed_notifiers(self.registry.all())}
+        unnamed = {notifier.id: notifier for notifier in self._unnamed_notifiers()}
         for notifier_id in set(self._unnamed_since_s) - set(unnamed):
             del self._unnamed_since_s[notifier_id]
         now_s = time.monotonic()
@@ -481,10 +484,25 @@ class Monitor:
             if self.leader and now_s - unnamed_since_s >= self.settings.notifier_grace_s:
                 await self._remove_notifier(notifier.id)
 
+    def endpoints_listed(self, tenant: str | None) -> list[StoredEndpoint]:
+        """What the status API and the dashboard list: a tenant's endpoints; across tenants, every one
+        while there are at most ``LISTED_WHOLE``, past that those with telemetry or a queue of their own
+        (among a million, an idle endpoint says nothing)."""
+        if tenant is not None:
+            return self.registry.of_tenant(tenant)
+        if len(self.registry) <= LISTED_WHOLE:
+            return self.registry.all()
+        return list(self._endpoints_to_evaluate({}, {}).values())
+
+    def _unnamed_notifiers(self) -> list[StoredEndpoint]:
+        return notifications.unnamed_notifiers(
+            self.registry.of_tenant(notifications.OPERATOR_TENANT), self.registry.notifier_named
+        )
+
     async def _remove_notifier(self, notifier_id: str) -> None:
         # Up to date first: an endpoint may have named it a moment ago on an ingest.
         await self._change_log.sync(timeout_s=self.settings.connect_timeout_s)
-        unnamed = {n.id: n for n in notifications.unnamed_notifiers(self.registry.all())}
+        unnamed = {notifier.id: notifier for notifier in self._unnamed_notifiers()}
         notifier = unnamed.get(notifier_id)
         if notifier is None:
             return
@@ -567,8 +585,8 @@ class Monitor:
     def _canary_endpoints(self) -> list[str]:
         return [
             endpoint.id
-            for endpoint in self.registry.all()
-            if endpoint.tenant == self.settings.canary_tenant and endpoint.status is EndpointStatus.ACTIVE
+            for endpoint in self.registry.of_tenant(self.settings.canary_tenant)
+            if endpoint.status is EndpointStatus.ACTIVE
         ]
 
     async def send_canaries(self, loop: Loop) -> None:
@@ -616,6 +634,16 @@ class Monitor:
             await self._store.save_alerts(data, identity=_alerts_identity(self._broker))
             self._alerts_saved = data
 
+    def _endpoints_to_evaluate(
+        self, recent_dead_letters: Mapping[str, int], missing: Mapping[str, str | None]
+    ) -> dict[str, StoredEndpoint]:
+        """The endpoints an alert may be about: those with telemetry, recent dead letters or a queue
+        found missing, and those with queues of their own (a disabled endpoint's among them); never a
+        walk over every registered endpoint."""
+        ids = {*self.health.endpoints, *recent_dead_letters, *filter(None, missing.values())}
+        found = {endpoint_id: e for endpoint_id in ids if (e := self.registry.get(endpoint_id)) is not None}
+        return {**found, **{endpoint.id: endpoint for endpoint in self.registry.with_queues()}}
+
     async def _current_alerts(self, *, now_s: float) -> dict[AlertKey, Alert]:
         recent = await self.dead_letters.counts_since(
             datetime.fromtimestamp(now_s, UTC) - timedelta(minutes=5)
@@ -623,7 +651,7 @@ class Monitor:
         missing, self._missing_since_evaluation = {**self._missing_since_evaluation, **self.missing}, {}
         return evaluate(
             self.health,
-            {endpoint.id: endpoint for endpoint in self.registry.all()},
+            self._endpoints_to_evaluate(recent, missing),
             recent_dead_letters=lambda endpoint_id: recent.get(endpoint_id, 0),
             missing=missing,
             others=[

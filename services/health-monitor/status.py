@@ -109,9 +109,7 @@ async def endpoints_health(
     """Every endpoint's health, the slowest (24 h p95) first."""
     now_s = time.time()
     views = [
-        endpoint_view(monitor, endpoint.id, endpoint, now_s)
-        for endpoint in monitor.registry.all()
-        if tenant is None or endpoint.tenant == tenant
+        endpoint_view(monitor, endpoint.id, endpoint, now_s) for endpoint in monitor.endpoints_listed(tenant)
     ]
     if degrading:
         views = [v for v in views if v.slow or v.breaker_state is not BreakerState.CLOSED]

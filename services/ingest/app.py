@@ -116,6 +116,7 @@ class _Stores:
     delivery_log: DeliveryLog
     audit_view: RowView
     replicas: Replicas
+    registry: registry.EndpointRegistry
 
 
 @asynccontextmanager
@@ -139,8 +140,11 @@ async def _stores(settings: IngestSettings) -> AsyncIterator[_Stores]:
             on_heartbeat=replicas.observe,  # the delivery log reads the telemetry anyway
         ) as delivery_log,
         audit.view(state_path, vhost=broker.vhost) as audit_view,
+        registry.kept_at(state_path.with_suffix(".registry.sqlite"), vhost=broker.vhost) as endpoint_registry,
     ):
-        yield _Stores(broker, dead_letters, client, capacity, delivery_log, audit_view, replicas)
+        yield _Stores(
+            broker, dead_letters, client, capacity, delivery_log, audit_view, replicas, endpoint_registry
+        )
 
 
 @asynccontextmanager
@@ -154,7 +158,7 @@ async def _running(settings: IngestSettings, stores: _Stores) -> AsyncIterator[I
     publisher = Publisher(broker)
     held = HeldPublishes(publisher, max_held=HELD_RECORDS_MAX)
     try:
-        endpoint_registry = registry.EndpointRegistry()
+        endpoint_registry = stores.registry
         bound = BoundPatterns(endpoint_registry)
         endpoint_registry.subscribe(bound.on_change)
         change_log = await registry.follow(
@@ -270,10 +274,9 @@ async def _upgrade_endpoints(state: IngestState, loop: Loop) -> None:
     """Endpoints registered before lanes are moved onto their lane, once (any ingest replica may do it:
     binding is idempotent and the record is conditional)."""
     loop.mark_up()
-    for endpoint in state.registry.all():
-        if not endpoint.laned:
-            await endpoints.upgrade(state, endpoint.id)
-            await asyncio.sleep(0)
+    for endpoint in list(state.registry.every(unlaned_only=True)):
+        await endpoints.upgrade(state, endpoint.id)
+        await asyncio.sleep(0)
     await asyncio.Event().wait()  # done; stays "up" so that the supervisor does not run it again
 
 

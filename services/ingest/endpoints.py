@@ -450,14 +450,9 @@ async def list_endpoints(
     ] = None,
 ) -> EndpointList:
     tenant = caller.scope(tenant)
-    # Ids are ULIDs, so sorting by id lists endpoints in creation order and makes `after` a stable cursor.
-    endpoints = sorted(registry.all(), key=lambda endpoint: endpoint.id)
-    selected = [
-        endpoint.public()
-        for endpoint in endpoints
-        if (tenant is None or endpoint.tenant == tenant) and (after is None or endpoint.id > after)
-    ]
-    page = selected[:limit]
+    # Ids are ULIDs, so id order is creation order and makes `after` a stable cursor.
+    selected = registry.page(tenant=tenant, after=after, limit=limit + 1)
+    page = [endpoint.public() for endpoint in selected[:limit]]
     return EndpointList(data=page, next_after=page[-1].id if len(selected) > limit else None)
 
 

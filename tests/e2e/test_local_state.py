@@ -127,15 +127,22 @@ async def test_garbage_over_every_local_file_costs_a_rebuild_not_the_service(
 
     assert system.ingest.stop() == 0
     assert system.monitor.stop() == 0
+    for dispatcher in system.dispatchers:
+        assert dispatcher.stop() == 0
     files = state_files(system, system.ingest, "ingest") + state_files(
         system, system.monitor, "health-monitor"
     )
     names = [path.name.split("-", 2)[-1] if path.name.startswith("health") else path.name for path in files]
-    assert len(files) == 6, names  # dead letters, events, attempts, audit; dead letters, checkpoint
+    # dead letters, events, attempts, audit, registry; dead letters, checkpoint, registry
+    assert len(files) == 8, names
+    registries = [path for d in system.dispatchers for path in state_files(system, d, "dispatcher")]
+    assert len(registries) == 2, "a registry per dispatcher"
+    files += registries
     truncated = damage(files)
 
     system.ingest = system.start_again(system.ingest)  # ready: wait_ready
     system.monitor = system.start_again(system.monitor)
+    system.dispatchers = [system.start_again(d) for d in system.dispatchers]
     after = await eventually(answers, timeout_s=60)
     assert after["story"]["endpoints"] == before["story"]["endpoints"]
     assert after["dead_letters"] == before["dead_letters"]
@@ -149,7 +156,22 @@ async def test_garbage_over_every_local_file_costs_a_rebuild_not_the_service(
     )
     check_said(said, files, truncated)
     counted = await set_aside_counted(system.ingest) | await set_aside_counted(system.monitor)
-    assert counted == {path.name: 1.0 for path in files}
+    assert counted == {path.name: 1.0 for path in files if not path.name.startswith("dispatcher")}
+    assert sorted(
+        line["path"] for d in system.dispatchers for line in log_lines(d, "state_file_set_aside")
+    ) == [str(path) for path in registries]
+
+    # The registries rebuilt from the change log: the next event reaches the endpoint.
+    with system.api() as api:
+        again = api.post("/v1/events", json={"tenant": acme, "type": "order.created", "data": {}})
+    assert again.status_code == 202, again.text
+
+    async def delivered_again() -> bool:
+        return any(
+            r.headers["webhook-id"] == again.json()["id"] for r in receiver.requests if r.path == "/ok"
+        )
+
+    await eventually(delivered_again, timeout_s=30)
 
 
 @asynccontextmanager

@@ -6,6 +6,7 @@ import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from datetime import UTC, datetime
+from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
 import aio_pika
@@ -20,8 +21,11 @@ from hookline.shared.models import (
     EndpointDeleted,
     EndpointStatus,
     EndpointUpserted,
+    EventTypeInfo,
+    EventTypeUpserted,
     SigningSecret,
     StoredEndpoint,
+    StoredToken,
 )
 from hookline.shared.signing import generate_secret
 from hookline.shared.supervision import Supervisor
@@ -188,3 +192,47 @@ async def test_a_follower_resumes_after_a_lost_connection_without_replaying(
         await eventually(written, timeout_s=30)
         await follower_log.sync(timeout_s=20)
     assert seen == ["https://before.example/", "https://after.example/"]
+
+
+async def test_a_registry_kept_on_disk_resumes_where_it_was_and_keeps_following(
+    amqp_url: str, tmp_path: Path
+) -> None:
+    """A service restarted with its registry file reads no record twice and misses none written while
+    it was down; the event types and tokens it kept come back with it."""
+    vhost = unquote(urlsplit(amqp_url).path.lstrip("/"))
+    path = tmp_path / "ingest.registry.sqlite"
+    token = StoredToken(
+        id="tok_" + "1" * 26, tenant="acme", digest="d" * 64, created_at=NOW, prefix="hlt_abcd"
+    )
+    async with registry.kept_at(path, vhost=vhost) as kept, follow(amqp_url, kept, name="first") as log:
+        await log.write(_upsert(_endpoint(1)), timeout_s=10)
+        await log.write(_upsert(_endpoint(2)), timeout_s=10)
+        await log.write_token(token, timeout_s=10)
+        event_type = EventTypeInfo(
+            name="order.created", description="an order", created_at=NOW, updated_at=NOW
+        )
+        await log.write_event_type(
+            EventTypeUpserted(change_id=new_id("chg"), at=NOW, event_type=event_type), timeout_s=10
+        )
+        offset_before = log.applied_offset
+    async with follow(amqp_url, registry.EndpointRegistry(), name="writer") as writer:
+        await writer.write(
+            EndpointDeleted(change_id=new_id("chg"), at=NOW, endpoint_id=_endpoint(1).id), timeout_s=10
+        )
+        await writer.write(_upsert(_endpoint(3)), timeout_s=10)
+
+    seen: list[str] = []
+    async with registry.kept_at(path, vhost=vhost) as kept:
+        kept.subscribe(lambda before, after: seen.extend(e.id for e in (after or before,) if e is not None))
+        async with follow(amqp_url, kept, name="again") as log:
+            assert [e.id for e in kept.all()] == [_endpoint(2).id, _endpoint(3).id]
+            assert seen == [_endpoint(1).id, _endpoint(3).id], "only the records written while it was down"
+            assert log.tenants.token(token.id) == token
+            kept_type = log.catalog.get("order.created")
+            assert kept_type is not None
+            assert kept_type.description == "an order"
+            assert offset_before is not None
+            assert log.applied_offset is not None
+            assert log.applied_offset > offset_before
+            await log.write(_upsert(_endpoint(4)), timeout_s=10)
+            assert kept.get(_endpoint(4).id) is not None, "and follows on"

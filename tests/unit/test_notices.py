@@ -154,11 +154,12 @@ def test_a_notifier_is_unnamed_once_no_endpoint_names_its_tenant_url_and_format(
     notifiers = [shared, own, slack, other_tenants]
 
     def unnamed(*endpoints: StoredEndpoint) -> set[str]:
-        return {n.id for n in unnamed_notifiers([*notifiers, *endpoints])}
+        named = {notifier_of(e) for e in endpoints}  # what the registry's notifier index answers
+        return {n.id for n in unnamed_notifiers(notifiers, named.__contains__)}
 
     # The second endpoint still names the shared one; the third names its URL in another format.
     assert unnamed(first, second, third) == {own.id, slack.id, other_tenants.id}
     assert unnamed(second) == {own.id, slack.id, other_tenants.id}
     assert unnamed(first.model_copy(update={"notify_url": None})) == {n.id for n in notifiers}
     assert unnamed() == {n.id for n in notifiers}, "every endpoint deleted"
-    assert unnamed_notifiers([first]) == [], "no notifier, nothing to remove"
+    assert unnamed_notifiers([], {notifier_of(first)}.__contains__) == [], "no notifier, nothing to remove"

@@ -1,0 +1,195 @@
+"""The registry kept in a local file (shared/registrystore.py): what a restart reads back, the bounded
+caches, and a damaged file."""
+
+from __future__ import annotations
+
+import sqlite3
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+import pytest
+
+from hookline.shared import registry as registry_module
+from hookline.shared.models import (
+    EndpointDeleted,
+    EndpointDrained,
+    EndpointUpserted,
+    Placement,
+    PlacementSet,
+    SigningSecret,
+    StoredEndpoint,
+)
+from hookline.shared.notifications import OPERATOR_TENANT, notifier_of
+from hookline.shared.registry import EndpointRegistry
+from hookline.shared.registrystore import RegistryStore
+
+NOW = datetime(2026, 12, 2, tzinfo=UTC)
+IDENTITY = "vhost/hookline.endpoints/1"
+
+
+def endpoint(n: int, tenant: str = "acme", **fields: object) -> StoredEndpoint:
+    return StoredEndpoint(
+        id=f"ep_{n:026d}",
+        tenant=tenant,
+        url=f"https://example.com/{n}",
+        event_types=["order.*"],
+        created_at=NOW,
+        updated_at=NOW,
+        secrets=[SigningSecret(value="whsec_" + "A" * 44, created_at=NOW)],
+        laned=True,
+        **fields,  # type: ignore[arg-type]
+    )
+
+
+def upsert(e: StoredEndpoint) -> EndpointUpserted:
+    return EndpointUpserted(change_id=f"chg_{e.id}", at=NOW, endpoint=e)
+
+
+def on_disk(path: Path, **store: object) -> tuple[EndpointRegistry, int | None]:
+    registry = EndpointRegistry(RegistryStore(path, identity=IDENTITY, **store))  # type: ignore[arg-type]
+    return registry, registry.open()
+
+
+def test_a_restart_reads_back_what_was_applied_up_to_its_offset(tmp_path: Path) -> None:
+    path = tmp_path / "r.sqlite"
+    registry, offset = on_disk(path)
+    assert offset is None, "a new file is built from the first record"
+    for n in range(5):
+        registry.apply(upsert(endpoint(n)))
+        registry.store.applied(n)
+    registry.apply(EndpointDeleted(change_id="d", at=NOW, endpoint_id=endpoint(1).id))
+    registry.apply(upsert(endpoint(3).model_copy(update={"url": "https://example.com/three"})))
+    placed = Placement(endpoint_id=endpoint(4).id, generation=1, isolated=True, reason="slow", at=NOW)
+    registry.apply_placement(PlacementSet(change_id="p", at=NOW, placement=placed, base_generation=0))
+    registry.store.applied(7)
+    deleted = registry.last_known(endpoint(1).id)
+    registry.close()
+
+    again, offset = on_disk(path)
+    assert offset == 7
+    assert len(again) == 4
+    assert [e.id for e in again.of_tenant("acme")] == [endpoint(n).id for n in (0, 2, 3, 4)]
+    three = again.get(endpoint(3).id)
+    assert three is not None
+    assert three.url == "https://example.com/three"
+    assert three.version == 2
+    assert deleted is not None
+    assert again.last_known(endpoint(1).id) == deleted
+    assert [e.id for e in again.deleted_since(NOW - timedelta(seconds=1))] == [endpoint(1).id]
+    assert again.placement(endpoint(4).id) == placed
+    assert [e.id for e in again.with_queues()] == [endpoint(4).id], "which endpoints have queues"
+    assert again.isolated(again.get(endpoint(4).id))  # type: ignore[arg-type]
+
+
+def test_uncommitted_changes_are_read_but_not_kept_without_their_offset(tmp_path: Path) -> None:
+    path = tmp_path / "r.sqlite"
+    registry, _ = on_disk(path)
+    registry.apply(upsert(endpoint(1)))
+    registry.store.applied(0)
+    registry.store.commit()
+    registry.apply(upsert(endpoint(2)))  # its record's offset not applied yet
+    assert registry.get(endpoint(2).id) is not None
+    # A crash here: the file is as of offset 0, and record 1 is read again from the log.
+    with sqlite3.connect(path) as other:
+        assert other.execute("SELECT count(*) FROM endpoints").fetchone() == (1,)
+        assert other.execute("SELECT value FROM state WHERE key = 'offset'").fetchone() == ("0",)
+
+
+def test_a_file_of_another_vhost_is_built_again(tmp_path: Path) -> None:
+    path = tmp_path / "r.sqlite"
+    registry, _ = on_disk(path)
+    registry.apply(upsert(endpoint(1)))
+    registry.store.applied(0)
+    registry.close()
+    other = EndpointRegistry(RegistryStore(path, identity="another/hookline.endpoints/1"))
+    assert other.open() is None
+    assert len(other) == 0
+    assert other.get(endpoint(1).id) is None
+
+
+def test_pages_in_id_order_by_tenant_and_every_notifier_named(tmp_path: Path) -> None:
+    registry, _ = on_disk(tmp_path / "r.sqlite")
+    for n in range(10):
+        registry.apply(upsert(endpoint(n, tenant="acme" if n % 2 else "globex")))
+    notified = endpoint(20, notify_url="https://ops.acme.example/hooks")
+    registry.apply(upsert(notified))
+    page = registry.page(tenant="acme", after=endpoint(3).id, limit=2)
+    assert [e.id for e in page] == [endpoint(5).id, endpoint(7).id]
+    assert [e.id for e in registry.page(tenant=None, after=None, limit=3)] == [
+        endpoint(n).id for n in range(3)
+    ]
+    assert registry.count_of_tenant("acme") == 6
+    assert registry.tenants() == ["acme", "globex"]
+    named = notifier_of(notified)
+    assert named is not None
+    assert registry.notifier_named(named)
+    assert not registry.notifier_named("ep_nobody")
+    registry.apply(upsert(notified.model_copy(update={"notify_url": None})))
+    assert not registry.notifier_named(named), "named no more once the URL is dropped"
+    assert registry.of_tenant(OPERATOR_TENANT) == []
+
+
+def test_the_caches_stay_bounded_and_the_fan_out_still_sees_every_endpoint(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(registry_module, "CACHED_ENDPOINTS", 5)
+    monkeypatch.setattr(registry_module, "CACHED_TENANT_ENDPOINTS", 6)
+    registry, _ = on_disk(tmp_path / "r.sqlite")
+    for n in range(40):
+        registry.apply(upsert(endpoint(n, tenant=f"t{n % 10}")))
+    for t in range(10):
+        assert len(registry.matching(f"t{t}", "order.created")) == 4
+    assert len(registry._by_id) <= 5
+    assert registry._by_tenant_size <= 6 + 4, "at most one tenant over the bound (the one just read)"
+    assert set(registry._matches) <= set(registry._by_tenant), "matches forgotten with their tenant"
+    # A change to a tenant read from disk again is seen at once.
+    registry.apply(upsert(endpoint(0, tenant="t0").model_copy(update={"event_types": ["invoice.*"]})))
+    assert len(registry.matching("t0", "order.created")) == 3
+
+
+def test_a_deleted_endpoint_waits_for_its_fence_across_a_restart(tmp_path: Path) -> None:
+    path = tmp_path / "r.sqlite"
+    registry, _ = on_disk(path)
+    registry.apply(upsert(endpoint(1)))
+    registry.apply(EndpointDeleted(change_id="d", at=NOW, endpoint_id=endpoint(1).id))
+    registry.store.applied(1)
+    registry.close()
+    again, _ = on_disk(path)
+    assert [e.id for e in again.matching("acme", "order.created")] == [endpoint(1).id]
+    assert again.patterns_needed("acme") == {"order.*"}
+    again.apply_drained(EndpointDrained(change_id="x", at=NOW, endpoint_id=endpoint(1).id))
+    assert again.matching("acme", "order.created") == ()
+
+
+def test_a_file_damaged_at_start_is_set_aside_and_one_damaged_in_use_stops_the_process(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "r.sqlite"
+    registry, _ = on_disk(path)
+    registry.apply(upsert(endpoint(1)))
+    registry.store.applied(0)
+    registry.close()
+    path.write_bytes(b"not a database" * 500)
+    again, offset = on_disk(path)
+    assert offset is None, "rebuilt from the first record"
+    assert len(again) == 0
+    assert list(tmp_path.glob("r.sqlite.corrupt-*")), "the damaged file kept aside"
+
+    stopped: list[Path | None] = []
+    damaged, _ = on_disk(tmp_path / "d.sqlite", on_damaged=stopped.append)
+    for n in range(300):
+        damaged.apply(upsert(endpoint(n)))
+    damaged.store.applied(0)
+    damaged.store.commit()
+    # Into the file itself, past its first page (the schema), read afresh: a disk that went bad.
+    state_file = damaged.store._file
+    state_file.connection.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+    state_file.close()
+    with (tmp_path / "d.sqlite").open("r+b") as file:
+        file.seek(4096)
+        file.write(b"\xff" * 40_000)
+    state_file._connect()
+    damaged._by_id.clear()
+    with pytest.raises(sqlite3.DatabaseError):
+        damaged.all()  # every page read
+    assert stopped == [tmp_path / "d.sqlite"]
