@@ -76,10 +76,10 @@ async def register(services: Services, tenants: int, per_tenant: int, sink_port:
     return answered
 
 
-async def publish_one_each(amqp_url: str, tenants: int) -> None:
+async def publish_one_each(amqp_url: str, tenants: int, *, digits: int = 5) -> None:
     async with events_exchange(amqp_url) as exchange:
         for t in range(tenants):
-            tenant = f"t{t:05d}"
+            tenant = f"t{t:0{digits}d}"
             event_id = f"evt_{tenant}"
             body = json.dumps(
                 {"id": event_id, "type": EVENT_TYPE, "tenant": tenant, "occurred_at": "2026-12-02T00:00:00Z",

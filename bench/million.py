@@ -1,0 +1,203 @@
+"""A million registered endpoints (issue 24, item 2): T tenants with E endpoints each, written straight
+to the change log (as a long-lived installation would have them; the API's own rate is measured apart,
+through the batch route), each tenant's pattern bound on its lane as the ingest binds it.
+
+Reported: how long each service took to be ready on its first start (its registry built from the log)
+and on a restart (from its file), and its RSS after each; then one event to each of ``--deliver-tenants``
+tenants, which must reach every endpoint of theirs (and nothing else); then ``--register`` endpoints
+created through ``POST /v1/endpoints/batch`` (500 a request, 4 requests at once) and the rate.
+
+    .venv/bin/python -m bench.million --tenants 50000 --per-tenant 20      # issue 24, item 2: 1,000,000
+    .venv/bin/python -m bench.million --tenants 5000 --per-tenant 20       # 100,000
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import subprocess
+import tempfile
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import aio_pika
+import aiormq
+
+from bench.endpoint_scale import rss_mib
+from bench.registered import publish_one_each
+from bench.run import HOOKLINE, Services, free_port, start_sink, stop, vhost, wait_ready
+from bench.slow_endpoints import wait_for
+from hookline.shared import topology
+from hookline.shared.amqp import Broker
+from hookline.shared.ids import new_id
+from hookline.shared.models import EndpointUpserted, SigningSecret, StoredEndpoint
+from hookline.shared.signing import generate_secret
+
+IN_FLIGHT = 2_000
+BATCH = 500
+#: A first start builds the registry from the whole log (about 65 µs a record).
+READY_WITHIN_S = 1_800
+
+
+def record(tenant: str, n: int, sink_port: int, secret: str, now: datetime) -> bytes:
+    endpoint = StoredEndpoint(
+        id=new_id("ep"),
+        tenant=tenant,
+        url=f"http://127.0.0.1:{sink_port}/{tenant}/e{n}",
+        event_types=["order.*"],
+        created_at=now,
+        updated_at=now,
+        secrets=[SigningSecret(value=secret, created_at=now)],
+        laned=True,
+    )
+    return EndpointUpserted(change_id=new_id("chg"), at=now, endpoint=endpoint).model_dump_json().encode()
+
+
+async def write_log(amqp_url: str, tenants: int, per_tenant: int, sink_port: int) -> float:
+    """Every endpoint's record, confirmed, and each tenant's pattern bound; the seconds it took."""
+    started = time.perf_counter()
+    async with Broker(amqp_url, name="bench-million", connect_timeout_s=30) as broker:
+        await topology.declare(broker, topology.Retention(event_log_max_age_s=3600))
+        connection = await aio_pika.connect(amqp_url)
+        async with connection:
+            channel = await connection.channel(publisher_confirms=True)
+            exchange = channel.default_exchange
+            secret, now = generate_secret(), datetime.now(UTC)
+            pending: set[asyncio.Future[Any]] = set()
+            for t in range(tenants):
+                tenant = f"t{t:06d}"
+                for n in range(per_tenant):
+                    body = record(tenant, n, sink_port, secret, now)
+                    message = aio_pika.Message(body, content_type="application/json", delivery_mode=2)
+                    pending.add(asyncio.ensure_future(exchange.publish(message, topology.ENDPOINT_LOG)))
+                    if len(pending) >= IN_FLIGHT:
+                        _, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.gather(*pending)
+            for t in range(tenants):
+                await topology.bind_patterns(channel, f"t{t:06d}", ["order.*"])
+    return time.perf_counter() - started
+
+
+class Fleet:
+    """The four services on fixed ports, so that a restart finds each one's files."""
+
+    def __init__(self, services: Services) -> None:
+        self.services = services
+        self.ports = {"ingest": free_port(), "health-monitor": free_port(), "dispatcher-0": free_port(),
+                      "dispatcher-1": free_port()}  # fmt: skip
+        self.running: dict[str, subprocess.Popen[bytes]] = {}
+
+    def start(self) -> dict[str, dict[str, float]]:
+        """Each service started and waited for in turn; its seconds to ready and its RSS."""
+        variables = {"ingest": "HOOKLINE_INGEST_PORT", "health-monitor": "HOOKLINE_MONITOR_PORT"}
+        report = {}
+        for name, port in self.ports.items():
+            command = name.split("-")[0] if name.startswith("dispatcher") else name
+            variable = variables.get(name, "HOOKLINE_DISPATCHER_METRICS_PORT")
+            started = time.perf_counter()
+            log = (self.services.work / f"{name}-{port}.log").open("ab")
+            process = subprocess.Popen(
+                [HOOKLINE, command], env=self.services.env(**{variable: str(port)}), stdout=log,
+                stderr=subprocess.STDOUT,
+            )  # fmt: skip
+            self.services.processes.append(process)
+            wait_ready(port, process, timeout_s=READY_WITHIN_S)
+            ready_s = time.perf_counter() - started
+            self.running[name] = process
+            report[name] = {"ready_s": round(ready_s, 2), "rss_mib": round(rss_mib(process.pid), 1)}
+        self.services.ingest_port = self.ports["ingest"]
+        return report
+
+    def rss(self) -> dict[str, float]:
+        return {name: round(rss_mib(process.pid), 1) for name, process in self.running.items()}
+
+    def stop(self) -> None:
+        for process in self.running.values():
+            stop(process)
+            self.services.processes.remove(process)
+        self.running.clear()
+
+
+async def register(services: Services, count: int, sink_port: int) -> float:
+    """``count`` endpoints through the batch route, 4 requests of BATCH at once; endpoints a second."""
+    batches = [
+        [{"tenant": f"r{(b * BATCH + n) // 20:06d}", "url": f"http://127.0.0.1:{sink_port}/r/{b}/{n}",
+          "event_types": ["order.*"], "verify": False} for n in range(min(BATCH, count - b * BATCH))]
+        for b in range((count + BATCH - 1) // BATCH)
+    ]  # fmt: skip
+    started = time.perf_counter()
+    async with services.api() as api:
+
+        async def worker() -> None:
+            while batches:
+                response = await api.post("/v1/endpoints/batch", json={"endpoints": batches.pop()})
+                response.raise_for_status()
+                refused = [item for item in response.json()["data"] if item.get("error")]
+                assert not refused, refused[:3]
+
+        await asyncio.gather(*(worker() for _ in range(4)))
+    return count / (time.perf_counter() - started)
+
+
+async def run(
+    amqp_url: str, *, tenants: int, per_tenant: int, deliver_tenants: int, registrations: int, wait_s: float
+) -> dict[str, Any]:
+    work = Path(tempfile.mkdtemp(prefix="hookline-million-"))
+    sink = start_sink(work)
+    services = Services(amqp_url, work, settings={"HOOKLINE_STATE_DIR": str(work / "state")})
+    fleet = Fleet(services)
+    result: dict[str, Any] = {"tenants": tenants, "endpoints": tenants * per_tenant, "logs": str(work)}
+    try:
+        result["log_written_s"] = round(await write_log(amqp_url, tenants, per_tenant, sink.port), 1)
+        result["first_start"] = fleet.start()
+        fleet.stop()
+        result["restart"] = fleet.start()
+        expected = min(deliver_tenants, tenants) * per_tenant
+        published = time.perf_counter()
+        await publish_one_each(amqp_url, min(deliver_tenants, tenants), digits=6)
+        await wait_for(sink.count, expected, time.monotonic() + wait_s)
+        result["delivered_s"] = round(time.perf_counter() - published, 1)
+        result["rss_after_delivery_mib"] = fleet.rss()
+        if registrations:
+            result["registered_per_s"] = round(await register(services, registrations, sink.port), 1)
+            result["rss_after_registration_mib"] = fleet.rss()
+    except aiormq.exceptions.AMQPError as exc:
+        result["error"] = repr(exc)
+    finally:
+        services.stop_all()
+        arrivals = sink.finish()["arrivals"]
+    result["delivered"] = len(arrivals)
+    result["delivered_to_its_tenant"] = sum(
+        1 for key in arrivals if key.split(" ")[1] == f"evt_{key.split('/')[1]}"
+    )
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--amqp-url", default="amqp://guest:guest@localhost:5672/")
+    parser.add_argument("--tenants", type=int, default=50_000)
+    parser.add_argument("--per-tenant", type=int, default=20)
+    parser.add_argument("--deliver-tenants", type=int, default=100, help="tenants that get one event each")
+    parser.add_argument(
+        "--register", type=int, default=10_000, help="endpoints created through the batch route"
+    )
+    parser.add_argument("--wait-s", type=float, default=300.0)
+    args = parser.parse_args()
+    with vhost(args.amqp_url) as amqp_url:
+        result = asyncio.run(
+            run(
+                amqp_url, tenants=args.tenants, per_tenant=args.per_tenant, deliver_tenants=args.deliver_tenants,
+                registrations=args.register, wait_s=args.wait_s,
+            )
+        )  # fmt: skip
+    print(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()
