@@ -15,11 +15,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import functools
 import json
 import shutil
 import subprocess
+import sys
 import tempfile
 import time
 from datetime import UTC, datetime
@@ -80,10 +80,15 @@ async def write_log(
 ) -> float:
     """Every endpoint's record, confirmed, and each tenant's pattern bound; the seconds it took.
     ``prebuilt``: also a registry file of them, built by the registry's own code as a service builds it
-    from the log (the records are the log's first, one channel keeping their order)."""
+    from the log (the records are the log's first, one channel keeping their order), in a process of its
+    own fed as they are published."""
     started = time.perf_counter()
-    vhost_name = amqp_url.rsplit("/", 1)[1]
-    building = registry.kept_at(prebuilt, vhost=vhost_name) if prebuilt else contextlib.nullcontext(None)
+    builder = None
+    if prebuilt is not None:
+        builder = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "bench.million", "--build", str(prebuilt), "--amqp-url", amqp_url,
+            stdin=asyncio.subprocess.PIPE,
+        )  # fmt: skip
     async with Broker(amqp_url, name="bench-million", connect_timeout_s=30) as broker:
         await topology.declare(broker, topology.Retention(event_log_max_age_s=3600))
         connection = await aio_pika.connect(amqp_url)
@@ -92,36 +97,56 @@ async def write_log(
             exchange = channel.default_exchange
             secret, now = generate_secret(), datetime.now(UTC)
             slots = asyncio.Semaphore(IN_FLIGHT)
+            failed: list[BaseException] = []
 
             async def one(body: bytes) -> None:
                 try:
                     message = aio_pika.Message(body, content_type="application/json", delivery_mode=2)
                     await exchange.publish(message, topology.ENDPOINT_LOG)
+                except Exception as exc:  # the run is void: stop at once rather than go on failing
+                    failed.append(exc)
                 finally:
                     slots.release()
 
             tasks = set()
-            async with building as built:
-                if built is not None:
-                    built.open()
-                offset = 0
-                for t in range(tenants):
-                    tenant = f"t{t:06d}"
-                    for n in range(per_tenant):
-                        await slots.acquire()
-                        body = record(tenant, n, sink_port, secret, now)
-                        task = asyncio.create_task(one(body))
-                        tasks.add(task)
-                        task.add_done_callback(tasks.discard)
-                        if built is not None:
-                            upserted = EndpointUpserted.model_validate_json(body)
-                            built.apply(upserted)
-                            built.store.applied(offset)
-                        offset += 1
-                await asyncio.gather(*tasks)
+            for t in range(tenants):
+                tenant = f"t{t:06d}"
+                for n in range(per_tenant):
+                    await slots.acquire()
+                    if failed:
+                        raise RuntimeError("a record was not written") from failed[0]
+                    body = record(tenant, n, sink_port, secret, now)
+                    task = asyncio.create_task(one(body))
+                    tasks.add(task)
+                    task.add_done_callback(tasks.discard)
+                    if builder is not None:
+                        assert builder.stdin is not None
+                        builder.stdin.write(body + b"\n")
+                        await builder.stdin.drain()
+            await asyncio.gather(*tasks)
+            if failed:
+                raise RuntimeError("a record was not written") from failed[0]
             for t in range(tenants):
                 await topology.bind_patterns(channel, f"t{t:06d}", ["order.*"])
+    if builder is not None:
+        assert builder.stdin is not None
+        builder.stdin.close()
+        assert await builder.wait() == 0, "the registry file was not built"
     return time.perf_counter() - started
+
+
+async def build(path: Path, amqp_url: str) -> None:
+    """The registry file of the records on stdin, one a line, at offsets 0, 1, 2…"""
+    reader = asyncio.StreamReader(limit=2**20)
+    loop = asyncio.get_running_loop()
+    await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
+    async with registry.kept_at(path, vhost=amqp_url.rsplit("/", 1)[1]) as built:
+        built.open()
+        offset = 0
+        while line := await reader.readline():
+            built.apply(EndpointUpserted.model_validate_json(line))
+            built.store.applied(offset)
+            offset += 1
 
 
 class Fleet:
@@ -247,12 +272,16 @@ def main() -> None:
         "--register", type=int, default=10_000, help="endpoints created through the batch route"
     )
     parser.add_argument("--wait-s", type=float, default=300.0)
+    parser.add_argument("--build", type=Path, help=argparse.SUPPRESS)  # the --prebuilt builder's process
     parser.add_argument(
         "--prebuilt", action="store_true",
         help="build the services' registry files in the bench (the registry's own code, from the same "
         "records) instead of by a first start: a first start reads about 1,600 records a second",
     )  # fmt: skip
     args = parser.parse_args()
+    if args.build:
+        asyncio.run(build(args.build, args.amqp_url))
+        return
     with vhost(args.amqp_url) as amqp_url:
         result = asyncio.run(
             run(
