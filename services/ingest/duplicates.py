@@ -7,7 +7,11 @@ An event is the same event when its tenant and id are: an upstream's own id, or 
 Where an acceptance is found: the delivery log's events (durable, fed by the event log stream, so
 they hold what every replica and every AMQP publisher sent, and survive restarts), and, for the
 moment between a confirm and that stream reaching this replica's log, what this replica accepted in
-the last ``RECENT_S``. Requests for one event wait for each other here. Two requests for one event
+the last ``RECENT_S``. A publish the broker nacked may still have left a copy in the event log
+stream (and so in the log) while a lane's queue never got it: a retry of an event whose publish failed
+on this replica is published again, never answered as a duplicate of that copy (a retry that reaches
+another replica still is: see the README's "Idempotent ingest"). Requests for one event wait for each
+other here. Two requests for one event
 at two replicas within milliseconds may both be accepted; they carry the same id, so receivers,
 which deduplicate by ``webhook-id``, see it once.
 """
@@ -58,6 +62,10 @@ class Duplicates:
         self._log = log
         self._window_s = window_s
         self._recent: dict[_Key, Acceptance] = {}  # in acceptance order
+        # Events whose publish here was not confirmed (a nack, a timeout): when -> the log may hold the
+        # copy a nacked publish left in the event log stream while a lane never got it, and that copy
+        # must not make the retry a duplicate.
+        self._unconfirmed: dict[_Key, float] = {}
         self._locks: dict[_Key, asyncio.Lock] = {}
         self._waiting: Counter[_Key] = Counter()
 
@@ -73,9 +81,15 @@ class Duplicates:
         try:
             async with lock:
                 claim = Claim(previous=await self._previous(key))
-                yield claim
+                try:
+                    yield claim
+                except BaseException:
+                    if claim.previous is None:
+                        self._unconfirmed[key] = time.time()
+                    raise
                 if claim.accepted is not None:
                     self._recent[key] = claim.accepted
+                    self._unconfirmed.pop(key, None)
         finally:
             self._waiting[key] -= 1
             if not self._waiting[key]:
@@ -87,6 +101,10 @@ class Duplicates:
         recent = self._recent.get(key)
         if recent is not None:
             return recent
+        for stale in [k for k, at_s in self._unconfirmed.items() if at_s < now_s - self._window_s]:
+            del self._unconfirmed[stale]
+        if key in self._unconfirmed:
+            return None  # its last publish here failed: whatever the log saw of it, publish it again
         tenant, event_id = key
         return await self._log.accepted(tenant, event_id, since_s=now_s - self._window_s)
 
