@@ -200,6 +200,13 @@ async def test_dispatchers_are_never_blocked_on_a_silent_monitor(
     waiting = await publish(system, acme, "a.b", [f"evt_silenced_{n}" for n in range(5)])
     await wait_breaker(system.monitor, endpoint["id"], "open")
 
+    async def told() -> bool:
+        # The monitor's API says open once it decides; the dispatchers hold the breaker only once the
+        # command is published (after the endpoint's queue of its own is there): a monitor killed before
+        # that never opened it for them (a CI run killed it 1 s early and saw the events delivered).
+        return bool(logged([system.monitor], "breaker_changed", endpoint_id=endpoint["id"], state="open"))
+
+    await eventually(told, timeout_s=30)
     killed_at = time.monotonic()
     for monitor in running_monitors(system):
         monitor.kill()
