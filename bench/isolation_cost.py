@@ -1,6 +1,7 @@
 """What isolating many endpoints at once costs the others, measured before it is changed (issue 24,
 item 3): with lanes, 100 endpoints turning slow (or their breakers opening) at the same moment get 100
-queues of their own at once, and the events of every other endpoint arrived 0.3–0.7 s late meanwhile.
+queues of their own at once (in one run, which shared the machine with a test suite, every other
+endpoint's events arrived 0.3–0.7 s late meanwhile: was it the broker?).
 
 No hookline service runs here: the broker, a trickle of events published with confirms to a lane queue
 (quorum) and the event log stream, consumed at once, and their latency (publish to delivery) measured
@@ -23,27 +24,16 @@ import asyncio
 import statistics
 import time
 import uuid
-from typing import Any
 
 import aio_pika
 from aio_pika.abc import AbstractChannel, AbstractIncomingMessage, AbstractRobustConnection
 
-from bench.run import vhost
+from bench.lanes import QUORUM, STREAM
+from bench.run import percentile, vhost
+from hookline.shared import topology
 
-QUORUM = {"x-queue-type": "quorum"}
-STREAM = {"x-queue-type": "stream", "x-max-length-bytes": 2_000_000_000}
-OWN_QUEUE: dict[str, Any] = {
-    "x-queue-type": "quorum",
-    "x-delivery-limit": 1000,
-    "x-dead-letter-exchange": "bench.dead",
-    "x-dead-letter-strategy": "at-least-once",
-    "x-overflow": "reject-publish",
-}
-
-
-def percentile(values: list[float], share: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(share * len(ordered)))]
+#: An endpoint's queue of its own as hookline declares it (its dead letters to hookline's exchange).
+OWN_QUEUE = topology.endpoint_queue_arguments(single_consumer=False)
 
 
 async def trickle(
@@ -76,9 +66,11 @@ async def make_queues(
     if per_s is None:
         await asyncio.gather(*(one(name) for name in names))
     else:
+        made = []
         for index, name in enumerate(names):
             await asyncio.sleep(max(0.0, started + index / per_s - time.monotonic()))
-            asyncio.get_running_loop().create_task(one(name))
+            made.append(asyncio.get_running_loop().create_task(one(name)))
+        await asyncio.gather(*made)
     return time.monotonic() - started
 
 
@@ -88,7 +80,7 @@ async def case(
     connections = [await aio_pika.connect_robust(url) for _ in range(3)]
     setup = await connections[0].channel()
     events = await setup.declare_exchange("bench.events", aio_pika.ExchangeType.TOPIC, durable=True)
-    await setup.declare_exchange("bench.dead", aio_pika.ExchangeType.FANOUT, durable=True)
+    await setup.declare_exchange(topology.DEAD_LETTER_EXCHANGE, aio_pika.ExchangeType.FANOUT, durable=True)
     lane = await setup.declare_queue("bench.lane", durable=True, arguments=QUORUM)
     await lane.bind(events, "acme.#")
     log = await setup.declare_queue("bench.log", durable=True, arguments=STREAM)
@@ -133,6 +125,7 @@ async def case(
 
 async def main() -> None:
     parser = argparse.ArgumentParser()
+    parser.add_argument("--amqp-url", default="amqp://guest:guest@localhost:5672/")
     parser.add_argument("--queues", type=int, default=100)
     parser.add_argument("--per-s", type=float, default=10.0)
     parser.add_argument("--rate-per-s", type=float, default=20.0)
@@ -140,7 +133,7 @@ async def main() -> None:
     parser.add_argument("--runs", type=int, default=2)
     parser.add_argument("--cases", default="none,burst,paced,declare-only")
     args = parser.parse_args()
-    with vhost("amqp://guest:guest@127.0.0.1:5672") as url:
+    with vhost(args.amqp_url) as url:
         for run in range(args.runs):
             for name in args.cases.split(","):
                 per_s = args.per_s if name == "paced" else None
