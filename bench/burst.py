@@ -24,6 +24,7 @@ from typing import Any
 
 import aio_pika
 
+from bench.lanes import QUORUM
 from bench.run import Services, events_exchange, percentile, start_sink, vhost
 from bench.slow_endpoints import log_lines, wait_for
 from hookline.shared import topology
@@ -101,6 +102,28 @@ async def burst_elsewhere(amqp_url: str, count: int) -> dict[str, float]:
     return sent
 
 
+async def broker_alone(
+    amqp_url: str, tenant: str, stop: asyncio.Event, ready: asyncio.Event, arrivals: dict[str, float]
+) -> None:
+    """The broker's part of the trickle's latency: a quorum queue of the bench's own, bound to
+    ``tenant``'s events beside hookline's lane, consumed on a connection of its own that acks at once."""
+    connection = await aio_pika.connect(amqp_url)
+    async with connection:
+        channel = await connection.channel()
+        await channel.set_qos(prefetch_count=100)
+        queue = await channel.declare_queue("bench.burst.beside", durable=True, arguments=QUORUM)
+        await queue.bind(topology.EVENTS_EXCHANGE, f"{tenant}.#")
+
+        async def arrived(message: aio_pika.abc.AbstractIncomingMessage) -> None:
+            arrivals[message.message_id or ""] = time.time()
+            await message.ack()
+
+        await queue.consume(arrived)
+        ready.set()
+        await stop.wait()
+        await queue.delete(if_unused=False, if_empty=False)
+
+
 async def lane_emptied(amqp_url: str, lane: str, after: asyncio.Event) -> float:
     """When the lane had nothing ready or unacked left, once ``after`` is set (the burst is published)."""
     connection = await aio_pika.connect(amqp_url)
@@ -114,12 +137,14 @@ async def lane_emptied(amqp_url: str, lane: str, after: asyncio.Event) -> float:
             await asyncio.sleep(0.1)
 
 
-async def run(amqp_url: str, *, count: int, trickle_per_s: float, dispatchers: int) -> dict[str, Any]:
+async def run(
+    amqp_url: str, *, count: int, trickle_per_s: float, dispatchers: int, settings: dict[str, str]
+) -> dict[str, Any]:
     work = Path(tempfile.mkdtemp(prefix="hookline-burst-"))
     print(f"logs in {work}", flush=True)
     sink = start_sink(work)
     neighbour, elsewhere = _same_lane("burst", other=False), _same_lane("burst", other=True)
-    services = Services(amqp_url, work)
+    services = Services(amqp_url, work, settings=settings)
     try:
         services.start_ingest()
         services.start_monitor()
@@ -136,7 +161,12 @@ async def run(amqp_url: str, *, count: int, trickle_per_s: float, dispatchers: i
                 )  # fmt: skip
                 response.raise_for_status()
         services.start_dispatchers(dispatchers)
-        stop = asyncio.Event()
+        stop, beside_ready, beside_stop = asyncio.Event(), asyncio.Event(), asyncio.Event()
+        beside: dict[str, float] = {}
+        measuring_broker = asyncio.create_task(
+            broker_alone(amqp_url, elsewhere, beside_stop, beside_ready, beside)
+        )
+        await beside_ready.wait()
         trickle_sent: dict[str, float] = {}
         ticking = asyncio.create_task(
             trickle(amqp_url, [neighbour, elsewhere], stop, trickle_per_s, trickle_sent)
@@ -151,6 +181,8 @@ async def run(amqp_url: str, *, count: int, trickle_per_s: float, dispatchers: i
         stop.set()
         await ticking
         await wait_for(sink.count, count + len(trickle_sent), time.monotonic() + 600)
+        beside_stop.set()
+        await measuring_broker
         await asyncio.sleep(2)
     finally:
         services.stop_all()
@@ -175,6 +207,16 @@ async def run(amqp_url: str, *, count: int, trickle_per_s: float, dispatchers: i
             "p99_ms": round(percentile(values, 0.99), 1),
             "max_ms": round(max(values), 1),
         }
+    # The same trickle, taken from the broker by a bare consumer beside hookline: the broker's share.
+    values = [
+        (at - trickle_sent[e]) * 1000 for e, at in beside.items() if trickle_sent.get(e, 0) >= burst_started
+    ]
+    result["elsewhere_broker_alone"] = {
+        "delivered": len(values),
+        "p50_ms": round(percentile(values, 0.5), 1),
+        "p99_ms": round(percentile(values, 0.99), 1),
+        "max_ms": round(max(values), 1),
+    }
     burst_arrivals = [at for key, at in arrivals.items() if key.startswith("/burst ")]
     lines = log_lines(work, "dispatcher")
     handed = [r for r in lines if r.get("event") == "endpoint_isolated"]
@@ -196,6 +238,13 @@ def main() -> None:
     parser.add_argument("--burst", type=int, default=10_000)
     parser.add_argument("--trickle-per-s", type=float, default=20.0)
     parser.add_argument("--dispatchers", type=int, default=2)
+    parser.add_argument(
+        "--setting",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="a HOOKLINE_ setting for the services",
+    )
     parser.add_argument("--publish-only", action="store_true", help=argparse.SUPPRESS)  # the burst's process
     arguments = parser.parse_args()
     if arguments.publish_only:
@@ -208,6 +257,7 @@ def main() -> None:
                 count=arguments.burst,
                 trickle_per_s=arguments.trickle_per_s,
                 dispatchers=arguments.dispatchers,
+                settings=dict(setting.split("=", 1) for setting in arguments.setting),
             )
         )
     print(json.dumps(result, indent=2))

@@ -209,6 +209,22 @@ def _with_heartbeat(url: str) -> str:
     return url + ("&" if urlsplit(url).query else "?") + f"heartbeat={DEFAULT_HEARTBEAT_S}"
 
 
+async def _unbounded_frames(channel: AbstractChannel) -> None:
+    """aiormq hands each channel's frames from the connection's reader to the channel's own through a
+    queue of 10, and aio-pika offers no way to choose another size: whenever one channel's queue is
+    full, the connection's reader waits, so every channel of the connection gets about three deliveries
+    (or ten confirms) a turn of the event loop, and the rest wait unread in the socket. Under a burst
+    that is the whole delay of a lane with one event in it: measured with ``bench/burst.py``, a trickle
+    in another lane than a 10,000-event burst took p99 1.2-1.5 s from publish to delivery, all of it
+    before the dispatcher's consumer saw the message (a bare consumer beside it: 30 ms); unbounded,
+    p99 236-417 ms. The broker bounds what reaches a channel (its consumers' prefetch, a publisher's
+    unconfirmed publishes), so the queue need not. (``maxsize`` has no setter; the attribute behind it
+    is what ``asyncio.Queue.full`` reads: ``tests/integration/test_broker_channels.py`` fails if that changes.)"""
+    frames = (await channel.get_underlay_channel()).frames
+    assert isinstance(frames, asyncio.Queue)
+    frames._maxsize = 0  # type: ignore[attr-defined]
+
+
 class Broker:
     """The process's broker session: a connection for consuming and administration, and one for
     publishing, each opened at start (or the service exits) and reopened on demand after a loss.
@@ -320,6 +336,7 @@ class Broker:
         connection = await link.connection()
         async with asyncio.timeout(CALL_TIMEOUT_S):
             channel = await connection.channel(publisher_confirms=confirms, on_return_raises=confirms)
+            await _unbounded_frames(channel)
             if prefetch is not None:
                 await channel.set_qos(prefetch_count=prefetch)
         return channel

@@ -261,8 +261,10 @@ class Admission:
                 line.remove(turn)
             raise
         finally:
-            if probation and not line:
-                self._on_probation.pop(endpoint_id, None)
+            # Only its own line: a waiter woken from it earlier may have left, and a new line been
+            # started for the endpoint since, whose waiters nothing would wake if it were dropped.
+            if probation and not line and self._on_probation.get(endpoint_id) is line:
+                del self._on_probation[endpoint_id]
 
     def _age(self) -> None:
         freed = self.ledger.in_use[Share.ANSWERING]

@@ -33,6 +33,11 @@ SLOTS_IN_USE = prometheus_client.Gauge(
     "Attempts under way, by the share of HOOKLINE_HTTP_MAX_CONNECTIONS they count against.",
     ["share"],
 )
+LOOP_LATE_SECONDS = prometheus_client.Histogram(
+    "hookline_dispatcher_loop_late_seconds",
+    "How late a timer fired on the dispatcher's event loop, every 50 ms (the wait for CPU; lag.py).",
+    buckets=(0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1),
+)
 SLOW_ENDPOINTS = prometheus_client.Gauge(
     "hookline_dispatcher_slow_endpoints",
     "Endpoints this dispatcher finds slow (an answer or a wait of HOOKLINE_SLOW_ATTEMPT_S or more).",

@@ -30,6 +30,7 @@ from hookline.dispatcher import incoming, metrics
 from hookline.dispatcher.admission import Share
 from hookline.dispatcher.consumers import Consumers, check_consumers, expire_breakers, refit_prefetch
 from hookline.dispatcher.handler import USER_AGENT, Handler
+from hookline.dispatcher.lag import LagProbe
 from hookline.dispatcher.telemetry import Telemetry
 from hookline.shared import lifecycle, registry, topology
 from hookline.shared import logging as hookline_logging
@@ -281,6 +282,7 @@ async def serve(settings: DispatcherSettings, stopping: asyncio.Event) -> None:
         # No limit of the client's own: the handler's admission is the limit (HOOKLINE_HTTP_MAX_CONNECTIONS),
         # and an attempt's timeout must never include a wait for one of hookline's connections.
         DeliveryClient.for_endpoints(settings, max_connections=0, user_agent=USER_AGENT) as client,
+        LagProbe(),
     ):
         await topology.declare(broker, settings.retention)
         publisher = Publisher(broker)

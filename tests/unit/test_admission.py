@@ -220,6 +220,30 @@ async def test_once_a_new_endpoint_answers_all_its_waiting_deliveries_go() -> No
         admission.close()
 
 
+async def test_waiters_woken_together_on_probation_all_go_once_it_answers() -> None:
+    """Three deliveries wait on probation; the attempt ends unsent, so all three are woken and one
+    goes. The other two wait again, each in a line begun after the first was emptied: none may be left
+    in a line nothing wakes (found by bench/burst.py: deliveries stuck for their whole wait, then put
+    off for 30 s)."""
+    admission = Admission(ledger(slots=8, slow_slots=2), clock=Clock())
+    try:
+        first = await admission.acquire("new", max_wait_s=1)
+        assert first is not None
+        waiting = [asyncio.ensure_future(admission.acquire("new", max_wait_s=5)) for _ in range(3)]
+        await asyncio.sleep(0)
+        admission.release(first, Ended.NOT_SENT)  # tells nothing: still on probation
+        done, pending = await asyncio.wait(waiting, timeout=1, return_when=asyncio.FIRST_COMPLETED)
+        assert len(done) == 1, "one goes, on probation again"
+        assert len(pending) == 2
+        second = done.pop().result()
+        assert second is not None
+        admission.release(second, Ended.ANSWERED)
+        tickets = await asyncio.wait_for(asyncio.gather(*pending), 1)
+        assert all(ticket is not None for ticket in tickets)
+    finally:
+        admission.close()
+
+
 async def test_a_new_endpoint_with_nothing_out_waits_for_its_share_not_for_itself() -> None:
     """Its first delivery finds the answering share full: it is woken when a slot frees, not by an
     attempt of its own (it has none out)."""
