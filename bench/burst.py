@@ -19,6 +19,8 @@ import json
 import sys
 import tempfile
 import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -102,13 +104,13 @@ async def burst_elsewhere(amqp_url: str, count: int) -> dict[str, float]:
     return sent
 
 
-async def broker_alone(
-    amqp_url: str, tenant: str, stop: asyncio.Event, ready: asyncio.Event, arrivals: dict[str, float]
-) -> None:
+@asynccontextmanager
+async def broker_alone(amqp_url: str, tenant: str) -> AsyncIterator[dict[str, float]]:
     """The broker's part of the trickle's latency: a quorum queue of the bench's own, bound to
-    ``tenant``'s events beside hookline's lane, consumed on a connection of its own that acks at once."""
-    connection = await aio_pika.connect(amqp_url)
-    async with connection:
+    ``tenant``'s events beside hookline's lane, consumed on a connection of its own that acks at once;
+    yields when each event arrived there."""
+    arrivals: dict[str, float] = {}
+    async with await aio_pika.connect(amqp_url) as connection:
         channel = await connection.channel()
         await channel.set_qos(prefetch_count=100)
         queue = await channel.declare_queue("bench.burst.beside", durable=True, arguments=QUORUM)
@@ -119,9 +121,10 @@ async def broker_alone(
             await message.ack()
 
         await queue.consume(arrived)
-        ready.set()
-        await stop.wait()
-        await queue.delete(if_unused=False, if_empty=False)
+        try:
+            yield arrivals
+        finally:
+            await queue.delete(if_unused=False, if_empty=False)
 
 
 async def lane_emptied(amqp_url: str, lane: str, after: asyncio.Event) -> float:
@@ -161,28 +164,22 @@ async def run(
                 )  # fmt: skip
                 response.raise_for_status()
         services.start_dispatchers(dispatchers)
-        stop, beside_ready, beside_stop = asyncio.Event(), asyncio.Event(), asyncio.Event()
-        beside: dict[str, float] = {}
-        measuring_broker = asyncio.create_task(
-            broker_alone(amqp_url, elsewhere, beside_stop, beside_ready, beside)
-        )
-        await beside_ready.wait()
-        trickle_sent: dict[str, float] = {}
-        ticking = asyncio.create_task(
-            trickle(amqp_url, [neighbour, elsewhere], stop, trickle_per_s, trickle_sent)
-        )
-        await asyncio.sleep(3)  # the trickle's own latency before the burst
-        burst_started = time.time()
-        published = asyncio.Event()
-        emptied = asyncio.create_task(lane_emptied(amqp_url, topology.lane_of("burst"), published))
-        burst_sent = await burst_elsewhere(amqp_url, count)
-        published.set()
-        lane_empty_at = await asyncio.wait_for(emptied, 600)
-        stop.set()
-        await ticking
-        await wait_for(sink.count, count + len(trickle_sent), time.monotonic() + 600)
-        beside_stop.set()
-        await measuring_broker
+        async with broker_alone(amqp_url, elsewhere) as beside:
+            stop = asyncio.Event()
+            trickle_sent: dict[str, float] = {}
+            ticking = asyncio.create_task(
+                trickle(amqp_url, [neighbour, elsewhere], stop, trickle_per_s, trickle_sent)
+            )
+            await asyncio.sleep(3)  # the trickle's own latency before the burst
+            burst_started = time.time()
+            published = asyncio.Event()
+            emptied = asyncio.create_task(lane_emptied(amqp_url, topology.lane_of("burst"), published))
+            burst_sent = await burst_elsewhere(amqp_url, count)
+            published.set()
+            lane_empty_at = await asyncio.wait_for(emptied, 600)
+            stop.set()
+            await ticking
+            await wait_for(sink.count, count + len(trickle_sent), time.monotonic() + 600)
         await asyncio.sleep(2)
     finally:
         services.stop_all()
@@ -200,23 +197,11 @@ async def run(
 
     result: dict[str, Any] = {"burst": count, "trickle_per_s": trickle_per_s, "lanes": topology.LANES}
     for path in ("/neighbour", "/elsewhere"):
-        values = latencies(path, trickle_sent, during=True)
-        result[path.strip("/")] = {
-            "delivered": len(values),
-            "p50_ms": round(percentile(values, 0.5), 1),
-            "p99_ms": round(percentile(values, 0.99), 1),
-            "max_ms": round(max(values), 1),
-        }
+        result[path.strip("/")] = _summary(latencies(path, trickle_sent, during=True))
     # The same trickle, taken from the broker by a bare consumer beside hookline: the broker's share.
-    values = [
-        (at - trickle_sent[e]) * 1000 for e, at in beside.items() if trickle_sent.get(e, 0) >= burst_started
-    ]
-    result["elsewhere_broker_alone"] = {
-        "delivered": len(values),
-        "p50_ms": round(percentile(values, 0.5), 1),
-        "p99_ms": round(percentile(values, 0.99), 1),
-        "max_ms": round(max(values), 1),
-    }
+    result["elsewhere_broker_alone"] = _summary(
+        [(at - trickle_sent[e]) * 1000 for e, at in beside.items() if trickle_sent.get(e, 0) >= burst_started]
+    )
     burst_arrivals = [at for key, at in arrivals.items() if key.startswith("/burst ")]
     lines = log_lines(work, "dispatcher")
     handed = [r for r in lines if r.get("event") == "endpoint_isolated"]
@@ -228,6 +213,15 @@ async def run(
     result["burst_off_the_lane_s"] = round(lane_empty_at - burst_started, 2)
     result["burst_endpoint_isolated"] = [r.get("reason") for r in handed]
     return result
+
+
+def _summary(latencies_ms: list[float]) -> dict[str, Any]:
+    return {
+        "delivered": len(latencies_ms),
+        "p50_ms": round(percentile(latencies_ms, 0.5), 1),
+        "p99_ms": round(percentile(latencies_ms, 0.99), 1),
+        "max_ms": round(max(latencies_ms, default=0.0), 1),
+    }
 
 
 def main() -> None:

@@ -215,9 +215,9 @@ async def _unbounded_frames(channel: AbstractChannel) -> None:
     full, the connection's reader waits, so every channel of the connection gets about three deliveries
     (or ten confirms) a turn of the event loop, and the rest wait unread in the socket. Under a burst
     that is the whole delay of a lane with one event in it: measured with ``bench/burst.py``, a trickle
-    in another lane than a 10,000-event burst took p99 1.2-1.5 s from publish to delivery, all of it
+    in another lane than a 10,000-event burst took p99 1.3-1.5 s from publish to delivery, all of it
     before the dispatcher's consumer saw the message (a bare consumer beside it: 30 ms); unbounded,
-    p99 236-417 ms. The broker bounds what reaches a channel (its consumers' prefetch, a publisher's
+    p99 361-556 ms. The broker bounds what reaches a channel (its consumers' prefetch, a publisher's
     unconfirmed publishes), so the queue need not. (``maxsize`` has no setter; the attribute behind it
     is what ``asyncio.Queue.full`` reads: ``tests/integration/test_broker_channels.py`` fails if that changes.)"""
     frames = (await channel.get_underlay_channel()).frames

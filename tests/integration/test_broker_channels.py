@@ -25,7 +25,7 @@ async def test_no_channel_of_the_session_bounds_the_frames_it_is_handed(amqp_url
                 await channel.close()
 
 
-async def test_a_consumer_gets_more_deliveries_than_the_old_bound_at_once(amqp_url: str) -> None:
+async def test_deliveries_still_arrive_whole_and_in_order_with_the_bound_gone(amqp_url: str) -> None:
     """Deliveries still arrive whole and in order with the bound gone (a prefetch of 64: 192 frames)."""
     async with (
         Broker(amqp_url, name="hookline-test", connect_timeout_s=10) as broker,
