@@ -336,9 +336,13 @@ class Broker:
         connection = await link.connection()
         async with asyncio.timeout(CALL_TIMEOUT_S):
             channel = await connection.channel(publisher_confirms=confirms, on_return_raises=confirms)
-            await _unbounded_frames(channel)
-            if prefetch is not None:
-                await channel.set_qos(prefetch_count=prefetch)
+            try:
+                await _unbounded_frames(channel)
+                if prefetch is not None:
+                    await channel.set_qos(prefetch_count=prefetch)
+            except BaseException:  # half set up: nobody else would close it
+                await close_quietly(channel)
+                raise
         return channel
 
     @asynccontextmanager
