@@ -835,13 +835,21 @@ class Handler:
         """The fence an ingest put in a deleted endpoint's lane has come out of it: every lane message
         published before the deletion has been given out (each counted the endpoint, its copy a dead
         letter); the fan-out stops counting it. Taken before this replica knows of the deletion (it
-        follows the change log a moment behind): put back for a second."""
+        follows the change log a moment behind): put back in its lane for a second, never in the
+        endpoint's queue of its own (drained into dead letters once the deletion is known, so the fence
+        would never pass and the fan-out count the endpoint for ever)."""
         if self._registry.deleting(endpoint_id):
             await self._change_log.drained(endpoint_id, timeout_s=self._settings.connect_timeout_s)
             log.info("endpoint_fence_passed", endpoint_id=endpoint_id)
         elif (endpoint := self._registry.get(endpoint_id)) is not None:
-            await self.hand_on(message, endpoint, delay_s=1, reason="fence_early")
-            return
+            copy = addressing.message(
+                message.body, event_id=message.message_id or "", endpoint_id=endpoint_id,
+                headers=carried_headers(message),
+            )  # fmt: skip
+            await addressing.send(
+                self._publisher, copy, destination=topology.lane_of(endpoint.tenant), delay_s=1
+            )
+            metrics.HANDED_ON.labels("fence_early").inc()
         await self.acks.ack(message)
 
     async def stray(self, message: Incoming) -> None:

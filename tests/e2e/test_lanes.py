@@ -9,6 +9,7 @@ import asyncio
 from collections import Counter
 from urllib.parse import unquote, urlsplit
 
+import aio_pika
 import httpx
 import pytest
 from support import services
@@ -21,6 +22,7 @@ from support.system import System, tenant
 from support.waiting import eventually
 
 from hookline.shared import topology
+from hookline.shared.headers import Header
 
 pytestmark = pytest.mark.e2e
 
@@ -147,6 +149,53 @@ async def test_an_open_breaker_holds_events_in_a_queue_of_its_own_then_back_to_t
     assert not await queue_exists(system.amqp_url, queue)
     after = await publish(system, who, "b.x", ["evt_after_lane"])
     await receiver.wait_for_ids(set(after), path="/broken", timeout_s=30)
+
+
+async def test_a_fence_taken_before_its_deletion_is_known_goes_back_to_the_lane(
+    system: System, receiver: Receiver
+) -> None:
+    """A dispatcher takes a deleted endpoint's fence before it has read the deletion (it follows the
+    change log a moment behind): the fence goes back to the lane for a second, not into the endpoint's
+    queue of its own, where it would wait behind the held events and be drained as a dead letter once
+    the deletion is known, so that the fence never passed. Here the fence comes before the deletion, as
+    the early dispatcher sees it, and the endpoint's breaker is open (its queue of its own holds)."""
+    who = tenant()
+    receiver.responder = lambda request: Reply(status=500 if request.path == "/fenced" else 204)
+    endpoint = system.add_endpoint(who, receiver.url("/fenced"), ["f.*"])
+    await publish(system, who, "f.x", [f"evt_fenced_{n}" for n in range(3)])
+
+    async def isolated() -> bool:
+        return bool(logged([system.monitor], "endpoint_isolated", endpoint_id=endpoint["id"]))
+
+    await eventually(isolated, timeout_s=30)
+    early = 'hookline_handed_on_total{reason="fence_early"}'
+    before = await counted(system, early)
+    connection = await aio_pika.connect(system.amqp_url)
+    async with connection, connection.channel() as channel:
+        fence = aio_pika.Message(
+            b"",
+            message_id="fence_early_by_hand",
+            delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
+            headers={Header.ENDPOINT_ID: endpoint["id"], Header.FENCE: endpoint["id"]},
+        )
+        await channel.default_exchange.publish(fence, routing_key=topology.lane_of(who))
+
+    # Taken early again and again: it keeps coming back through the lane (held in the endpoint's queue,
+    # it would have been taken once).
+    async def came_back() -> bool:
+        return await counted(system, early) >= before + 2
+
+    await eventually(came_back, timeout_s=30)
+    with system.api() as api:
+        forced = await asyncio.to_thread(
+            api.delete, f"/v1/endpoints/{endpoint['id']}", params={"force": "true"}
+        )
+        assert forced.status_code == 204
+
+    async def passed() -> bool:
+        return bool(logged(system.dispatchers, "endpoint_fence_passed", endpoint_id=endpoint["id"]))
+
+    await eventually(passed, timeout_s=30)
 
 
 async def test_a_lane_deleted_by_hand_is_declared_again_with_its_tenants_patterns(
