@@ -335,7 +335,13 @@ class Broker:
         link = self._publishing if publishing else self._consuming
         connection = await link.connection()
         async with asyncio.timeout(CALL_TIMEOUT_S):
-            channel = await connection.channel(publisher_confirms=confirms, on_return_raises=confirms)
+            try:
+                channel = await connection.channel(publisher_confirms=confirms, on_return_raises=confirms)
+            except RuntimeError as exc:
+                # aio_pika's word for a connection that closed between our look and the call ("was not
+                # opened", "closed channel"): a lost connection like any other, so that every caller's
+                # BROKER_ERRORS handling (retry once connected again) covers it.
+                raise ChannelLostError(f"the broker connection closed: {exc}") from exc
             try:
                 await _unbounded_frames(channel)
                 if prefetch is not None:

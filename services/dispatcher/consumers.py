@@ -505,7 +505,19 @@ class Consumers:
             self._probes[endpoint_id] = breaker.version
             probe = asyncio.create_task(self._probe(endpoint, breaker.version), name=f"probe:{endpoint_id}")
             self._tasks.add(probe)
-            probe.add_done_callback(self._tasks.discard)
+            probe.add_done_callback(partial(self._probe_ended, endpoint_id))
+
+    def _probe_ended(self, endpoint_id: str, probe: asyncio.Task[None]) -> None:
+        """A probe that ended on an error its loop does not expect (or was cancelled from under it, as a
+        channel's pending call is when its connection goes) is started again: the breaker's version is
+        still marked as probed, and nothing else would ever probe it, leaving it half open for good."""
+        self._tasks.discard(probe)
+        if self._stopping or not (probe.cancelled() or probe.exception() is not None):
+            return
+        error = "cancelled" if probe.cancelled() else type(probe.exception()).__name__
+        log.error("breaker_probe_crashed", endpoint_id=endpoint_id, error=error, alert=True)
+        self._probes.pop(endpoint_id, None)
+        asyncio.get_running_loop().call_later(RECONCILE_RETRY_S, self._changed.put_nowait, endpoint_id)
 
     async def _probe(self, endpoint: StoredEndpoint, version: int) -> None:
         """Deliver exactly one message while the breaker is half open and this replica is the prober."""
