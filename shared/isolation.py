@@ -13,6 +13,7 @@ can without (a dispatcher puts the delivery off, still bounded by the slot share
 from __future__ import annotations
 
 import asyncio
+from collections import Counter
 
 import structlog
 
@@ -31,6 +32,9 @@ class Isolation:
         self._max_queues = max_queues
         self._timeout_s = timeout_s
         self._isolating: dict[str, asyncio.Lock] = {}
+        # Tasks holding or waiting for each lock: a lock dropped while one still waits (released, its
+        # waiter not yet woken) would let the next caller take a new one beside it.
+        self._users: Counter[str] = Counter()
         self._refused_logged: set[str] = set()
 
     async def isolate(self, endpoint: StoredEndpoint, reason: str) -> bool:
@@ -46,6 +50,7 @@ class Isolation:
                 )
             return False
         lock = self._isolating.setdefault(endpoint.id, asyncio.Lock())
+        self._users[endpoint.id] += 1
         try:
             async with lock:
                 current = registry.get(endpoint.id)
@@ -61,8 +66,9 @@ class Isolation:
             log.warning("isolation_failed", endpoint_id=endpoint.id, reason=reason, error=type(exc).__name__)
             return False
         finally:
-            if not lock.locked():
-                self._isolating.pop(endpoint.id, None)
+            self._users[endpoint.id] -= 1
+            if not self._users[endpoint.id]:
+                del self._users[endpoint.id], self._isolating[endpoint.id]
         if placed is not None:  # this process's write, not another's that came first
             log.warning("endpoint_isolated", endpoint_id=endpoint.id, reason=reason)
         now = registry.get(endpoint.id)
