@@ -377,6 +377,19 @@ class EndpointUpserted(Model):
     base_version: int | None = None
 
 
+class EndpointsUpserted(Model):
+    """Endpoints written at once (the batch route): each applied as its own :class:`EndpointUpserted`
+    would be, in order, one that lost its condition not stopping the others. One record for many is one
+    publish, one confirm and one delivery to each follower instead of one each: what registration at
+    1,000 endpoints a second needs. Versions before this one skip it as unreadable (upgrade the services
+    that follow the change log before the ingests)."""
+
+    kind: Literal["endpoints.upserted"] = "endpoints.upserted"
+    change_id: str
+    at: AwareDatetime
+    upserts: list[EndpointUpserted] = Field(min_length=1)
+
+
 class EndpointDeleted(Model):
     kind: Literal["endpoint.deleted"] = "endpoint.deleted"
     change_id: str
@@ -466,6 +479,7 @@ class QuotaSet(Model):
 
 ChangeRecord = Annotated[
     EndpointUpserted
+    | EndpointsUpserted
     | EndpointDeleted
     | EndpointDrained
     | PlacementSet

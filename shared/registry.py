@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -35,6 +35,7 @@ from hookline.shared.models import (
     EndpointDeleted,
     EndpointDrained,
     EndpointStatus,
+    EndpointsUpserted,
     EndpointUpserted,
     EventTypeDeleted,
     EventTypeInfo,
@@ -586,6 +587,24 @@ class ChangeLog:
         assert written is not None
         return written
 
+    async def create_many(
+        self, endpoints: Sequence[StoredEndpoint], *, timeout_s: float
+    ) -> list[StoredEndpoint | Stale]:
+        """Create ``endpoints`` (none may exist yet) in one record: each as stored, or :class:`Stale`
+        where one of that id existed already; in order."""
+        now = datetime.now(UTC)
+        record = EndpointsUpserted(
+            change_id=new_id("chg"),
+            at=now,
+            upserts=[
+                EndpointUpserted(change_id=new_id("chg"), at=now, endpoint=endpoint, base_version=0)
+                for endpoint in endpoints
+            ],
+        )
+        results = await self._append(record, timeout_s=timeout_s)
+        assert isinstance(results, list)
+        return results
+
     async def update(
         self,
         endpoint_id: str,
@@ -679,6 +698,11 @@ class ChangeLog:
                 body = applied.model_dump_json().encode() if applied is not None else None
                 self.registry.store.keep("type", name, body)
             return applied
+        if isinstance(record, EndpointsUpserted):
+            return [self._apply_endpoint(upsert) for upsert in record.upserts]
+        return self._apply_endpoint(record)
+
+    def _apply_endpoint(self, record: EndpointUpserted | EndpointDeleted) -> StoredEndpoint | Stale | None:
         result = self.registry.apply(record)
         if isinstance(result, Stale):
             endpoint_id = record.endpoint.id if isinstance(record, EndpointUpserted) else record.endpoint_id

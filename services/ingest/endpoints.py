@@ -61,7 +61,7 @@ from hookline.shared.models import (
     SigningSecret,
     StoredEndpoint,
 )
-from hookline.shared.registry import EndpointRegistry, StaleWriteError
+from hookline.shared.registry import EndpointRegistry, Stale, StaleWriteError
 from hookline.shared.settings import IngestSettings
 from hookline.shared.signing import generate_secret
 from hookline.shared.streams import read_until_now
@@ -79,7 +79,7 @@ IfMatch = Annotated[
     Header(description="the endpoint version (its ETag) this change is based on; 409 if it is not current"),
 ]
 
-#: Endpoints of one batch created at once (each a handshake, a write and its read-back).
+#: Endpoints of one batch prepared at once (each its checks and handshake); all then written in one record.
 BATCH_CONCURRENCY = 64
 #: How far back the delete check looks for dispatcher heartbeats (they come every 5 s).
 _HEARTBEAT_LOOKBACK = timedelta(seconds=12)
@@ -339,36 +339,58 @@ async def create_endpoint(
 @router.post("/batch", response_model=EndpointBatchCreated)
 async def create_endpoints(batch: EndpointBatch, state: State, caller: Caller) -> EndpointBatchCreated:
     """Up to BATCH_MAX endpoints at once: each created as ``POST /v1/endpoints`` would (a result per
-    item, in order; one refused does not stop the others), and the whole batch answered once every live
-    dispatcher has applied the last of them (one wait, not one each)."""
+    item, in order; one refused does not stop the others), written in one record, and the whole batch
+    answered once every live dispatcher has applied it (one wait, not one each)."""
     slots = asyncio.Semaphore(BATCH_CONCURRENCY)
 
-    async def one(index: int, item: dict[str, Any]) -> _Created | EndpointBatchItem:
+    async def one(index: int, item: dict[str, Any]) -> _Prepared | EndpointBatchItem:
         try:
             spec = EndpointCreate.model_validate(item)
         except ValidationError as exc:
             return EndpointBatchItem.refused(index, invalid_input(exc.errors()))
         async with slots:
             try:
-                return await _create(state, caller, spec)
+                return await _prepare(state, caller, spec)
             except ApiError as error:
                 return EndpointBatchItem.refused(index, error)
 
     outcomes = await asyncio.gather(*(one(index, item) for index, item in enumerate(batch.endpoints)))
-    created = [outcome for outcome in outcomes if isinstance(outcome, _Created)]
+    prepared = [outcome for outcome in outcomes if isinstance(outcome, _Prepared)]
+    # One record for the batch (EndpointsUpserted): one publish and one read-back, not one each.
+    written = iter(
+        await state.change_log.create_many(
+            [p.endpoint for p in prepared], timeout_s=state.settings.registry_wait_s
+        )
+        if prepared
+        else []
+    )
+    results: list[EndpointBatchItem] = []
+    created: list[_Created] = []
+    for index, outcome in enumerate(outcomes):
+        if isinstance(outcome, _Prepared):
+            endpoint = next(written)
+            if isinstance(endpoint, Stale):  # an id taken already: not one of ours, so never in practice
+                outcome = EndpointBatchItem.refused(index, _changed(endpoint.current))
+            else:
+                created.append(_answer(state, outcome, endpoint))
+                outcome = EndpointBatchItem(index=index, status=201, endpoint=created[-1].answer)
+        results.append(outcome)
     if created:
         await _activate_all(state, [c.endpoint for c in created])
         await asyncio.gather(*(_created(state, caller, c) for c in created))
-    results = [
-        outcome
-        if isinstance(outcome, EndpointBatchItem)
-        else EndpointBatchItem(index=index, status=201, endpoint=outcome.answer)
-        for index, outcome in enumerate(outcomes)
-    ]
     log.info(
         "endpoints_batch", endpoints=len(results), created=len(created), refused=len(results) - len(created)
     )
     return EndpointBatchCreated(results=results)
+
+
+@dataclass(frozen=True, slots=True)
+class _Prepared:
+    """An endpoint checked and handshaken, not written yet, with what its answer shows once only."""
+
+    endpoint: StoredEndpoint
+    secret: str
+    notifier: StoredEndpoint | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -378,8 +400,14 @@ class _Created:
 
 
 async def _create(state: IngestState, caller: Caller, spec: EndpointCreate) -> _Created:
-    """An endpoint checked, handshaken (unless skipped), with its queue of its own if it needs one, and
-    written; not answered for yet (``_activate``)."""
+    """An endpoint prepared and written; not answered for yet (``_activate``)."""
+    prepared = await _prepare(state, caller, spec)
+    return _answer(state, prepared, await _write(state, prepared.endpoint, base_version=0))
+
+
+async def _prepare(state: IngestState, caller: Caller, spec: EndpointCreate) -> _Prepared:
+    """An endpoint checked, handshaken (unless skipped), with its notifier registered and its queue of
+    its own if it needs one; not written yet."""
     caller.require(spec.tenant)
     _may_skip_verification(caller, verify=spec.verify)
     _reserved(spec.tenant)
@@ -403,10 +431,15 @@ async def _create(state: IngestState, caller: Caller, spec: EndpointCreate) -> _
     if spec.verify:
         endpoint = await _handshake(state, endpoint)
     await _own_queue_if_isolated(state, None, endpoint)
-    endpoint = await _write(state, endpoint, base_version=0)
+    return _Prepared(endpoint, secret, notifier)
+
+
+def _answer(state: IngestState, prepared: _Prepared, endpoint: StoredEndpoint) -> _Created:
+    """The answer for an endpoint just written: its secret and its notifier's shown this once."""
+    notifier = prepared.notifier
     answer = EndpointCreated(
         **endpoint.public().model_dump(),
-        secret=secret,
+        secret=prepared.secret,
         notify_secret=state.sealer.open(notifier.secrets[0].value) if notifier else None,
         warnings=_pattern_warnings(state.change_log.catalog, endpoint),
     )

@@ -11,9 +11,10 @@ from urllib.parse import unquote, urlsplit
 
 import aio_pika
 import httpx
+import orjson
 import pytest
 from support import services
-from support.amqp import queue_exists
+from support.amqp import queue_exists, read_stream
 from support.broker import Broker
 from support.logs import logged
 from support.monitoring import get_json, publish
@@ -277,6 +278,15 @@ async def test_a_batch_of_endpoints_is_created_at_once_and_each_gets_the_next_ev
     assert [r["status"] for r in results] == [201] * 7 + [422] + [201] * 33
     assert results[7]["error"] == "invalid_fields"
     assert all(r["endpoint"]["secret"].startswith("whsec_") for r in results if r["status"] == 201)
+    # Written as one record of the change log, not one each.
+    created = {r["endpoint"]["id"] for r in results if r["status"] == 201}
+    records = await read_stream(system.amqp_url, topology.ENDPOINT_LOG, idle_s=0.3)
+    batches = [
+        [upsert["endpoint"]["id"] for upsert in body["upserts"]]
+        for body in (orjson.loads(m.body) for m in records if m.body.startswith(b"{"))
+        if body["kind"] == "endpoints.upserted" and created & {u["endpoint"]["id"] for u in body["upserts"]}
+    ]
+    assert [set(ids) for ids in batches] == [created]
     for who in tenants:
         await publish(system, who, "b.x", [f"evt_batch_{who}"])
     for n in range(40):

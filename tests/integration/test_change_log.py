@@ -118,6 +118,29 @@ async def test_of_two_writes_based_on_one_version_exactly_one_wins_everywhere(am
         assert (updated.url, updated.description, updated.version) == ("https://a.example/", "kept", 3)
 
 
+async def test_endpoints_created_in_one_record_are_applied_each_everywhere(amqp_url: str) -> None:
+    """The batch route's record: each endpoint applied as its own record would be, in order, one whose
+    id exists already refused without stopping the others; a follower replaying it agrees."""
+    first, second = registry.EndpointRegistry(), registry.EndpointRegistry()
+    async with follow(amqp_url, first, name="first") as one, follow(amqp_url, second, name="second") as two:
+        await one.upsert(_endpoint(7), base_version=0, timeout_s=10)
+        results = await one.create_many([_endpoint(6), _endpoint(7), _endpoint(8)], timeout_s=10)
+        assert [r.id if isinstance(r, StoredEndpoint) else "stale" for r in results] == [
+            _endpoint(6).id, "stale", _endpoint(8).id,
+        ]  # fmt: skip
+        assert all(r.version == 1 for r in results if isinstance(r, StoredEndpoint))
+        stale = results[1]
+        assert isinstance(stale, registry.Stale)
+        assert stale.current is not None
+        assert stale.current.id == _endpoint(7).id
+        await two.sync(timeout_s=10)
+        for state in (first, second):
+            assert sorted(e.id for e in state.all()) == [_endpoint(n).id for n in (6, 7, 8)]
+    late = registry.EndpointRegistry()
+    async with follow(amqp_url, late):
+        assert sorted((e.id, e.version) for e in late.all()) == [(_endpoint(n).id, 1) for n in (6, 7, 8)]
+
+
 @pytest.mark.parametrize(
     ("status", "unless", "after"),
     [
