@@ -2,7 +2,8 @@
 
 Each change (an endpoint created, changed, paused, resumed, rotated, verified or deleted; a redrive; a
 replay; a resend; a token created, expired or revoked; a quota set; an event type written) appends one
-record to the ``hookline.audit`` stream once the change is done, naming the actor (``admin``,
+record to the ``hookline.audit`` stream once the change is done (a batch registration its records in
+one message), naming the actor (``admin``,
 ``token:<id>`` or ``env:<tenant>``), the action, the target and what changed — field names and values,
 never a secret, a header value or an auth credential. Every ingest replica follows the stream into a
 local view (SQLite) that ``GET /v1/audit`` reads; a tenant token sees its own tenant's records.
@@ -24,7 +25,7 @@ from urllib.parse import parse_qsl, urlsplit, urlunsplit
 import aio_pika
 import structlog
 from fastapi import APIRouter, Depends, Query, Request
-from pydantic import AwareDatetime
+from pydantic import AwareDatetime, TypeAdapter
 
 from hookline.ingest.auth import Caller, Principal
 from hookline.ingest.state import ingest_state
@@ -46,16 +47,19 @@ _BOOKKEEPING = frozenset(
 )
 
 SCHEMA = ViewSchema(
-    version=1,
+    version=2,
     statements=[
+        # One message of the stream may hold several records (a batch registration): ``seq`` orders them.
         """CREATE TABLE audit (
-            offset INTEGER PRIMARY KEY,
+            offset INTEGER NOT NULL,
+            seq INTEGER NOT NULL,
             id TEXT NOT NULL,
             at_s REAL NOT NULL,
             tenant TEXT,
-            record BLOB NOT NULL
+            record BLOB NOT NULL,
+            PRIMARY KEY (offset, seq)
         )""",
-        "CREATE INDEX audit_by_tenant ON audit (tenant, offset)",
+        "CREATE INDEX audit_by_tenant ON audit (tenant, offset, seq)",
         "CREATE INDEX audit_by_time ON audit (at_s)",
         "CREATE INDEX audit_by_id ON audit (id)",
     ],
@@ -136,15 +140,50 @@ class AuditTrail:
             target=target,
             changes=changes or {},
         )
+        await self._publish(entry.id, entry.model_dump_json().encode(), action=action, target=target)
+
+    async def record_many(self, caller: Principal, action: str, targets: list[AuditTarget]) -> None:
+        """One record per target, in one message (a batch registration: one publish, not 500); read
+        by this version on (an older one skips it as unreadable)."""
+        now = datetime.now(UTC)
+        entries = [
+            AuditRecord(
+                id=new_id("aud"),
+                at=now,
+                actor=caller.actor,
+                action=action,
+                tenant=target.tenant,
+                target=target.target,
+                changes=target.changes,
+            )
+            for target in targets
+        ]
+        if entries:
+            body = _entries.dump_json(entries)
+            await self._publish(entries[0].id, body, action=action, target=f"{len(entries)} targets")
+
+    async def _publish(self, message_id: str, body: bytes, *, action: str, target: str | None) -> None:
         message = aio_pika.Message(
-            entry.model_dump_json().encode(),
+            body,
             content_type="application/json",
             delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
-            message_id=entry.id,
+            message_id=message_id,
             user_id=self.user,
         )
         if not await self.records.publish(message, exchange="", routing_key=topology.AUDIT_LOG, what="audit"):
             log.warning("audit_record_held", action=action, target=target)
+
+
+@dataclass(frozen=True, slots=True)
+class AuditTarget:
+    """What one record of :meth:`AuditTrail.record_many` is about."""
+
+    tenant: str | None
+    target: str | None
+    changes: dict[str, Any]
+
+
+_entries: TypeAdapter[list[AuditRecord]] = TypeAdapter(list[AuditRecord])
 
 
 async def _trail(request: Request) -> AuditTrail:
@@ -164,11 +203,14 @@ def _rows(offset: int, message: StreamMessage) -> list[tuple[Any, ...]]:
         log.error("audit_record_refused", offset=offset, user=message.user_id)
         return []
     try:
-        entry = AuditRecord.model_validate_json(message.body)
+        if message.body.startswith(b"["):  # several (record_many)
+            entries = [(e, e.model_dump_json().encode()) for e in _entries.validate_json(message.body)]
+        else:
+            entries = [(AuditRecord.model_validate_json(message.body), message.body)]
     except ValueError:
         log.error("audit_record_unreadable", offset=offset)
         return []
-    return [(offset, entry.id, entry.at.timestamp(), entry.tenant, message.body)]
+    return [(offset, seq, e.id, e.at.timestamp(), e.tenant, body) for seq, (e, body) in enumerate(entries)]
 
 
 def view(path: Path | None, *, vhost: str) -> RowView:
@@ -176,7 +218,7 @@ def view(path: Path | None, *, vhost: str) -> RowView:
         path.with_suffix(".audit.sqlite") if path else None,
         schema=SCHEMA,
         identity=f"{vhost}/{topology.AUDIT_LOG}",
-        insert="INSERT OR REPLACE INTO audit VALUES (?, ?, ?, ?, ?)",
+        insert="INSERT OR REPLACE INTO audit VALUES (?, ?, ?, ?, ?, ?)",
         derive=_rows,
     )
 
@@ -202,7 +244,7 @@ async def list_audit(
         values.append(scope)
     if after is not None:
         found = await audit.read(
-            lambda db: db.execute("SELECT offset FROM audit WHERE id = ?", (after,)).fetchone()
+            lambda db: db.execute("SELECT offset, seq FROM audit WHERE id = ?", (after,)).fetchone()
         )
         if found is None:
             raise ApiError(
@@ -211,10 +253,13 @@ async def list_audit(
                 "invalid value for: after",
                 [ErrorDetail(field="after", message="no such audit record")],
             )
-        conditions.append("offset > ?" if order == "asc" else "offset < ?")
-        values.append(found[0])
+        conditions.append("(offset, seq) > (?, ?)" if order == "asc" else "(offset, seq) < (?, ?)")
+        values.extend(found)
     # Only the fixed conditions above are joined in; every value is a placeholder.
-    sql = f"SELECT record FROM audit WHERE {' AND '.join(conditions)} ORDER BY offset {order} LIMIT ?"  # noqa: S608
+    sql = (
+        f"SELECT record FROM audit WHERE {' AND '.join(conditions)} "  # noqa: S608
+        f"ORDER BY offset {order}, seq {order} LIMIT ?"
+    )
     rows = await audit.read(lambda db: db.execute(sql, (*values, limit + 1)).fetchall())
     page = [AuditRecord.model_validate_json(row[0]) for row in rows[:limit]]
     return AuditList(data=page, next_after=page[-1].id if len(rows) > limit else None)

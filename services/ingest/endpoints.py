@@ -28,7 +28,7 @@ from fastapi import APIRouter, Header, Query, Response
 from pydantic import ValidationError
 
 from hookline.ingest import audit
-from hookline.ingest.audit import AuditTrail
+from hookline.ingest.audit import AuditTarget, AuditTrail
 from hookline.ingest.auth import Caller
 from hookline.ingest.schemas import (
     EndpointBatch,
@@ -377,7 +377,11 @@ async def create_endpoints(batch: EndpointBatch, state: State, caller: Caller) -
         results.append(outcome)
     if created:
         await _activate_all(state, [c.endpoint for c in created])
-        await asyncio.gather(*(_created(state, caller, c) for c in created))
+        targets = []
+        for endpoint in (c.endpoint for c in created):
+            _log_created(state, endpoint)
+            targets.append(AuditTarget(endpoint.tenant, endpoint.id, audit.changes_between(None, endpoint)))
+        await state.trail.record_many(caller, "endpoint.created", targets)
     log.info(
         "endpoints_batch", endpoints=len(results), created=len(created), refused=len(results) - len(created)
     )
@@ -447,14 +451,17 @@ def _answer(state: IngestState, prepared: _Prepared, endpoint: StoredEndpoint) -
 
 
 async def _created(state: IngestState, caller: Caller, created: _Created) -> None:
-    endpoint = created.endpoint
+    _log_created(state, created.endpoint)
+    await _audit(state.trail, caller, "endpoint.created", None, created.endpoint)
+
+
+def _log_created(state: IngestState, endpoint: StoredEndpoint) -> None:
     log.info(
         "endpoint_created",
         endpoint_id=endpoint.id,
         tenant=endpoint.tenant,
         isolated=_isolation(state, endpoint),
     )
-    await _audit(state.trail, caller, "endpoint.created", None, endpoint)
 
 
 def _warn_in_headers(response: Response, warnings: list[str]) -> None:

@@ -287,6 +287,25 @@ async def test_a_batch_of_endpoints_is_created_at_once_and_each_gets_the_next_ev
         if body["kind"] == "endpoints.upserted" and created & {u["endpoint"]["id"] for u in body["upserts"]}
     ]
     assert [set(ids) for ids in batches] == [created]
+    # Each in the audit trail (one message holds them all), paged through in the batch's order.
+    first_tenants = [
+        r["endpoint"]["id"] for r in results if r["status"] == 201 and r["endpoint"]["tenant"] == tenants[0]
+    ]
+
+    async def audited() -> list[str] | None:
+        seen: list[str] = []
+        after: dict[str, str] = {}
+        async with httpx.AsyncClient(
+            base_url=system.ingest.base_url, headers={"authorization": f"Bearer {services.TOKEN}"}, timeout=30
+        ) as api:
+            while True:
+                page = (await api.get("/v1/audit", params={"tenant": tenants[0], "limit": 3, **after})).json()
+                seen += [r["target"] for r in page["data"] if r["action"] == "endpoint.created"]
+                if page["next_after"] is None:
+                    return seen if len(seen) >= len(first_tenants) else None
+                after = {"after": page["next_after"]}
+
+    assert await eventually(audited, timeout_s=20) == first_tenants
     for who in tenants:
         await publish(system, who, "b.x", [f"evt_batch_{who}"])
     for n in range(40):
