@@ -42,7 +42,11 @@ class Isolation:
         registry = self._change_log.registry
         if registry.isolated(endpoint):
             return True
-        if registry.queued_count >= self._max_queues:
+        # Isolations under way here count too: a thousand endpoints turning slow at once (a receiver
+        # host saturated) would otherwise all pass the check before the first is placed, and declare a
+        # thousand queues at once.
+        under_way = 0 if endpoint.id in self._isolating else len(self._isolating)
+        if registry.queued_count + under_way >= self._max_queues:
             if endpoint.id not in self._refused_logged:
                 self._refused_logged.add(endpoint.id)
                 log.warning(
