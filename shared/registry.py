@@ -603,6 +603,7 @@ class ChangeLog:
         )
         results = await self._append(record, timeout_s=timeout_s)
         assert isinstance(results, list)
+        assert len(results) == len(endpoints)
         return results
 
     async def update(

@@ -2,10 +2,10 @@
 
 Each change (an endpoint created, changed, paused, resumed, rotated, verified or deleted; a redrive; a
 replay; a resend; a token created, expired or revoked; a quota set; an event type written) appends one
-record to the ``hookline.audit`` stream once the change is done (a batch registration its records in
-one message), naming the actor (``admin``,
-``token:<id>`` or ``env:<tenant>``), the action, the target and what changed — field names and values,
-never a secret, a header value or an auth credential. Every ingest replica follows the stream into a
+record to the ``hookline.audit`` stream once the change is done (a batch registration puts its records
+in one message), naming the actor (``admin``, ``token:<id>`` or ``env:<tenant>``), the action, the
+target and what changed — field names and values, never a secret, a header value or an auth
+credential. Every ingest replica follows the stream into a
 local view (SQLite) that ``GET /v1/audit`` reads; a tenant token sees its own tenant's records.
 
 A record is written after its change succeeded, so that a refused change leaves none; should the broker
