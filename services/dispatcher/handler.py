@@ -498,11 +498,17 @@ class Handler:
         return isolated
 
     async def hand_on(
-        self, message: Incoming, endpoint: StoredEndpoint, *, reason: str, delay_s: int = 0
+        self,
+        message: Incoming,
+        endpoint: StoredEndpoint,
+        *,
+        reason: str,
+        delay_s: int = 0,
+        destination: str | None = None,
     ) -> None:
-        """The message, unattempted, to the endpoint's address (its queue of its own, or its lane) after
-        ``delay_s``, confirmed, then acked here: what it carried of hookline's own goes with it.
-        ``reason``: what the count of hand-offs says (isolated: its usual way there)."""
+        """The message, unattempted, to the endpoint's address (its queue of its own, or its lane; or
+        ``destination``) after ``delay_s``, confirmed, then acked here: what it carried of hookline's own
+        goes with it. ``reason``: what the count of hand-offs says (isolated: its usual way there)."""
         copy = addressing.message(
             message.body,
             event_id=message.message_id or "",
@@ -512,7 +518,10 @@ class Handler:
             headers=carried_headers(message),
         )
         await addressing.send(
-            self._publisher, copy, destination=self._registry.address(endpoint), delay_s=delay_s
+            self._publisher,
+            copy,
+            destination=destination or self._registry.address(endpoint),
+            delay_s=delay_s,
         )
         await self.acks.ack(message)
         metrics.HANDED_ON.labels(reason).inc()
@@ -842,14 +851,9 @@ class Handler:
             await self._change_log.drained(endpoint_id, timeout_s=self._settings.connect_timeout_s)
             log.info("endpoint_fence_passed", endpoint_id=endpoint_id)
         elif (endpoint := self._registry.get(endpoint_id)) is not None:
-            copy = addressing.message(
-                message.body, event_id=message.message_id or "", endpoint_id=endpoint_id,
-                headers=carried_headers(message),
-            )  # fmt: skip
-            await addressing.send(
-                self._publisher, copy, destination=topology.lane_of(endpoint.tenant), delay_s=1
-            )
-            metrics.HANDED_ON.labels("fence_early").inc()
+            lane = topology.lane_of(endpoint.tenant)
+            await self.hand_on(message, endpoint, delay_s=1, reason="fence_early", destination=lane)
+            return
         await self.acks.ack(message)
 
     async def stray(self, message: Incoming) -> None:

@@ -22,7 +22,7 @@ from support.receiver import Received, Receiver, Reply
 from support.system import System, tenant
 from support.waiting import eventually
 
-from hookline.shared import topology
+from hookline.shared import addressing, topology
 from hookline.shared.headers import Header
 
 pytestmark = pytest.mark.e2e
@@ -173,11 +173,11 @@ async def test_a_fence_taken_before_its_deletion_is_known_goes_back_to_the_lane(
     before = await counted(system, early)
     connection = await aio_pika.connect(system.amqp_url)
     async with connection, connection.channel() as channel:
-        fence = aio_pika.Message(
+        fence = addressing.message(  # as the ingest builds it
             b"",
-            message_id="fence_early_by_hand",
-            delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
-            headers={Header.ENDPOINT_ID: endpoint["id"], Header.FENCE: endpoint["id"]},
+            event_id="fence_early_by_hand",
+            endpoint_id=endpoint["id"],
+            headers={Header.FENCE: endpoint["id"]},
         )
         await channel.default_exchange.publish(fence, routing_key=topology.lane_of(who))
 

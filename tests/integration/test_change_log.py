@@ -12,10 +12,11 @@ from urllib.parse import unquote, urlsplit
 import aio_pika
 import pytest
 from support import broker as test_broker
+from support.changelog import following
 from support.waiting import eventually
 
 from hookline.shared import registry, topology
-from hookline.shared.amqp import Broker, Publisher
+from hookline.shared.amqp import Broker
 from hookline.shared.ids import new_id
 from hookline.shared.models import (
     EndpointDeleted,
@@ -28,7 +29,6 @@ from hookline.shared.models import (
     StoredToken,
 )
 from hookline.shared.signing import generate_secret
-from hookline.shared.supervision import Supervisor
 
 pytestmark = pytest.mark.integration
 NOW = datetime.now(UTC)
@@ -55,15 +55,8 @@ async def follow(
     amqp_url: str, state: registry.EndpointRegistry, *, name: str = "test"
 ) -> AsyncIterator[registry.ChangeLog]:
     """A service's view of the change log: its own connection, publisher and supervised follower."""
-    supervisor = Supervisor()
-    async with Broker(amqp_url, name=name, connect_timeout_s=10) as broker:
-        await topology.declare(broker, topology.Retention(event_log_max_age_s=3600))
-        publisher = Publisher(broker)
-        try:
-            yield await registry.follow(broker, publisher, supervisor, state, sync_timeout_s=10)
-        finally:
-            await supervisor.stop()
-            await publisher.close()
+    async with following(amqp_url, state, name=name) as (_, change_log):
+        yield change_log
 
 
 async def test_writes_are_seen_by_followers_and_replayed_by_newcomers(amqp_url: str) -> None:

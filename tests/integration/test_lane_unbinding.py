@@ -6,21 +6,19 @@ from __future__ import annotations
 import asyncio
 import json
 import uuid
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from datetime import UTC, datetime
 from typing import Any
 
 import aio_pika
 import pytest
+from support.changelog import following
 
 from hookline.health_monitor import bindings as bindings_module
 from hookline.health_monitor.bindings import Bindings
 from hookline.shared import registry, topology
-from hookline.shared.amqp import Broker, Publisher
+from hookline.shared.amqp import Broker
 from hookline.shared.models import EndpointDeleted, EndpointUpserted, SigningSecret, StoredEndpoint
 from hookline.shared.signing import generate_secret
-from hookline.shared.supervision import Supervisor
 
 pytestmark = pytest.mark.integration
 NOW = datetime.now(UTC)
@@ -33,24 +31,6 @@ def _endpoint(n: int) -> StoredEndpoint:
         id=f"ep_{n:026d}", tenant=TENANT, url="https://example.com/", event_types=[PATTERN], created_at=NOW,
         updated_at=NOW, secrets=[SigningSecret(value=generate_secret(), created_at=NOW)], laned=True,
     )  # fmt: skip
-
-
-@asynccontextmanager
-async def monitor_view(amqp_url: str) -> AsyncIterator[tuple[Broker, registry.ChangeLog]]:
-    supervisor = Supervisor()
-    async with Broker(amqp_url, name="test-monitor", connect_timeout_s=10) as broker:
-        await topology.declare(broker, topology.Retention(event_log_max_age_s=3600))
-        publisher = Publisher(broker)
-        try:
-            yield (
-                broker,
-                await registry.follow(
-                    broker, publisher, supervisor, registry.EndpointRegistry(), sync_timeout_s=10
-                ),
-            )
-        finally:
-            await supervisor.stop()
-            await publisher.close()
 
 
 async def _reaches_the_lane(broker: Broker, event_id: str) -> bool:
@@ -76,7 +56,7 @@ async def _deleted_and_drained(change_log: registry.ChangeLog, endpoint: StoredE
 
 
 async def test_a_pattern_nobody_names_is_unbound_after_the_grace(amqp_url: str) -> None:
-    async with monitor_view(amqp_url) as (broker, change_log):
+    async with following(amqp_url, name="test-monitor") as (broker, change_log):
         bindings = Bindings(broker, change_log, grace_s=0, timeout_s=10)
         change_log.registry.subscribe(bindings.on_change)
         first = _endpoint(1)
@@ -99,7 +79,7 @@ async def test_a_pattern_named_again_while_the_monitor_unbinds_it_is_bound_back(
     """An ingest creates an endpoint of the pattern after the monitor has read the change log and decided
     to unbind, its bind just before the monitor's unbind: the monitor's read after the unbind finds the
     new endpoint and binds the pattern back."""
-    async with monitor_view(amqp_url) as (broker, change_log):
+    async with following(amqp_url, name="test-monitor") as (broker, change_log):
         bindings = Bindings(broker, change_log, grace_s=0, timeout_s=10)
         change_log.registry.subscribe(bindings.on_change)
         first, second = _endpoint(1), _endpoint(2)

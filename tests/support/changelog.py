@@ -1,0 +1,33 @@
+"""A service's view of the change log on a real broker, for integration tests: its own connection,
+publisher and supervised follower, caught up before the block starts."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from hookline.shared import registry, topology
+from hookline.shared.amqp import Broker, Publisher
+from hookline.shared.supervision import Supervisor
+
+
+@asynccontextmanager
+async def following(
+    amqp_url: str, state: registry.EndpointRegistry | None = None, *, name: str = "test"
+) -> AsyncIterator[tuple[Broker, registry.ChangeLog]]:
+    supervisor = Supervisor()
+    async with Broker(amqp_url, name=name, connect_timeout_s=10) as broker:
+        await topology.declare(broker, topology.Retention(event_log_max_age_s=3600))
+        publisher = Publisher(broker)
+        try:
+            change_log = await registry.follow(
+                broker,
+                publisher,
+                supervisor,
+                registry.EndpointRegistry() if state is None else state,
+                sync_timeout_s=10,
+            )
+            yield broker, change_log
+        finally:
+            await supervisor.stop()
+            await publisher.close()
