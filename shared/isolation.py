@@ -6,8 +6,9 @@ Its queue is declared first, then its placement written to the change log, condi
 replica applies the same record, hands the endpoint's copies to that queue from then on, and consumes
 it. One isolation at a time per endpoint in a process; another process doing the same at once loses the
 conditional write and finds the endpoint isolated. The number of queues of their own is bounded
-(``HOOKLINE_MAX_ENDPOINT_QUEUES``): past it, the endpoint stays in its lane and the caller does what it
-can without (a dispatcher puts the delivery off, still bounded by the slot shares).
+(``HOOKLINE_MAX_ENDPOINT_QUEUES``): past it, the endpoint is *held* — isolated in one of the shared
+holding lanes instead (:func:`~hookline.shared.topology.holding_of`, declared with the core topology),
+so that a thousand endpoints failing at once cost four queues and never a healthy lane's time.
 """
 
 from __future__ import annotations
@@ -35,10 +36,10 @@ class Isolation:
         # Tasks holding or waiting for each lock: a lock dropped while one still waits (released, its
         # waiter not yet woken) would let the next caller take a new one beside it.
         self._users: Counter[str] = Counter()
-        self._refused_logged: set[str] = set()
 
     async def isolate(self, endpoint: StoredEndpoint, reason: str) -> bool:
-        """Whether the endpoint has a queue of its own now (it may have had one already)."""
+        """Whether the endpoint is isolated now (it may have been already): in a queue of its own, or
+        held in a holding lane past the bound."""
         registry = self._change_log.registry
         if registry.isolated(endpoint):
             return True
@@ -46,13 +47,8 @@ class Isolation:
         # host saturated) would otherwise all pass the check before the first is placed, and declare a
         # thousand queues at once.
         under_way = 0 if endpoint.id in self._isolating else len(self._isolating)
-        if registry.queued_count + under_way >= self._max_queues:
-            if endpoint.id not in self._refused_logged:
-                self._refused_logged.add(endpoint.id)
-                log.warning(
-                    "isolation_refused", endpoint_id=endpoint.id, reason=reason, queues=self._max_queues
-                )
-            return False
+        # A queue of its own it still has (on its way out) is used again: it counts already.
+        held = registry.queued_count + under_way >= self._max_queues and not registry.has_queue(endpoint.id)
         lock = self._isolating.setdefault(endpoint.id, asyncio.Lock())
         self._users[endpoint.id] += 1
         try:
@@ -62,9 +58,10 @@ class Isolation:
                     return False
                 if registry.isolated(current):
                     return True  # another task here, or another replica, did it meanwhile
-                await self.ensure_queue(current)
+                if not held:
+                    await self.ensure_queue(current)
                 placed = await self._change_log.place(
-                    current.id, isolated=True, reason=reason, timeout_s=self._timeout_s
+                    current.id, isolated=True, reason=reason, held=held, timeout_s=self._timeout_s
                 )
         except BROKER_ERRORS as exc:  # the write timed out, or the broker refused
             log.warning("isolation_failed", endpoint_id=endpoint.id, reason=reason, error=type(exc).__name__)
@@ -74,7 +71,7 @@ class Isolation:
             if not self._users[endpoint.id]:
                 del self._users[endpoint.id], self._isolating[endpoint.id]
         if placed is not None:  # this process's write, not another's that came first
-            log.warning("endpoint_isolated", endpoint_id=endpoint.id, reason=reason)
+            log.warning("endpoint_isolated", endpoint_id=endpoint.id, reason=reason, held=held)
         now = registry.get(endpoint.id)
         return now is not None and registry.isolated(now)
 

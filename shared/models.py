@@ -419,6 +419,8 @@ class Placement(Model):
     isolated: bool
     reason: str = Field("", max_length=64, description="why: breaker_open, slow, backlogged, replay, …")
     at: AwareDatetime
+    # Isolated past the bound on queues of their own: in a shared holding lane, not a queue of its own.
+    held: bool = False
     # Written by the leading monitor once it has removed the endpoint's queue of its own (empty, and no
     # replica hands anything to it any more): from here on nobody consumes or counts it.
     queue_removed: bool = False

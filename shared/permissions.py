@@ -70,7 +70,7 @@ def names(exact: Iterable[str] = (), prefixes: Iterable[str] = ()) -> str:
 
 
 _ENDPOINT_PREFIXES = (topology.ENDPOINT_QUEUE_PREFIX, topology.ROUTE_EXCHANGE_PREFIX)
-_LANES = tuple(topology.lane_queues())
+_LANES = (*topology.lane_queues(), *topology.holding_queues())
 _DELAY_LEVELS = tuple(topology.delay_level(level) for level in range(topology.DELAY_BITS))
 # The sources an endpoint's provisioning binds from (events, retries).
 _ENDPOINT_BINDING_SOURCES = (topology.EVENTS_EXCHANGE, topology.DELAY_DELIVERY)

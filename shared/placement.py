@@ -10,7 +10,10 @@ for as long as one of these holds; otherwise it is delivered inline, from its la
   it is slow, backlogged, or being replayed to. Written to the change log by whoever decides it, so
   every replica agrees, and taken back by the leading monitor once the reason has gone.
 
-The queue exists before anything is handed to it: whoever isolates an endpoint declares it first.
+The queue exists before anything is handed to it: whoever isolates an endpoint declares it first. Past
+the bound on queues of their own, a placement isolates an endpoint *held*: in a shared holding lane
+(:func:`~hookline.shared.topology.holding_of`) instead of a queue of its own. Its own definition
+isolating it (a limit, a pause), it has a queue of its own whatever its placement says.
 """
 
 from __future__ import annotations
@@ -56,3 +59,8 @@ def reason(endpoint: StoredEndpoint, placement: Placement | None) -> str | None:
 
 def isolated(endpoint: StoredEndpoint, placement: Placement | None) -> bool:
     return reason(endpoint, placement) is not None
+
+
+def held(endpoint: StoredEndpoint, placement: Placement | None) -> bool:
+    """Whether the endpoint is isolated in a holding lane rather than a queue of its own."""
+    return placement is not None and placement.isolated and placement.held and structural(endpoint) is None

@@ -267,9 +267,22 @@ class EndpointRegistry:
         """Whether the endpoint is delivered from a queue of its own (:mod:`hookline.shared.placement`)."""
         return placement.isolated(endpoint, self._placements.get(endpoint.id))
 
+    def held(self, endpoint: StoredEndpoint) -> bool:
+        """Whether the endpoint is isolated in a holding lane (past the bound on queues of their own)."""
+        return placement.held(endpoint, self._placements.get(endpoint.id))
+
+    def held_endpoints(self) -> list[StoredEndpoint]:
+        """Live endpoints isolated in a holding lane."""
+        return [
+            endpoint
+            for endpoint_id, where in sorted(self._placements.items())
+            if where.held and (endpoint := self.get(endpoint_id)) is not None and self.held(endpoint)
+        ]
+
     def address(self, endpoint: StoredEndpoint) -> str:
-        """Where a message for this endpoint alone goes now: its queue of its own, or its lane."""
-        return topology.address(endpoint, isolated=self.isolated(endpoint))
+        """Where a message for this endpoint alone goes now: its queue of its own (or its holding lane),
+        or its lane."""
+        return topology.address(endpoint, isolated=self.isolated(endpoint), held=self.held(endpoint))
 
     @property
     def queued_count(self) -> int:
@@ -431,7 +444,7 @@ class EndpointRegistry:
         return record.placement
 
     def _changed(self, endpoint: StoredEndpoint) -> None:
-        if self.isolated(endpoint):
+        if self.isolated(endpoint) and not self.held(endpoint):
             self._has_queue.add(endpoint.id)
         if endpoint.id in self._has_queue or endpoint.retired_queues:
             self._queued.add(endpoint.id)
@@ -553,7 +566,14 @@ class ChangeLog:
         await self._append(record, timeout_s=timeout_s)
 
     async def place(
-        self, endpoint_id: str, *, isolated: bool, reason: str, timeout_s: float, queue_removed: bool = False
+        self,
+        endpoint_id: str,
+        *,
+        isolated: bool,
+        reason: str,
+        timeout_s: float,
+        queue_removed: bool = False,
+        held: bool = False,
     ) -> Placement | None:
         """Isolate the endpoint (or take it back to its lane), on its placement as this process knows it;
         the placement as written, or None when it is gone or another writer changed it meanwhile (that
@@ -570,6 +590,7 @@ class ChangeLog:
                 reason=reason,
                 at=now,
                 queue_removed=queue_removed,
+                held=held,
             ),
             base_generation=current.generation if current else 0,
         )

@@ -57,6 +57,10 @@ class EndpointHealthView(Model):
     retry_depth: int  # the highest attempt number seen
     queue_depth: int | None
     oldest_pending_age_s: float | None
+    # Why it is delivered from a queue of its own (None: from its lane), and whether past the bound on
+    # those it is held in a shared holding lane instead.
+    isolation: str | None = None
+    held: bool = False
 
 
 class TypeHealthView(Model):

@@ -7,6 +7,7 @@ arguments come from one function each: redeclaring with different arguments is a
       │  ├─ "#" ──▶ hookline.events.log (stream: every accepted event, for replay)
       │  └─ alternate exchange ──▶ hookline.unrouted (only if the event log is missing)
     hookline.endpoint.<id>[.g<N>] (quorum): an endpoint's queue of its own, only while it needs one
+    hookline.holding.<k> (quorum): isolated endpoints past the bound on queues of their own share these
     hookline.delay.27 … hookline.delay.00 (topic + quorum TTL queue of 2^NN s each)
       └─▶ hookline.delay.delivery (topic) ──"*"x28.<lane or endpoint queue>──▶ that queue
             └─ alternate exchange ──▶ hookline.delay.unroutable (the queue is gone: forwarded, or dead)
@@ -24,7 +25,11 @@ An endpoint that needs isolation (its limits need one consumer, it is paused, di
 its breaker is open, it is slow or backlogged: :mod:`hookline.shared.placement`) has a queue of its own,
 to which the fan-out hands its copies. Messages meant for one endpoint (retries, replays, redrives,
 notifications) carry its id (``x-hookline-endpoint-id``) and go to its *address*: its queue of its own
-if it has one, else its lane. A message found in the wrong place is forwarded, never dropped.
+if it has one, else its lane. A message found in the wrong place is forwarded, never dropped. Past the
+bound on queues of their own (``HOOKLINE_MAX_ENDPOINT_QUEUES``), an endpoint that needs isolation at run
+time is *held* instead: its address is one of a few shared holding lanes (by CRC-32 of its id), apart
+from the healthy lanes, where its copies go out with per-endpoint caps, or wait out an open breaker in
+the delay queues.
 
 A queue's arguments are fixed when it is declared, so an endpoint whose options need other arguments
 (a rate limit added or removed: single active consumer) gets a queue of the next generation,
@@ -145,6 +150,29 @@ def lane_of(tenant: str) -> str:
     return lane_queue(zlib.crc32(tenant.encode()) % LANES)
 
 
+HOLDING_PREFIX = "hookline.holding."
+#: Holding lanes: shared by the endpoints isolated past the bound on queues of their own, so that a
+#: thousand failing or slow endpoints cost four queues, never a place in a healthy lane.
+HOLDING_LANES = 4
+
+
+def holding_queue(lane: int) -> str:
+    return f"{HOLDING_PREFIX}{lane}"
+
+
+def holding_queues() -> list[str]:
+    return [holding_queue(lane) for lane in range(HOLDING_LANES)]
+
+
+def holding_of(endpoint_id: str) -> str:
+    """The holding lane an endpoint held past the bound goes through."""
+    return holding_queue(zlib.crc32(endpoint_id.encode()) % HOLDING_LANES)
+
+
+def is_holding(name: str | None) -> bool:
+    return name is not None and name.startswith(HOLDING_PREFIX)
+
+
 def endpoint_queue(endpoint_id: str, generation: int = 0) -> str:
     name = ENDPOINT_QUEUE_PREFIX + endpoint_id
     return name if generation == 0 else f"{name}.g{generation}"
@@ -155,8 +183,11 @@ def own_queue(endpoint: StoredEndpoint) -> str:
     return endpoint_queue(endpoint.id, endpoint.queue_generation)
 
 
-def address(endpoint: StoredEndpoint, *, isolated: bool) -> str:
-    """Where a message meant for this endpoint alone goes: its queue of its own, else its lane."""
+def address(endpoint: StoredEndpoint, *, isolated: bool, held: bool = False) -> str:
+    """Where a message meant for this endpoint alone goes: its queue of its own (its holding lane when it
+    is held past the bound), else its lane."""
+    if held:
+        return holding_of(endpoint.id)
     return own_queue(endpoint) if isolated else lane_of(endpoint.tenant)
 
 
@@ -362,7 +393,7 @@ async def _declare_core(channel: AbstractChannel) -> None:
     await dead_letters.bind(dead)
     await endpoint_log(channel)
     await _declare_delays(channel)
-    for name in lane_queues():
+    for name in (*lane_queues(), *holding_queues()):
         lane = await channel.declare_queue(
             name, durable=True, arguments=endpoint_queue_arguments(single_consumer=False)
         )
@@ -511,6 +542,7 @@ def core_queues() -> list[str]:
         DELAY_UNROUTABLE,
         *(delay_level(level) for level in range(DELAY_BITS)),
         *lane_queues(),
+        *holding_queues(),
     ]
 
 

@@ -1,7 +1,9 @@
 """Which queues this dispatcher consumes, kept in line with the endpoint log and the breakers.
 
 Every lane (:mod:`hookline.shared.topology`), always: a message from ``events`` is fanned out to the
-tenant's endpoints (fanout.py), one addressed to an endpoint is handled for it. And for every endpoint
+tenant's endpoints (fanout.py), one addressed to an endpoint is handled for it. Every holding lane,
+always: each message there is a held endpoint's copy (isolated past the bound on queues of their own),
+the next one of a half-open breaker's taken as its probe by the replica named. And for every endpoint
 with a queue of its own (:mod:`hookline.shared.placement`), and only those:
 - its current queue is consumed for delivery while the endpoint is active, verified and its breaker
   is closed (an open breaker leaves its messages waiting in the queue); one dispatcher, named by the
@@ -70,6 +72,10 @@ REFIT_EVERY_S = 5.0
 CHECKS_PER_S = 50
 #: What the change queue carries to say the lanes need attaching again (no endpoint id looks like it).
 _LANES = "*lanes*"
+
+
+def _consumed_lanes() -> list[str]:
+    return [*topology.lane_queues(), *topology.holding_queues()]
 
 
 class Mode(Enum):
@@ -224,10 +230,13 @@ class Consumers:
 
     async def _attach_lanes(self) -> None:
         channel = await self._channel_for(self._lane_prefetch)
-        for name in topology.lane_queues():
-            tag = await incoming.consume(channel, name, self._lane, timeout_s=CALL_TIMEOUT_S)
+        for name in _consumed_lanes():
+            tag = await incoming.consume(channel, name, self._lane_callback(name), timeout_s=CALL_TIMEOUT_S)
             self._lanes[name] = (tag, channel)
         log.info("lanes_attached", lanes=len(self._lanes), prefetch=self._lane_prefetch)
+
+    def _lane_callback(self, name: str) -> Callable[[Delivery], Awaitable[None]]:
+        return self._holding if topology.is_holding(name) else self._lane
 
     async def _lane(self, message: Delivery) -> None:
         if fanout.is_fan_out(message):
@@ -243,6 +252,32 @@ class Consumers:
             await self.track("", partial(self._handler.fence, endpoint_id=endpoint_id), message)
             return
         await self.track(endpoint_id, partial(handle_safely, self._handler, endpoint_id, lane=True), message)
+
+    async def _holding(self, message: Delivery) -> None:
+        endpoint_id = addressing.endpoint_named(message.headers)
+        metrics.LANE_MESSAGES.labels("held").inc()
+        if endpoint_id is None:
+            await self.track("", self._handler.stray, message)
+            return
+        await self.track(endpoint_id, partial(self._held, endpoint_id), message)
+
+    async def _held(self, endpoint_id: str, message: Incoming) -> None:
+        """A held endpoint's copy; while its breaker is half open, the first to come to the replica the
+        monitor named is its probe (a held endpoint has no queue to take one from with ``basic.get``)."""
+        breaker = self._breakers.state(endpoint_id)
+        probe = (
+            breaker is not None
+            and breaker.state is BreakerState.HALF_OPEN
+            and breaker.probe_by == self._dispatcher_id
+            and self._probes.get(endpoint_id) != breaker.version
+        )
+        if probe:
+            assert breaker is not None
+            self._probes[endpoint_id] = breaker.version
+            log.info("breaker_probe", endpoint_id=endpoint_id, version=breaker.version, held=True)
+        attempted = await handle_safely(self._handler, endpoint_id, message, probe=probe, held=True)
+        if probe and not attempted:
+            self._probes.pop(endpoint_id, None)  # no attempt came of it: probe with the next one
 
     async def _next_change(self) -> str | None:
         change = asyncio.ensure_future(self._changed.get())
@@ -421,7 +456,7 @@ class Consumers:
         """Lanes whose consumer went (a channel closed, a cancel): attached again on a channel of their own
         prefetch. A lane found missing is declared again by the core topology's owner (the ingest at its
         start, the leading monitor's repair); until then it is retried."""
-        missing = [name for name in topology.lane_queues() if name not in self._lanes]
+        missing = [name for name in _consumed_lanes() if name not in self._lanes]
         if not missing:
             return
         channel = await self._channel_for(self._lane_prefetch)
@@ -430,7 +465,7 @@ class Consumers:
                 log.error("lane_missing", queue=name, alert=True)
                 asyncio.get_running_loop().call_later(RECONCILE_RETRY_S, self._changed.put_nowait, _LANES)
                 continue
-            tag = await incoming.consume(channel, name, self._lane, timeout_s=CALL_TIMEOUT_S)
+            tag = await incoming.consume(channel, name, self._lane_callback(name), timeout_s=CALL_TIMEOUT_S)
             self._lanes[name] = (tag, channel)
             log.info("lane_attached", queue=name, tag=tag)
 
@@ -495,6 +530,7 @@ class Consumers:
         breaker = self._breakers.state(endpoint_id)
         if (
             endpoint is not None
+            and self._registry.has_queue(endpoint_id)  # a held one's probe comes from its holding lane
             and endpoint.status is EndpointStatus.ACTIVE
             and endpoint.verified
             and breaker is not None

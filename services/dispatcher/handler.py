@@ -41,7 +41,7 @@ from hookline.dispatcher.settled import Settled
 from hookline.dispatcher.telemetry import Telemetry
 from hookline.shared import __version__, addressing, signing, topology
 from hookline.shared.amqp import BROKER_ERRORS, Publisher
-from hookline.shared.control import BreakerView
+from hookline.shared.control import BreakerCommand, BreakerState, BreakerView
 from hookline.shared.credentials import Credentials
 from hookline.shared.deadletters import dead_letter_message
 from hookline.shared.delivery import AttemptResult, DeliveryClient, ErrorKind
@@ -66,6 +66,10 @@ CRASH_PAUSE_S = 1.0
 #: lane: handed on to the endpoint's address after it, which is its queue of its own once the monitor's
 #: isolation of it has arrived).
 BREAKER_NACK_PAUSE_S = 1.0
+#: A held endpoint's copy (in a holding lane, past the bound on queues of their own) waits out its open
+#: breaker in the delay queues until its probe is due, and at least this long (half open, probed by
+#: another copy or another replica): one queue write per wait, not one a second.
+HELD_RECHECK_S = 5
 #: A copy forwarded this many times without reaching a queue (it keeps coming back unroutable) is kept
 #: as an ``unroutable`` dead letter instead.
 MAX_FORWARDS = 3
@@ -188,14 +192,18 @@ class Handler:
         probe: bool = False,
         parsed: inbound.Inbound | None = None,
         lane: bool = False,
+        held: bool = False,
     ) -> bool:
         """Handle one message to its settlement; True when an attempt was made (what a probe needs).
-        ``parsed``: the event, read already (a lane message's parts); ``lane``: it came from a lane."""
+        ``parsed``: the event, read already (a lane message's parts); ``lane``: it came from a lane;
+        ``held``: from a holding lane."""
         endpoint = self._registry.get(endpoint_id)
         if endpoint is None:
             # Deleted while this message was on its way: its queue is drained into the dead letters.
             await self.gone(endpoint_id, message)
             return False
+        if held:
+            return await self._from_holding(endpoint, message, probe=probe)
         if lane and self._registry.isolated(endpoint):
             # Its events go to its queue of its own (a part of a lane message, or a message that came to
             # the lane before the endpoint was isolated).
@@ -237,6 +245,37 @@ class Handler:
                 await gate.enter(timeout_s=None)  # no queue of its own to be had: its turn, then
             try:
                 return await self._handle(endpoint, message, parsed, probe=False, lane=True)
+            finally:
+                gate.leave()
+        finally:
+            gate.users -= 1
+            if not gate.users:
+                del self._lane_gates[endpoint.id]
+
+    async def _from_holding(self, endpoint: StoredEndpoint, message: Incoming, *, probe: bool) -> bool:
+        """A copy in a holding lane: its endpoint is isolated past the bound on queues of their own, and
+        shares the lane only with others like it. Its breaker open, the copy waits in the delay queues
+        until the probe is due (no hand-back cycle); otherwise it goes out with the endpoint's whole
+        timeout, at most ``HOOKLINE_PREFETCH_PER_ENDPOINT`` of an endpoint's at once here."""
+        if not self._registry.held(endpoint):
+            await self.hand_on(message, endpoint, reason="moved")  # back in its lane, or a queue of its own
+            return False
+        breaker = self._breakers.state(endpoint.id)
+        if breaker is not None and not probe:
+            wait_s = held_wait_s(breaker, now_s=time.time())
+            await self.hand_on(message, endpoint, delay_s=wait_s, reason="breaker_open")
+            return False
+        gate = self._lane_gates.get(endpoint.id)
+        if gate is None:
+            gate = self._lane_gates[endpoint.id] = _LaneGate(self._settings.prefetch_per_endpoint)
+        gate.users += 1
+        try:
+            if not await gate.enter(timeout_s=MAX_SLOT_WAIT_S):
+                # Far from the broker's consumer_timeout: put off, its turn not had within a minute.
+                await self.hand_on(message, endpoint, delay_s=int(SLOW_SHARE_DEFER_S), reason="held_busy")
+                return False
+            try:
+                return await self._handle(endpoint, message, None, probe=probe, lane=False)
             finally:
                 gate.leave()
         finally:
@@ -824,7 +863,7 @@ class Handler:
             )  # fmt: skip
             await self.acks.ack(message)
             return
-        if self._registry.isolated(endpoint) and self._isolation is not None:
+        if self._registry.isolated(endpoint) and not self._registry.held(endpoint) and self._isolation:
             await self._isolation.ensure_queue(endpoint)  # deleted by hand, or lost with a node
         copy = addressing.message(
             message.body,
@@ -921,6 +960,15 @@ class Handler:
         metrics.DEAD_LETTERS.labels(reason.value).inc()
 
 
+def held_wait_s(breaker: BreakerCommand, *, now_s: float) -> int:
+    """How long a held endpoint's copy waits out its breaker: until the probe is due (when the monitor
+    half-opens it), at least HELD_RECHECK_S (already due, or half open and probed with another copy)."""
+    due_s = 0.0
+    if breaker.state is BreakerState.OPEN and breaker.opened_at_s is not None:
+        due_s = breaker.opened_at_s + breaker.cooldown_s - now_s
+    return max(HELD_RECHECK_S, math.ceil(due_s))
+
+
 async def handle_safely(
     handler: Handler,
     endpoint_id: str,
@@ -929,12 +977,13 @@ async def handle_safely(
     probe: bool = False,
     parsed: inbound.Inbound | None = None,
     lane: bool = False,
+    held: bool = False,
 ) -> bool:
     """The consumer callback: a crash requeues the message (counted toward the poison limit), and a
     broker error hands it back if the channel still can; neither stops the dispatcher. Returns whether
     an attempt was made."""
     try:
-        return await handler.handle(endpoint_id, message, probe=probe, parsed=parsed, lane=lane)
+        return await handler.handle(endpoint_id, message, probe=probe, parsed=parsed, lane=lane, held=held)
     except BROKER_ERRORS as exc:
         # A publish or read-back failed mid-settlement: hand the message back (on a lost channel the
         # broker does that by itself); it is tried again.

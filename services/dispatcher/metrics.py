@@ -75,13 +75,15 @@ ISOLATIONS = prometheus_client.Counter(
 )
 LANE_MESSAGES = prometheus_client.Counter(
     "hookline_lane_messages",
-    "Lane messages handled: fanned out (fan_out), addressed to one endpoint (addressed), handed back.",
+    "Lane messages handled: fanned out (fan_out), addressed to one endpoint (addressed), from a holding "
+    "lane (held).",
     ["kind"],
 )
 HANDED_ON = prometheus_client.Counter(
     "hookline_handed_on",
     "Copies handed on, unattempted, to their endpoint's address, by reason (isolated: an endpoint with a "
-    "queue of its own; breaker_open, slow, backlogged, no_slot, forwarded, crashed, fence_early; "
+    "queue of its own; breaker_open, slow, backlogged, no_slot, forwarded, crashed, fence_early; moved: "
+    "found in a holding lane after its endpoint left it; held_busy: its turn not had there within a minute; "
     "unsettled: a broker error in the middle of its settlement).",
     ["reason"],
 )

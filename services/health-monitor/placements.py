@@ -14,13 +14,17 @@ one before holds for every live dispatcher:
 5. it is deleted, and a placement record says so (nobody consumes or counts it from then on).
 
 An endpoint isolated again meanwhile (its queue declared and bound again by whoever isolates it) stops
-this at whatever step it had reached.
+this at whatever step it had reached. A *held* endpoint (isolated past the bound, in a shared holding
+lane) has no queue to remove: it goes back to its lane once the reason has gone, it has been held for
+the grace period and no live dispatcher holds a message of it; what is left of it in the holding lane
+or the delay queues is forwarded to its lane when it comes up.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 
 import structlog
 
@@ -60,9 +64,9 @@ class Placements:
     _empty_since_s: dict[str, float] = field(default_factory=dict)
 
     async def isolate_for_breaker(self, endpoint_id: str) -> None:
-        """Before a breaker opens: the endpoint's queue of its own, where its events wait (none is held
-        in its lane), unless it has one already or the bound is reached (then its lane copies are handed
-        back through the delay queues until the breaker closes)."""
+        """Before a breaker opens: the endpoint's queue of its own, where its events wait (none waits in
+        its lane), unless it has one already; past the bound, a holding lane, from which its copies wait
+        out the breaker in the delay queues."""
         endpoint = self.change_log.registry.get(endpoint_id)
         if endpoint is not None and await self.isolation.isolate(
             endpoint, placement.Reason.BREAKER_OPEN.value
@@ -76,7 +80,7 @@ class Placements:
         for endpoint_id in set(self._empty_since_s) - set(depths):
             del self._empty_since_s[endpoint_id]
         for endpoint_id, depth in depths.items():
-            if depth == 0 and not self._held(endpoint_id):
+            if depth == 0 and not self._unacked_somewhere(endpoint_id):
                 self._empty_since_s.setdefault(endpoint_id, now_s)
             else:
                 self._empty_since_s.pop(endpoint_id, None)
@@ -94,8 +98,15 @@ class Placements:
                     await self._place_inline(endpoint)
                 continue
             await self._leave(endpoint, depths[endpoint.id], empty_for_s)
+        now = datetime.now(UTC)
+        for endpoint in registry.held_endpoints():
+            current = registry.placement(endpoint.id)
+            assert current is not None
+            held_for_s = (now - current.at).total_seconds()
+            if not self._unacked_somewhere(endpoint.id) and self._back_to_lane(endpoint, held_for_s):
+                await self._place_inline(endpoint)
 
-    def _held(self, endpoint_id: str) -> bool:
+    def _unacked_somewhere(self, endpoint_id: str) -> bool:
         """Whether a live dispatcher holds messages of the endpoint unacked (its last heartbeat says so)."""
         now_s = time.time()
         live = set(self.health.live_dispatchers(now_s))
@@ -103,7 +114,8 @@ class Placements:
 
     def _back_to_lane(self, endpoint: StoredEndpoint, empty_for_s: float) -> bool:
         """Whether an endpoint isolated at run time may go back to its lane (its own definition isolating
-        it, it stays)."""
+        it, it stays). ``empty_for_s``: how long its queue of its own has been empty (held: how long it
+        has been held)."""
         current = self.change_log.registry.placement(endpoint.id)
         if placement.structural(endpoint) is not None or current is None or not current.isolated:
             return False

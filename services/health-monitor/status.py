@@ -10,6 +10,7 @@ from fastapi import APIRouter, Depends, Query, Request
 from hookline.health_monitor.health import EndpointHealth
 from hookline.health_monitor.monitor import Monitor
 from hookline.health_monitor.stats import Stats
+from hookline.shared import placement
 from hookline.shared.api import ApiError
 from hookline.shared.control import BreakerState
 from hookline.shared.deadletters import DeadLetterAnalysis
@@ -49,6 +50,8 @@ def endpoint_view(
     health = monitor.health.endpoints.get(endpoint_id) or EndpointHealth()
     day = health.day.total(now_s=now_s)
     p95_recent = health.p95_recent_ms(now_s)
+    where = monitor.registry.placement(endpoint_id)
+    isolation = placement.reason(endpoint, where) if endpoint is not None else None
     return EndpointHealthView(
         endpoint_id=endpoint_id,
         tenant=endpoint.tenant if endpoint else None,
@@ -70,6 +73,8 @@ def endpoint_view(
         # Without a queue of its own, nothing waits for this endpoint alone (its events pass its lane).
         queue_depth=health.queue_depth if monitor.registry.has_queue(endpoint_id) else 0,
         oldest_pending_age_s=health.oldest_pending_s(now_s),
+        isolation=isolation,
+        held=endpoint is not None and monitor.registry.held(endpoint),
     )
 
 

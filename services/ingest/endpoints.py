@@ -250,8 +250,9 @@ async def _own_queue_if_isolated(
     state: IngestState, before: StoredEndpoint | None, after: StoredEndpoint
 ) -> None:
     """Before ``after`` is written: its queue of its own, when it will be isolated (its options, status
-    or verification need one, or it has one already for another reason) and the broker has room."""
-    if _isolation(state, after) is None:
+    or verification need one, or it has one already for another reason) and the broker has room; held
+    past the bound (a holding lane), none."""
+    if _isolation(state, after) is None or state.registry.held(after):
         return
     if (
         before is None

@@ -1,6 +1,6 @@
 """The bound on queues of their own holds when many endpoints need one at once (a receiver host that
 slows down for all of its endpoints): isolations under way count against it, so no more queues are
-declared than it allows."""
+declared than it allows, and the endpoints past it are held in the shared holding lanes."""
 
 from __future__ import annotations
 
@@ -24,7 +24,16 @@ async def test_many_isolations_at_once_declare_no_more_queues_than_the_bound(amq
         await change_log.create_many(endpoints, timeout_s=10)
         isolation = Isolation(broker, change_log, max_queues=BOUND, timeout_s=10)
         isolated = await asyncio.gather(*(isolation.isolate(e, "slow") for e in endpoints))
-        assert sum(isolated) == BOUND
-        assert change_log.registry.queued_count == BOUND
+        registry = change_log.registry
+        # Every one isolated: the bound's worth with a queue of their own, the others held past it.
+        assert all(isolated)
+        own = [registry.has_queue(e.id) for e in endpoints]
+        assert sum(own) == registry.queued_count == BOUND
+        assert [registry.held(e) for e in endpoints] == [not has for has in own]
         declared = [await queue_exists(amqp_url, topology.endpoint_queue(e.id)) for e in endpoints]
-        assert declared == isolated, "a queue was declared for an endpoint the bound refused"
+        assert declared == own, "a queue was declared for an endpoint held past the bound"
+        for endpoint, has in zip(endpoints, own, strict=True):
+            address = registry.address(endpoint)
+            assert address == (
+                topology.endpoint_queue(endpoint.id) if has else topology.holding_of(endpoint.id)
+            )

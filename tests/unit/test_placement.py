@@ -46,3 +46,24 @@ def test_where_an_endpoint_is_delivered_from(
     endpoint = stored_endpoint(**fields)
     assert placement.reason(endpoint, placed) == reason
     assert placement.isolated(endpoint, placed) is (reason is not None)
+
+
+@pytest.mark.parametrize(
+    ("fields", "placed", "held"),
+    [
+        ({}, None, False),
+        ({}, _placed(True, "slow"), False),  # a queue of its own
+        ({}, _placed(True, "breaker_open", held=True), True),  # past the bound: a holding lane
+        ({}, _placed(False, "breaker_open", held=True), False),  # back in its lane
+        # Its own definition needs a queue of its own (one consumer, or events waiting unconsumed).
+        ({"rate_limit_per_s": 5.0}, _placed(True, "slow", held=True), False),
+        ({"status": EndpointStatus.PAUSED}, _placed(True, "slow", held=True), False),
+    ],
+)
+def test_held_past_the_bound_only_for_reasons_of_run_time(
+    fields: dict[str, Any], placed: Placement | None, held: bool
+) -> None:
+    endpoint = stored_endpoint(**fields)
+    assert placement.held(endpoint, placed) is held
+    if held:
+        assert placement.isolated(endpoint, placed)

@@ -183,6 +183,25 @@ def test_an_address_and_back_through_the_delays(
     assert topology.is_lane(destination) is not isolated
 
 
+def test_a_held_endpoint_has_a_holding_lane_of_a_fixed_set_apart_from_the_lanes() -> None:
+    holding = topology.holding_queues()
+    assert len(holding) == len(set(holding)) == topology.HOLDING_LANES
+    assert not set(holding) & set(topology.lane_queues())
+    assert set(holding) <= set(topology.core_queues())  # declared with the core topology, always there
+    endpoint = _stored()
+    destination = topology.address(endpoint, isolated=True, held=True)
+    assert destination == topology.holding_of(EP)
+    assert destination in holding
+    assert topology.is_holding(destination)
+    assert not topology.is_lane(destination)
+    assert topology.endpoint_of(destination) is None  # shared: nobody's queue
+    key = topology.delay_routing_key(300, destination)
+    assert topology.topic_matches(topology.delay_delivery_binding(destination), key)
+    # CRC-32 of the id spreads held endpoints over them.
+    spread = {topology.holding_of(f"ep_{n:026d}") for n in range(100)}
+    assert spread == set(holding)
+
+
 def test_a_tenant_has_one_lane_of_a_fixed_set() -> None:
     lanes = topology.lane_queues()
     assert len(lanes) == len(set(lanes)) == topology.LANES
@@ -222,7 +241,7 @@ def test_endpoint_queues_are_the_current_one_and_those_it_left() -> None:
 
 def test_core_queues_are_what_every_service_relies_on() -> None:
     core = topology.core_queues()
-    assert len(core) == len(set(core)) == 8 + topology.DELAY_BITS + topology.LANES
+    assert len(core) == len(set(core)) == 8 + topology.DELAY_BITS + topology.LANES + topology.HOLDING_LANES
     assert set(core) >= {
         "hookline.unrouted",
         "hookline.events.log",

@@ -1,0 +1,128 @@
+"""Past the bound on queues of their own (here HOOKLINE_MAX_ENDPOINT_QUEUES=0: none at all), an endpoint
+that needs isolation is held in a shared holding lane, apart from the healthy lanes: its breaker's open
+time is waited out in the delay queues, one queue write per copy per wait rather than a hand-back
+every second, and nothing is lost."""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+
+import httpx
+import pytest
+from support.amqp import queue_exists
+from support.logs import logged
+from support.monitoring import get_json, publish
+from support.receiver import Received, Receiver, Reply
+from support.system import System, tenant
+from support.waiting import eventually
+
+from hookline.dispatcher.handler import HELD_RECHECK_S
+from hookline.shared import topology
+
+pytestmark = pytest.mark.e2e
+
+COOLDOWN_S = 8
+SYSTEM_ENV = {
+    "HOOKLINE_MAX_ENDPOINT_QUEUES": "0",
+    "HOOKLINE_RETIRED_QUEUE_GRACE_S": "1",
+    "HOOKLINE_QUEUE_POLL_S": "0.5",
+    "HOOKLINE_TICK_S": "0.2",
+    "HOOKLINE_BREAKER_FAILURE_THRESHOLD": "3",
+    "HOOKLINE_BREAKER_COOLDOWN_S": str(COOLDOWN_S),
+    "HOOKLINE_BREAKER_MAX_COOLDOWN_S": str(2 * COOLDOWN_S),
+    "HOOKLINE_RETRY_SCHEDULE_S": "1",
+    "HOOKLINE_MAX_ATTEMPTS": "1000",
+}
+
+
+async def counted(system: System, series: str) -> float:
+    """A counter of the dispatchers' /metrics, summed over them."""
+    total = 0.0
+    async with httpx.AsyncClient(timeout=10) as client:
+        for dispatcher in system.dispatchers:
+            for line in (await client.get(f"{dispatcher.base_url}/metrics")).text.splitlines():
+                if line.startswith(series + " "):
+                    total += float(line.split()[-1])
+    return total
+
+
+async def test_an_endpoint_held_past_the_bound_waits_out_its_breaker_and_loses_nothing(
+    system: System, receiver: Receiver
+) -> None:
+    """Failing until its breaker opens: the monitor holds it (no queue of its own can be had); what is
+    published while the breaker is open is not attempted (the probe aside), waits in the delay queues
+    until the probe is due, and never passes through a healthy lane; its healthy neighbour gets every
+    event meanwhile; once it answers again, every event reaches it, none is dead-lettered, and it goes
+    back to its lane."""
+    who = tenant()
+    failing = {"now": True}
+    delivered: Counter[str] = Counter()  # answered 2xx at /held
+
+    def respond(request: Received) -> Reply:
+        if request.path != "/held":
+            return Reply(status=204)
+        if failing["now"]:
+            return Reply(status=500)
+        delivered[request.headers["webhook-id"]] += 1
+        return Reply(status=204)
+
+    receiver.responder = respond
+    endpoint = system.add_endpoint(who, receiver.url("/held"), ["h.*"])
+    system.add_endpoint(who, receiver.url("/healthy"), ["h.*"])
+    tripping = await publish(system, who, "h.x", [f"evt_trip_{n}" for n in range(3)])
+
+    async def health() -> dict[str, object] | None:
+        return await get_json(system.monitor, f"/v1/endpoints/{endpoint['id']}/health")
+
+    async def held_open() -> bool:
+        now = await health()
+        return now is not None and now["breaker_state"] == "open" and now["held"] is True
+
+    await eventually(held_open, timeout_s=60)
+    [isolated] = logged([system.monitor], "endpoint_isolated", endpoint_id=endpoint["id"])
+    assert (isolated["reason"], isolated["held"]) == ("breaker_open", True)
+    assert not await queue_exists(system.amqp_url, topology.endpoint_queue(endpoint["id"]))
+
+    handed_back = 'hookline_handed_on_total{reason="breaker_open"}'
+    from_holding = 'hookline_lane_messages_total{kind="held"}'
+    hand_backs_before = await counted(system, handed_back)
+    from_holding_before = await counted(system, from_holding)
+    attempts_before = len(logged(system.dispatchers, "delivery_attempt", endpoint_id=endpoint["id"]))
+    held = await publish(system, who, "h.x", [f"evt_held_{n}" for n in range(5)])
+    open_since_s = time.monotonic()
+    await receiver.wait_for_ids(set(held), path="/healthy", timeout_s=30)
+
+    async def all_parked() -> bool:
+        return await counted(system, handed_back) - hand_backs_before >= len(held)
+
+    await eventually(all_parked, timeout_s=30)
+    assert (
+        len(logged(system.dispatchers, "delivery_attempt", endpoint_id=endpoint["id"])) <= attempts_before + 1
+    )
+    failing["now"] = False
+
+    async def everything_delivered() -> bool:
+        return set(delivered) >= {*tripping, *held}
+
+    await eventually(everything_delivered, timeout_s=120)
+    open_for_s = time.monotonic() - open_since_s
+
+    # Each copy handed on once into its wait, then once per HELD_RECHECK_S at most: not once a second.
+    per_copy = (await counted(system, handed_back) - hand_backs_before) / len(held)
+    assert per_copy <= 2 + open_for_s / HELD_RECHECK_S, (per_copy, open_for_s)
+    # Their waits began and ended in the holding lane (each copy taken from it at least twice).
+    assert await counted(system, from_holding) - from_holding_before >= 2 * len(held)
+
+    async def back_in_lane() -> bool:
+        now = await health()
+        return now is not None and now["breaker_state"] == "closed" and now["held"] is False
+
+    await eventually(back_in_lane, timeout_s=60)
+    assert logged([system.monitor], "endpoint_back_in_lane", endpoint_id=endpoint["id"])
+    after = await publish(system, who, "h.x", ["evt_after_lane"])
+    await receiver.wait_for_ids(set(after), path="/held", timeout_s=30)
+    assert set(delivered) == {*tripping, *held, *after}
+    with system.api() as api:
+        dead = api.get("/v1/dead-letters", params={"endpoint_id": endpoint["id"]}).json()["data"]
+    assert dead == []
