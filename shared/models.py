@@ -16,8 +16,10 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    SerializerFunctionWrapHandler,
     StringConstraints,
     ValidationError,
+    model_serializer,
     model_validator,
 )
 
@@ -421,6 +423,16 @@ class Placement(Model):
     at: AwareDatetime
     # Isolated past the bound on queues of their own: in a shared holding lane, not a queue of its own.
     held: bool = False
+
+    @model_serializer(mode="wrap")
+    def _written(self, write: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        """Without ``held`` unless it is: a version before holding lanes refuses a field it does not know
+        (it would skip every placement record), and reads one without it as before."""
+        written: dict[str, Any] = write(self)
+        if not self.held:
+            written.pop("held", None)
+        return written
+
     # Written by the leading monitor once it has removed the endpoint's queue of its own (empty, and no
     # replica hands anything to it any more): from here on nobody consumes or counts it.
     queue_removed: bool = False

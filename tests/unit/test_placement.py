@@ -67,3 +67,14 @@ def test_held_past_the_bound_only_for_reasons_of_run_time(
     assert placement.held(endpoint, placed) is held
     if held:
         assert placement.isolated(endpoint, placed)
+
+
+def test_a_placement_is_written_without_held_unless_it_is() -> None:
+    """A version before holding lanes refuses fields it does not know: every placement it can act on
+    must read as before."""
+    plain = _placed(True, "slow")
+    assert "held" not in plain.model_dump_json()
+    assert Placement.model_validate_json(plain.model_dump_json()) == plain
+    held = _placed(True, "slow", held=True)
+    assert '"held":true' in held.model_dump_json()
+    assert Placement.model_validate_json(held.model_dump_json()) == held
