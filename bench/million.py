@@ -30,7 +30,7 @@ import aio_pika
 import aiormq
 
 from bench.endpoint_scale import rss_mib
-from bench.registered import publish_one_each
+from bench.registered import broker_status, publish_one_each, queue_count
 from bench.run import HOOKLINE, Services, free_port, start_sink, stop, vhost, wait_ready
 from bench.slow_endpoints import wait_for
 from hookline.shared import registry, topology
@@ -225,6 +225,7 @@ async def run(
     services = Services(amqp_url, work, settings={"HOOKLINE_STATE_DIR": str(work / "state")})
     fleet = Fleet(services)
     result: dict[str, Any] = {"tenants": tenants, "endpoints": tenants * per_tenant, "logs": str(work)}
+    broker_before = broker_status()
     try:
         built = work / "built.registry.sqlite" if prebuilt else None
         result["log_written_s"] = round(
@@ -245,6 +246,13 @@ async def run(
         await wait_for(sink.count, expected, time.monotonic() + wait_s)
         result["delivered_s"] = round(time.perf_counter() - published, 1)
         result["rss_after_delivery_mib"] = fleet.rss()
+        broker_after = broker_status()
+        result["broker_memory_per_endpoint_kib"] = round(
+            (broker_after["memory_bytes"] - broker_before["memory_bytes"]) / result["endpoints"] / 1024, 3
+        )
+        result["broker_file_descriptors"] = broker_after["file_descriptors_used"]
+        result["broker_queues"] = queue_count(amqp_url.rsplit("/", 1)[-1])
+        (work / "result.json").write_text(json.dumps(result, indent=2))  # kept should the cleanup hang
         if registrations:
             result["registered_per_s"] = round(await register(services, registrations, sink.port), 1)
             result["rss_after_registration_mib"] = fleet.rss()

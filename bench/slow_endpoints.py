@@ -10,6 +10,7 @@ breakers that changed (the monitor's log). For the slow ones, what arrived by th
     .venv/bin/python -m bench.slow_endpoints --slow 100 --healthy 100 --events 50   # the check
     .venv/bin/python -m bench.slow_endpoints --slow 200                             # part of make bench
     .venv/bin/python -m bench.slow_endpoints --slow 100 --slow-ms 0 --slow-status 500  # failing, not slow
+    .venv/bin/python -m bench.slow_endpoints --slow 100 --max-endpoint-queues 20   # 80 held past the bound
 
 The broker needs about three file handles per endpoint queue (RabbitMQ 3.x counts them): 300 endpoints
 fit a broker as a distribution installs it (927).
@@ -74,12 +75,16 @@ async def wait_for(sink_count: Any, expected: int, deadline_s: float) -> None:
 
 
 async def run(amqp_url: str, *, slow: int, healthy: int, events: int, rate_per_s: float, slow_ms: int,
-              dispatchers: int, wait_s: float, slow_status: int = 204) -> dict[str, Any]:  # fmt: skip
+              dispatchers: int, wait_s: float, slow_status: int = 204,
+              max_endpoint_queues: int | None = None) -> dict[str, Any]:  # fmt: skip
     work = Path(tempfile.mkdtemp(prefix="hookline-isolation-"))
     print(f"logs in {work}", flush=True)
     healthy_sink, slow_sink = start_sink(work), start_sink(work, status=slow_status, delay_ms=slow_ms)
     # Defaults for everything that decides isolation; the bench's own short retry step is not used.
-    services = Services(amqp_url, work, settings={"HOOKLINE_RETRY_SCHEDULE_S": "30,120,600,1800,7200,21600"})
+    settings = {"HOOKLINE_RETRY_SCHEDULE_S": "30,120,600,1800,7200,21600"}
+    if max_endpoint_queues is not None:
+        settings["HOOKLINE_MAX_ENDPOINT_QUEUES"] = str(max_endpoint_queues)
+    services = Services(amqp_url, work, settings=settings)
     try:
         services.start_ingest()
         services.start_monitor()
@@ -117,8 +122,14 @@ async def run(amqp_url: str, *, slow: int, healthy: int, events: int, rate_per_s
         r for r in log_lines(work, "health-monitor")
         if r.get("event") == "breaker_changed" and r.get("endpoint_id") in healthy_set
     ]  # fmt: skip
+    isolations = [
+        r for prefix in ("dispatcher", "health-monitor") for r in log_lines(work, prefix)
+        if r.get("event") == "endpoint_isolated"
+    ]  # fmt: skip
     return {
         "slow_endpoints": slow,
+        "isolated_with_queues": sum(not r.get("held") for r in isolations),
+        "isolated_held": sum(bool(r.get("held")) for r in isolations),
         "slow_ms": slow_ms,
         "slow_status": slow_status,
         "healthy_endpoints": healthy,
@@ -158,6 +169,11 @@ def main() -> None:
     parser.add_argument("--dispatchers", type=int, default=2)
     parser.add_argument("--wait-s", type=float, default=300.0, help="how long to wait for the healthy ones")
     parser.add_argument(
+        "--max-endpoint-queues",
+        type=int,
+        help="HOOKLINE_MAX_ENDPOINT_QUEUES (past it: held in holding lanes)",
+    )
+    parser.add_argument(
         "--alone-too", action="store_true", help="first the healthy endpoints alone: the same run's baseline"
     )
     arguments = parser.parse_args()
@@ -175,7 +191,8 @@ def measure(arguments: argparse.Namespace) -> dict[str, Any]:
                 run(amqp_url, slow=slow, healthy=arguments.healthy, events=arguments.events,
                     rate_per_s=arguments.rate_per_s, slow_ms=arguments.slow_ms,
                     dispatchers=arguments.dispatchers, wait_s=arguments.wait_s,
-                    slow_status=getattr(arguments, "slow_status", 204))
+                    slow_status=getattr(arguments, "slow_status", 204),
+                    max_endpoint_queues=getattr(arguments, "max_endpoint_queues", None))
             )  # fmt: skip
     return results
 

@@ -529,7 +529,8 @@ class Handler:
         )  # fmt: skip
 
     async def _isolate(self, endpoint: StoredEndpoint, reason: str) -> bool:
-        """Give the endpoint a queue of its own (shared/isolation.py); whether it has one now."""
+        """Isolate the endpoint (shared/isolation.py: a queue of its own, or held in a holding lane past
+        the bound); whether it is isolated now."""
         if self._isolation is None:
             return False
         isolated = await self._isolation.isolate(endpoint, reason)
