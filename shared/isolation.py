@@ -8,7 +8,10 @@ it. One isolation at a time per endpoint in a process; another process doing the
 conditional write and finds the endpoint isolated. The number of queues of their own is bounded
 (``HOOKLINE_MAX_ENDPOINT_QUEUES``): past it, the endpoint is *held* — isolated in one of the shared
 holding lanes instead (:func:`~hookline.shared.topology.holding_of`, declared with the core topology),
-so that a thousand endpoints failing at once cost four queues and never a healthy lane's time.
+so that a thousand endpoints failing at once cost four queues and never a healthy lane's time. The bound
+holds across processes too: each placement carries its writer's bound, and one applied where the change
+log already counts that many queues of their own holds the endpoint instead (every replica folds the log
+in the same order, so all agree); its writer then removes the queue it had declared, empty and unused.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from collections import Counter
 import structlog
 
 from hookline.shared import topology
-from hookline.shared.amqp import BROKER_ERRORS, Broker
+from hookline.shared.amqp import BROKER_ERRORS, CALL_TIMEOUT_S, Broker
 from hookline.shared.models import StoredEndpoint
 from hookline.shared.registry import ChangeLog
 
@@ -61,8 +64,14 @@ class Isolation:
                 if not held:
                     await self.ensure_queue(current)
                 placed = await self._change_log.place(
-                    current.id, isolated=True, reason=reason, held=held, timeout_s=self._timeout_s
-                )
+                    current.id, isolated=True, reason=reason, held=held, timeout_s=self._timeout_s,
+                    bound=None if held else self._max_queues,
+                )  # fmt: skip
+                if placed is not None and placed.held and not held:
+                    # Other processes' isolations reached the bound first (the log decided): the queue
+                    # declared for it is empty, and no replica hands it anything.
+                    held = True
+                    await self._remove_unused(current)
         except BROKER_ERRORS as exc:  # the write timed out, or the broker refused
             log.warning("isolation_failed", endpoint_id=endpoint.id, reason=reason, error=type(exc).__name__)
             return False
@@ -74,6 +83,18 @@ class Isolation:
             log.warning("endpoint_isolated", endpoint_id=endpoint.id, reason=reason, held=held)
         now = registry.get(endpoint.id)
         return now is not None and registry.isolated(now)
+
+    async def _remove_unused(self, endpoint: StoredEndpoint) -> None:
+        name = topology.own_queue(endpoint)
+        try:
+            async with self._broker.channel() as channel:
+                await channel.queue_delete(name, timeout=CALL_TIMEOUT_S)
+        except BROKER_ERRORS as exc:  # left declared, empty: it costs its file handles, nothing else
+            log.warning(
+                "unused_queue_not_removed", endpoint_id=endpoint.id, queue=name, error=type(exc).__name__
+            )
+            return
+        log.info("isolation_held_at_apply", endpoint_id=endpoint.id, queue=name)
 
     async def ensure_queue(self, endpoint: StoredEndpoint) -> None:
         """Its queue of its own, declared (idempotent), bound for what is addressed to it."""

@@ -423,14 +423,19 @@ class Placement(Model):
     at: AwareDatetime
     # Isolated past the bound on queues of their own: in a shared holding lane, not a queue of its own.
     held: bool = False
+    # The writer's bound on queues of their own: applied where the change log already has that many (other
+    # processes' isolations came first), the placement holds the endpoint instead, on every replica alike.
+    bound: int | None = Field(None, ge=0)
 
     @model_serializer(mode="wrap")
     def _written(self, write: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        """Without ``held`` unless it is: a version before holding lanes refuses a field it does not know
-        (it would skip every placement record), and reads one without it as before."""
+        """Without ``held`` and ``bound`` unless set: a version before holding lanes refuses fields it
+        does not know (it would skip every placement record), and reads one without them as before."""
         written: dict[str, Any] = write(self)
         if not self.held:
             written.pop("held", None)
+        if self.bound is None:
+            written.pop("bound", None)
         return written
 
     # Written by the leading monitor once it has removed the endpoint's queue of its own (empty, and no

@@ -435,13 +435,24 @@ class EndpointRegistry:
         current = self._placements.get(endpoint_id)
         if endpoint is None or record.base_generation != (current.generation if current else 0):
             return Stale(endpoint)
-        self._placements[endpoint_id] = record.placement
-        self.store.keep("placement", endpoint_id, record.placement.model_dump_json().encode())
-        if record.placement.queue_removed:
+        placed = record.placement
+        if (
+            placed.bound is not None
+            and placed.isolated
+            and not placed.held
+            and endpoint_id not in self._queued
+            and len(self._queued) >= placed.bound
+        ):
+            # Isolations written by other processes came first and reached the bound: held instead, as
+            # every replica folding the log in the same order decides.
+            placed = placed.model_copy(update={"held": True})
+        self._placements[endpoint_id] = placed
+        self.store.keep("placement", endpoint_id, placed.model_dump_json().encode())
+        if placed.queue_removed:
             self._has_queue.discard(endpoint_id)
         self._changed(endpoint)
         self._notify(endpoint, endpoint)
-        return record.placement
+        return placed
 
     def _changed(self, endpoint: StoredEndpoint) -> None:
         if self.isolated(endpoint) and not self.held(endpoint):
@@ -574,6 +585,7 @@ class ChangeLog:
         timeout_s: float,
         queue_removed: bool = False,
         held: bool = False,
+        bound: int | None = None,
     ) -> Placement | None:
         """Isolate the endpoint (or take it back to its lane), on its placement as this process knows it;
         the placement as written, or None when it is gone or another writer changed it meanwhile (that
@@ -591,6 +603,7 @@ class ChangeLog:
                 at=now,
                 queue_removed=queue_removed,
                 held=held,
+                bound=bound,
             ),
             base_generation=current.generation if current else 0,
         )

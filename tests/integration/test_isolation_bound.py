@@ -37,3 +37,31 @@ async def test_many_isolations_at_once_declare_no_more_queues_than_the_bound(amq
             assert address == (
                 topology.endpoint_queue(endpoint.id) if has else topology.holding_of(endpoint.id)
             )
+
+
+async def test_the_bound_holds_across_processes_and_every_replica_agrees(amqp_url: str) -> None:
+    """Two processes isolating the same twelve endpoints at once, each under the bound by its own count:
+    the change log decides, so exactly the bound's worth have a queue of their own (the others held, on
+    both replicas alike) and no queue is left declared for a held one."""
+    async with (
+        following(amqp_url, name="isolation-a") as (broker_a, log_a),
+        following(amqp_url, name="isolation-b") as (broker_b, log_b),
+    ):
+        endpoints = [stored_endpoint(f"ep_{n:026d}", url=f"https://example.com/{n}") for n in range(12)]
+        await log_a.create_many(endpoints, timeout_s=10)
+        await log_b.sync(timeout_s=10)
+        a = Isolation(broker_a, log_a, max_queues=BOUND, timeout_s=10)
+        b = Isolation(broker_b, log_b, max_queues=BOUND, timeout_s=10)
+        isolated = await asyncio.gather(
+            *(a.isolate(e, "slow") for e in endpoints), *(b.isolate(e, "slow") for e in reversed(endpoints))
+        )
+        assert all(isolated)
+        await log_a.sync(timeout_s=10)
+        await log_b.sync(timeout_s=10)
+        for registry in (log_a.registry, log_b.registry):
+            assert registry.queued_count == BOUND
+        own_a = [log_a.registry.has_queue(e.id) for e in endpoints]
+        assert own_a == [log_b.registry.has_queue(e.id) for e in endpoints], "the replicas disagree"
+        assert [log_b.registry.held(e) for e in endpoints] == [not has for has in own_a]
+        declared = [await queue_exists(amqp_url, topology.endpoint_queue(e.id)) for e in endpoints]
+        assert declared == own_a, "a queue is left declared for an endpoint held past the bound"

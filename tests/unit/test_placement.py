@@ -74,6 +74,7 @@ def test_a_placement_is_written_without_held_unless_it_is() -> None:
     must read as before."""
     plain = _placed(True, "slow")
     assert "held" not in plain.model_dump_json()
+    assert "bound" not in plain.model_dump_json()
     assert Placement.model_validate_json(plain.model_dump_json()) == plain
     held = _placed(True, "slow", held=True)
     assert '"held":true' in held.model_dump_json()

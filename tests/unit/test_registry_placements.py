@@ -140,3 +140,35 @@ def test_a_lane_message_given_out_again_counts_the_endpoints_deleted_since() -> 
     assert registry.matching("acme", "order.paid") == ()
     assert [e.id for e in registry.deleted_matching("acme", "order.paid", since=NOW)] == [EP1]
     assert registry.deleted_matching("acme", "order.paid", since=NOW + timedelta(seconds=1)) == []
+
+
+def test_a_placement_past_its_writers_bound_as_the_log_has_it_holds_the_endpoint_instead() -> None:
+    """Writers in several processes each under the bound by their own count: the fold decides, the same
+    on every replica, and a held endpoint counts no queue of its own."""
+    registry = EndpointRegistry()
+    for endpoint_id in (EP1, EP2, EP3):
+        _upsert(registry, stored_endpoint(endpoint_id))
+    first = _place(registry, EP1, 0, isolated=True, bound=2)
+    second = _place(registry, EP2, 0, isolated=True, bound=2)
+    third = _place(registry, EP3, 0, isolated=True, bound=2)
+    assert isinstance(first, Placement)
+    assert isinstance(second, Placement)
+    assert isinstance(third, Placement)
+    assert (first.held, second.held, third.held) == (False, False, True)
+    assert registry.queued_count == 2
+    assert [registry.has_queue(e) for e in (EP1, EP2, EP3)] == [True, True, False]
+    ep3 = registry.get(EP3)
+    assert ep3 is not None
+    assert registry.held(ep3)
+    assert registry.address(ep3).startswith("hookline.holding.")
+    # One already counted (its queue not yet removed) is placed again within the bound it holds.
+    _place(registry, EP1, 1, isolated=False)
+    again = _place(registry, EP1, 2, isolated=True, bound=2)
+    assert isinstance(again, Placement)
+    assert not again.held
+    # Without a bound (written by a version before it), as before.
+    back = _place(registry, EP3, 1, isolated=False)
+    unbounded = _place(registry, EP3, 2, isolated=True)
+    assert isinstance(back, Placement)
+    assert isinstance(unbounded, Placement)
+    assert not unbounded.held
