@@ -210,6 +210,27 @@ async def register(services: Services, count: int, sink_port: int) -> float:
     return count / (time.perf_counter() - started)
 
 
+def broker_after(before: dict[str, Any], amqp_url: str, endpoints: int) -> dict[str, Any]:
+    """The broker's memory per registered endpoint, file handles and queues (None where the broker took
+    longer than two minutes to say: it is busy with the deliveries)."""
+    try:
+        after = broker_status()
+        queues: int | None = queue_count(amqp_url.rsplit("/", 1)[-1])
+    except subprocess.TimeoutExpired:
+        return {
+            "broker_memory_per_endpoint_kib": None,
+            "broker_file_descriptors": None,
+            "broker_queues": None,
+        }
+    return {
+        "broker_memory_per_endpoint_kib": round(
+            (after["memory_bytes"] - before["memory_bytes"]) / endpoints / 1024, 3
+        ),
+        "broker_file_descriptors": after["file_descriptors_used"],
+        "broker_queues": queues,
+    }
+
+
 async def run(
     amqp_url: str,
     *,
@@ -246,12 +267,7 @@ async def run(
         await wait_for(sink.count, expected, time.monotonic() + wait_s)
         result["delivered_s"] = round(time.perf_counter() - published, 1)
         result["rss_after_delivery_mib"] = fleet.rss()
-        broker_after = broker_status()
-        result["broker_memory_per_endpoint_kib"] = round(
-            (broker_after["memory_bytes"] - broker_before["memory_bytes"]) / result["endpoints"] / 1024, 3
-        )
-        result["broker_file_descriptors"] = broker_after["file_descriptors_used"]
-        result["broker_queues"] = queue_count(amqp_url.rsplit("/", 1)[-1])
+        result.update(broker_after(broker_before, amqp_url, result["endpoints"]))
         (work / "result.json").write_text(json.dumps(result, indent=2))  # kept should the cleanup hang
         if registrations:
             result["registered_per_s"] = round(await register(services, registrations, sink.port), 1)

@@ -67,9 +67,10 @@ class Isolation:
                     current.id, isolated=True, reason=reason, held=held, timeout_s=self._timeout_s,
                     bound=None if held else self._max_queues,
                 )  # fmt: skip
-                if placed is not None and placed.held and not held:
-                    # Other processes' isolations reached the bound first (the log decided): the queue
-                    # declared for it is empty, and no replica hands it anything.
+                if not held and not registry.has_queue(current.id):
+                    # Held after all: other processes' isolations reached the bound first (the log
+                    # decided), or another's placement of it came first. The queue declared for it is
+                    # empty, and no replica hands it anything.
                     held = True
                     await self._remove_unused(current)
         except BROKER_ERRORS as exc:  # the write timed out, or the broker refused

@@ -112,6 +112,11 @@ class Ledger:
         endpoint = self._endpoints.get(endpoint_id)
         return Standing.NEW if endpoint is None else endpoint.standing
 
+    def in_flight(self, endpoint_id: str) -> int:
+        """The endpoint's attempts holding slots now."""
+        endpoint = self._endpoints.get(endpoint_id)
+        return 0 if endpoint is None else endpoint.in_flight
+
     def limit(self, share: Share) -> int:
         return self.slow_slots if share is Share.SLOW else self.slots - self.slow_slots
 

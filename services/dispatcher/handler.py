@@ -357,12 +357,19 @@ class Handler:
         """A connection slot for the attempt (admission.py); None when the message was handled instead:
         put off (no slot within MAX_SLOT_WAIT_S, or a 429 pause began while it waited), handed back
         (its breaker opened while it waited), or, from a lane, handed on to the endpoint's queue of its
-        own (no slot within HOOKLINE_SLOW_ATTEMPT_S)."""
+        own (no slot within HOOKLINE_SLOW_ATTEMPT_S, the endpoint slow or holding slots itself)."""
         max_wait_s = self._settings.slow_attempt_s if lane else MAX_SLOT_WAIT_S
         ticket = await self.admission.acquire(endpoint.id, max_wait_s=max_wait_s)
+        ledger = self.admission.ledger
+        its_own = ledger.standing(endpoint.id) is Standing.SLOW or ledger.in_flight(endpoint.id) > 0
+        if ticket is None and lane and not its_own:
+            # The slots are taken by other endpoints: this replica is busy, not this endpoint slow.
+            # Isolating it would only write its copy once more (at a hundred thousand endpoints with one
+            # event each, a saturated receiver host made it twenty thousand isolations at once).
+            ticket = await self.admission.acquire(endpoint.id, max_wait_s=MAX_SLOT_WAIT_S - max_wait_s)
         if ticket is None:
-            slow = self.admission.ledger.standing(endpoint.id) is Standing.SLOW
-            if lane and await self._isolate(endpoint, "slow" if slow else "backlogged"):
+            slow = ledger.standing(endpoint.id) is Standing.SLOW
+            if lane and its_own and await self._isolate(endpoint, "slow" if slow else "backlogged"):
                 await self.hand_on(message, endpoint, reason="no_slot")
             else:
                 await self._defer(message, endpoint, parsed, sequence, SLOW_SHARE_DEFER_S, "slow_share")

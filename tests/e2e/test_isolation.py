@@ -91,3 +91,34 @@ async def test_slow_endpoints_do_not_make_the_others_time_out(system: System, re
     isolated = {r["endpoint_id"]: r["reason"] for r in logged(system.dispatchers, "endpoint_isolated")}
     assert {endpoint["id"] for endpoint in slow} <= set(isolated), isolated
     assert {isolated[endpoint["id"]] for endpoint in slow} <= {"slow", "backlogged"}
+
+
+async def test_a_replica_busy_with_answering_endpoints_isolates_none_of_them(
+    system: System, receiver: Receiver
+) -> None:
+    """Forty endpoints of a tenant, one event, answers in 0.15 s: the dispatcher that fans it out has
+    three answering slots, so most copies wait for one longer than the slow line (0.5 s). The replica is
+    busy, not the endpoints slow: none is isolated as backlogged (each would be a change-log record and
+    a second queue write for nothing, twenty thousand at once when a bench saturated one receiver host),
+    and every endpoint gets the event."""
+
+    def respond(request: Received) -> Reply:
+        return Reply(delay_s=0.15) if request.path.startswith("/busy") else Reply()
+
+    receiver.responder = respond
+    who = tenant()
+    endpoints = [system.add_endpoint(who, receiver.url(f"/busy{n}"), ["busy.*"]) for n in range(40)]
+    [event_id] = await publish(system, who, "busy.now", ["evt_busy"])
+
+    async def everyone_got_it() -> bool:
+        got = {r.path for r in receiver.requests if r.headers.get("webhook-id") == event_id}
+        return got >= {f"/busy{n}" for n in range(40)}
+
+    await eventually(everyone_got_it, timeout_s=60)
+    ids = {endpoint["id"] for endpoint in endpoints}
+    backlogged = [
+        line["endpoint_id"]
+        for line in logged(system.dispatchers, "endpoint_isolated")
+        if line["endpoint_id"] in ids and line["reason"] == "backlogged"
+    ]
+    assert backlogged == []
