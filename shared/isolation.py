@@ -61,18 +61,22 @@ class Isolation:
                     return False
                 if registry.isolated(current):
                     return True  # another task here, or another replica, did it meanwhile
-                if not held:
-                    await self.ensure_queue(current)
-                placed = await self._change_log.place(
-                    current.id, isolated=True, reason=reason, held=held, timeout_s=self._timeout_s,
-                    bound=None if held else self._max_queues,
-                )  # fmt: skip
-                if not held and not registry.has_queue(current.id):
-                    # Held after all: other processes' isolations reached the bound first (the log
-                    # decided), or another's placement of it came first. The queue declared for it is
-                    # empty, and no replica hands it anything.
-                    held = True
-                    await self._remove_unused(current)
+                try:
+                    if not held:
+                        await self.ensure_queue(current)
+                    placed = await self._change_log.place(
+                        current.id, isolated=True, reason=reason, held=held, timeout_s=self._timeout_s,
+                        bound=None if held else self._max_queues,
+                    )  # fmt: skip
+                finally:
+                    if not held and not registry.has_queue(current.id):
+                        # Held after all (other processes' isolations reached the bound first, or
+                        # another's placement of it came first), or not placed (the write timed out, the
+                        # broker refused): the queue declared for it is empty, and no replica hands it
+                        # anything. Left, it would hold broker file handles the bound does not count
+                        # (at 100,000 endpoints under load: 219 such queues, the broker's handles full).
+                        held = True
+                        await self._remove_unused(current)
         except BROKER_ERRORS as exc:  # the write timed out, or the broker refused
             log.warning("isolation_failed", endpoint_id=endpoint.id, reason=reason, error=type(exc).__name__)
             return False
@@ -95,7 +99,7 @@ class Isolation:
                 "unused_queue_not_removed", endpoint_id=endpoint.id, queue=name, error=type(exc).__name__
             )
             return
-        log.info("isolation_held_at_apply", endpoint_id=endpoint.id, queue=name)
+        log.info("unused_queue_removed", endpoint_id=endpoint.id, queue=name)
 
     async def ensure_queue(self, endpoint: StoredEndpoint) -> None:
         """Its queue of its own, declared (idempotent), bound for what is addressed to it."""

@@ -65,3 +65,24 @@ async def test_the_bound_holds_across_processes_and_every_replica_agrees(amqp_ur
         assert [log_b.registry.held(e) for e in endpoints] == [not has for has in own_a]
         declared = [await queue_exists(amqp_url, topology.endpoint_queue(e.id)) for e in endpoints]
         assert declared == own_a, "a queue is left declared for an endpoint held past the bound"
+
+
+async def test_an_isolation_whose_write_fails_leaves_no_queue_behind(
+    amqp_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The placement's write timing out (a broker too busy to confirm it in time; here the timeout is
+    made to happen) leaves the endpoint in its lane and removes the queue declared for it: a queue the
+    bound does not count holds broker file handles nobody accounts for."""
+    async with following(amqp_url, name="isolation-fails") as (broker, change_log):
+        endpoint = stored_endpoint("ep_" + "9" * 26, url="https://example.com/9")
+        await change_log.create_many([endpoint], timeout_s=10)
+        isolation = Isolation(broker, change_log, max_queues=BOUND, timeout_s=10)
+
+        async def times_out(*_: object, **__: object) -> None:
+            assert await queue_exists(amqp_url, topology.endpoint_queue(endpoint.id))  # declared first
+            raise TimeoutError
+
+        monkeypatch.setattr(change_log, "place", times_out)
+        assert not await isolation.isolate(endpoint, "slow")
+        assert not change_log.registry.has_queue(endpoint.id)
+        assert not await queue_exists(amqp_url, topology.endpoint_queue(endpoint.id))
