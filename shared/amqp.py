@@ -248,7 +248,6 @@ class Broker:
         urls = [_with_heartbeat(address) for address in broker_urls(url)]
         self._consuming = _Link(urls, f"{name}:{os.getpid()}")
         self._publishing = _Link(urls, f"{name}:{os.getpid()}:publish")
-        self._apart = _Link(urls, f"{name}:{os.getpid()}:apart")  # opened on demand
         self._last_publish_s = 0.0
         self._blocked_since_s: float | None = None
         self._pulse: asyncio.Task[None] | None = None
@@ -287,7 +286,6 @@ class Broker:
                 await self._pulse
         # Publishes first: whatever is still being confirmed has had its chance by now.
         await self._publishing.close()
-        await self._apart.close()
         await self._consuming.close()
 
     @property
@@ -329,17 +327,12 @@ class Broker:
         return await self._consuming.connection(timeout_s=timeout_s, retry=retry)
 
     async def open_channel(
-        self,
-        *,
-        confirms: bool = False,
-        prefetch: int | None = None,
-        publishing: bool = False,
-        apart: bool = False,
+        self, *, confirms: bool = False, prefetch: int | None = None, publishing: bool = False
     ) -> AbstractChannel:
         """A new channel, owned (and closed) by the caller: of the publishing connection when
-        ``publishing``, of a third connection when ``apart``, else of the consuming one. With
-        ``confirms`` a publish waits for the broker's confirm and raises when it comes back unroutable."""
-        link = self._publishing if publishing else self._apart if apart else self._consuming
+        ``publishing``, else of the consuming one. With ``confirms`` a publish waits for the broker's
+        confirm and raises when it comes back unroutable."""
+        link = self._publishing if publishing else self._consuming
         connection = await link.connection()
         async with asyncio.timeout(CALL_TIMEOUT_S):
             try:

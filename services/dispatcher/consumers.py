@@ -154,10 +154,8 @@ class Consumers:
         default_prefetch: int,
         lane_prefetch: int,
         sync: Callable[[], Awaitable[None]],
-        own_queues_apart: bool = False,
     ) -> None:
         self._broker = broker
-        self._own_queues_apart = own_queues_apart
         self._registry = registry
         self._sync = sync
         self._lane_prefetch = lane_prefetch
@@ -169,7 +167,7 @@ class Consumers:
         self._active = _Active()
         # basic.qos applies to the consumers created after it: one channel per prefetch value keeps
         # every consumer's cap right.
-        self._channels: dict[tuple[int, bool], AbstractChannel] = {}  # by prefetch, and lanes or not
+        self._channels: dict[int, AbstractChannel] = {}
         self._opening = asyncio.Lock()  # one channel per prefetch value, also while attaching in parallel
         self._queues = QueueProbe(broker)  # declares: an error there closes its channel, not a consumer's
         self._checks = QueueProbe(broker)  # the check with the broker's, apart from the attaching's
@@ -231,7 +229,7 @@ class Consumers:
         return live + [endpoint.id for endpoint in self._registry.deleted_with_queues_since(since)]
 
     async def _attach_lanes(self) -> None:
-        channel = await self._channel_for(self._lane_prefetch, lanes=True)
+        channel = await self._channel_for(self._lane_prefetch)
         for name in _consumed_lanes():
             tag = await incoming.consume(channel, name, self._lane_callback(name), timeout_s=CALL_TIMEOUT_S)
             self._lanes[name] = (tag, channel)
@@ -371,7 +369,7 @@ class Consumers:
         queue = await self._existing_queue(queue_name, want)
         if queue is None:
             return
-        channel = await self._channel_for(want.prefetch, lanes=False)
+        channel = await self._channel_for(want.prefetch)
         callback = {
             Mode.DELIVER: partial(self._deliver, want.endpoint_id),
             Mode.FORWARD: partial(self._forward, want.endpoint_id),
@@ -400,27 +398,25 @@ class Consumers:
         await topology.declare_own_queue(await self._queues.channel(), endpoint)
         return await self._queues.find(queue_name)
 
-    async def _channel_for(self, prefetch: int, *, lanes: bool) -> AbstractChannel:
+    async def _channel_for(self, prefetch: int) -> AbstractChannel:
         async with self._opening:
-            key = (prefetch, lanes)
-            channel = self._channels.get(key)
+            channel = self._channels.get(prefetch)
             if channel is None or channel.is_closed:
-                apart = not lanes and self._own_queues_apart
-                channel = await self._broker.open_channel(prefetch=prefetch, apart=apart)
-                channel.close_callbacks.add(partial(self._on_channel_closed, key))
-                self._channels[key] = channel
+                channel = await self._broker.open_channel(prefetch=prefetch)
+                channel.close_callbacks.add(partial(self._on_channel_closed, prefetch))
+                self._channels[prefetch] = channel
                 # A consumer cancelled by the broker (its queue was deleted): attach again, or let go.
                 await on_cancel(channel, self._on_consumer_cancelled)
             return channel
 
-    def _on_channel_closed(self, key: tuple[int, bool], *_: object) -> None:
+    def _on_channel_closed(self, prefetch: int, *_: object) -> None:
         if self._stopping:
             return
         if not self._broker.connected and not self._connection_lost.is_set():
             # What the broker hands out again now, to this replica or another: whatever of it was
             # delivered already is delivered twice (the fault suite counts duplicates against this).
             log.warning("consumers_connection_lost", unacked=self.unacked())
-        channel = self._channels.pop(key, None)
+        channel = self._channels.pop(prefetch, None)
         self._handler.acks.forget_closed()
         lost = [name for name, consumer in self._active.items() if consumer.channel is channel]
         for name in lost:
@@ -463,7 +459,7 @@ class Consumers:
         missing = [name for name in _consumed_lanes() if name not in self._lanes]
         if not missing:
             return
-        channel = await self._channel_for(self._lane_prefetch, lanes=True)
+        channel = await self._channel_for(self._lane_prefetch)
         for name in missing:
             if await self._queues.find(name) is None:
                 log.error("lane_missing", queue=name, alert=True)

@@ -158,7 +158,6 @@ def _assemble(
         default_prefetch=settings.prefetch_per_endpoint,
         lane_prefetch=settings.lane_prefetch,
         sync=partial(change_log.sync, timeout_s=settings.connect_timeout_s),
-        own_queues_apart=os.environ.get("HOOKLINE_X_OWN_QUEUES_APART") == "1",
     )
     telemetry.load = consumers.load
     # How far this replica has read the change log, said at once when an endpoint changes (an ingest
