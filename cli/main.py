@@ -99,18 +99,24 @@ def _export(_: argparse.Namespace) -> int:
 
     settings = load(CommonSettings)
     hookline_logging.configure(service="backup", level="warning", output=sys.stderr.buffer)
+
+    async def write_out() -> tuple[str, dict[str, int], int | None]:
+        # Written only once the whole state is read (into the export's own file): a failed export
+        # leaves an empty file, never half of one.
+        async with backup.exported(settings) as export:
+            out = sys.stdout.buffer
+            for line in export.lines(now=datetime.now(UTC)):
+                out.write(line + b"\n")
+            out.flush()
+            return export.vhost, export.counts(), export.rest.offset
+
     try:
-        vhost, snapshot = asyncio.run(backup.export(settings))
+        vhost, written, offset = asyncio.run(write_out())
     except backup.BackupError as exc:
         print(f"hookline: {exc}", file=sys.stderr)
         return 1
-    # Written only once the whole state is read: a failed export leaves an empty file, never half of one.
-    out = sys.stdout.buffer
-    for line in snapshot.lines(vhost=vhost, now=datetime.now(UTC)):
-        out.write(line + b"\n")
-    out.flush()
-    counts = ", ".join(f"{n} {kind.replace('_', ' ')}" for kind, n in snapshot.counts().items())
-    print(f"hookline: exported {counts} (offset {snapshot.offset} of vhost {vhost!r})", file=sys.stderr)
+    counts = ", ".join(f"{n} {kind.replace('_', ' ')}" for kind, n in written.items())
+    print(f"hookline: exported {counts} (offset {offset} of vhost {vhost!r})", file=sys.stderr)
     return 0
 
 

@@ -4,13 +4,24 @@ import writes given what the log already holds (table-tested)."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from datetime import UTC, datetime
+from pathlib import Path
 
 import pytest
 from support.factories import CREATED, stored_endpoint
 
-from hookline.shared.backup import BackupError, Snapshot, key_problem, parse, plan, restored
-from hookline.shared.models import EndpointStatus, EventTypeInfo, SigningSecret, StoredToken, TenantQuota
+from hookline.shared.backup import BackupError, Export, Snapshot, key_problem, parse, plan, restored
+from hookline.shared.models import (
+    EndpointStatus,
+    EndpointUpserted,
+    EventTypeInfo,
+    SigningSecret,
+    StoredToken,
+    TenantQuota,
+)
+from hookline.shared.registry import EndpointRegistry
+from hookline.shared.registrystore import RegistryStore
 from hookline.shared.sealing import Sealer
 
 A, B = "ep_" + "A" * 26, "ep_" + "B" * 26
@@ -44,6 +55,28 @@ def test_a_backup_reads_back_as_it_was_written_secrets_sealed_as_stored() -> Non
     assert header.counts == {"endpoints": 2, "event_types": 1, "tokens": 1, "quotas": 1}
     assert read == backup()
     assert SEALED.encode() in lines[1]
+
+
+def test_an_export_streams_its_endpoints_from_its_file_in_id_order(tmp_path: Path) -> None:
+    """What ``hookline export`` writes: the endpoints read back from the export's registry file one at a
+    time, the same file as a backup held in memory would give."""
+    state = backup()
+    on_disk = EndpointRegistry(RegistryStore(tmp_path / "export.sqlite", identity="test"))
+    assert on_disk.open() is None  # a new file
+    for endpoint in reversed(state.endpoints):  # applied in another order: written in id order
+        on_disk.apply(
+            EndpointUpserted(change_id="c", at=CREATED, endpoint=endpoint.model_copy(update={"version": 0}))
+        )
+    export = Export("prod", on_disk, replace(state, endpoints=[]))
+    now = datetime(2026, 12, 2, tzinfo=UTC)
+    streamed = list(export.lines(now=now))
+    header, read = parse(streamed)
+    assert header.counts == {"endpoints": 2, "event_types": 1, "tokens": 1, "quotas": 1}
+    assert [e.id for e in read.endpoints] == sorted(e.id for e in state.endpoints)
+    assert [e.model_copy(update={"version": 0}) for e in read.endpoints] == [
+        e.model_copy(update={"version": 0}) for e in sorted(state.endpoints, key=lambda e: e.id)
+    ]
+    on_disk.close()
 
 
 @pytest.mark.parametrize(
