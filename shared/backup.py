@@ -297,7 +297,11 @@ async def _following(
     supervisor = Supervisor()
     try:
         yield await registry.follow(
-            broker, publisher, supervisor, into or registry.EndpointRegistry(), sync_timeout_s=timeout_s
+            broker,
+            publisher,
+            supervisor,
+            registry.EndpointRegistry() if into is None else into,
+            sync_timeout_s=timeout_s,
         )
     finally:
         await supervisor.stop()
