@@ -14,6 +14,7 @@ meanwhile) changes nothing: the API answers 409, internal writers re-read and tr
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
@@ -504,6 +505,8 @@ class ChangeLog:
         self.tenants = Tenants()
         self._follower = StreamFollower(broker, topology.ENDPOINT_LOG, self._on_record, publisher=publisher)
         self._user = broker.user
+        self._caught_up_lock = asyncio.Lock()
+        self._caught_up_asked = self._caught_up_to = 0
 
     def resume(self) -> None:
         """Start from the registry's store: the event types, tokens and quotas it kept, and the change
@@ -684,6 +687,19 @@ class ChangeLog:
     async def sync(self, *, timeout_s: float) -> None:
         """Return once every record written before this call has been applied."""
         await self._follower.sync(timeout_s=timeout_s)
+
+    async def caught_up(self, *, timeout_s: float) -> None:
+        """As :meth:`sync`, shared: whoever calls while a sync is under way waits for the next one, which
+        covers every caller before it began. A flood of callers (every event of a burst refused by a
+        schema) writes a marker to the log per round trip between them, not one each."""
+        self._caught_up_asked += 1
+        asked = self._caught_up_asked
+        async with self._caught_up_lock:
+            if self._caught_up_to >= asked:
+                return  # a sync begun after this call has finished meanwhile
+            covering = self._caught_up_asked
+            await self.sync(timeout_s=timeout_s)
+            self._caught_up_to = covering
 
     def _on_record(self, message: AbstractIncomingMessage) -> object:
         result = self._apply(message)

@@ -115,8 +115,8 @@ async def fan_out(handler: Handler, message: Delivery) -> bool:
     """Handle a lane message that came from ``events``; True when it was acked (every part settled),
     False when it was handed back to be given out again."""
     tenant, event_type = _tenant_and_type(message.routing_key)
-    parsed = handler.parse_event(message, tenant=tenant)
     targets = _targets(handler, message, tenant, event_type)
+    parsed = await handler.parse_event(message, tenant=tenant)
     if isinstance(parsed, inbound.Invalid):
         await handler.dead_letter_invalid(message, parsed, tenant=tenant, endpoints=targets)
         await handler.acks.ack(message)

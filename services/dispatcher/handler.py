@@ -40,7 +40,7 @@ from hookline.dispatcher.pacing import Pacer
 from hookline.dispatcher.settled import Settled
 from hookline.dispatcher.telemetry import Telemetry
 from hookline.shared import __version__, addressing, signing, topology
-from hookline.shared.amqp import BROKER_ERRORS, Publisher
+from hookline.shared.amqp import BROKER_ERRORS, CALL_TIMEOUT_S, Publisher
 from hookline.shared.control import BreakerCommand, BreakerState, BreakerView
 from hookline.shared.credentials import Credentials
 from hookline.shared.deadletters import dead_letter_message
@@ -283,7 +283,7 @@ class Handler:
             if not gate.users:
                 del self._lane_gates[endpoint.id]
 
-    def parse_event(self, message: Incoming, *, tenant: str) -> inbound.Inbound | inbound.Invalid:
+    async def parse_event(self, message: Incoming, *, tenant: str) -> inbound.Inbound | inbound.Invalid:
         """The event in a message for one of ``tenant``'s endpoints, checked (the catalog's schema too,
         on an event's first hop)."""
         parsed = inbound.parse(
@@ -296,9 +296,19 @@ class Handler:
             endpoint_tenant=tenant,
             max_bytes=self._settings.max_payload_bytes,
         )
-        if isinstance(parsed, inbound.Inbound) and message.exchange == topology.EVENTS_EXCHANGE:
-            return self._catalog_check(parsed)
-        return parsed
+        if not isinstance(parsed, inbound.Inbound) or message.exchange != topology.EVENTS_EXCHANGE:
+            return parsed
+        checked = self._catalog_check(parsed)
+        if isinstance(checked, inbound.Inbound):
+            return checked
+        # Refused by this replica's view of the catalog, which may be behind: an operator relaxed the
+        # schema, an ingest answered, and the upstream published at once. Read the log up to now first.
+        try:
+            await self._change_log.caught_up(timeout_s=CALL_TIMEOUT_S)
+        except BROKER_ERRORS as exc:  # refused by the view as it is: a dead letter, redrivable
+            log.warning("catalog_sync_failed", event_id=parsed.event.id, error=type(exc).__name__)
+            return checked
+        return self._catalog_check(parsed)
 
     async def _handle(
         self,
@@ -309,7 +319,7 @@ class Handler:
         probe: bool,
         lane: bool,
     ) -> bool:
-        parsed = parsed_before or self.parse_event(message, tenant=endpoint.tenant)
+        parsed = parsed_before or await self.parse_event(message, tenant=endpoint.tenant)
         if isinstance(parsed, inbound.Invalid):
             await self._dead_letter(
                 message, endpoint.id, endpoint.tenant, DeadLetterReason.INVALID_EVENT,

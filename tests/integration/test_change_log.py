@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -252,3 +253,31 @@ async def test_a_registry_kept_on_disk_resumes_where_it_was_and_keeps_following(
             assert log.applied_offset > offset_before
             await log.write(_upsert(_endpoint(4)), timeout_s=10)
             assert kept.get(_endpoint(4).id) is not None, "and follows on"
+
+
+async def test_callers_catching_up_at_once_share_their_markers_and_see_what_was_written_before(
+    amqp_url: str,
+) -> None:
+    """A dispatcher whose catalog refuses a whole burst of events reads the log up to now before each
+    refusal: fifty at once write two markers between them (the first caller's, then one for all who
+    came while it ran), not fifty, and each sees what another process wrote before it called."""
+    async with (
+        follow(amqp_url, registry.EndpointRegistry(), name="writer") as writer,
+        follow(amqp_url, registry.EndpointRegistry(), name="behind") as behind,
+    ):
+        await behind.sync(timeout_s=10)
+        before = behind.applied_offset
+        assert before is not None
+        relaxed = EventTypeInfo(
+            name="payment.captured", description="relaxed", created_at=NOW, updated_at=NOW
+        )
+        await writer.write_event_type(
+            EventTypeUpserted(change_id=new_id("chg"), at=NOW, event_type=relaxed), timeout_s=10
+        )
+        await asyncio.gather(*(behind.caught_up(timeout_s=10) for _ in range(50)))
+        known = behind.catalog.get("payment.captured")
+        assert known is not None
+        assert known.description == "relaxed"
+        assert behind.applied_offset is not None
+        # The type's record, and the two markers.
+        assert behind.applied_offset - before == 3
