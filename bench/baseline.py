@@ -1,7 +1,11 @@
 """The bare minimum a dispatcher must do, as a ceiling: consume a persistent message from a quorum
 queue, sign it, POST it with aiohttp, ack. No validation, no logging, no telemetry.
 
-Usage: python -m bench.baseline AMQP_URL N PREFETCH URL  → prints deliveries/s as JSON.
+Usage: python -m bench.baseline AMQP_URL N PREFETCH URL [backlog|live]  → prints deliveries/s as JSON.
+``backlog`` (the default) publishes the N messages first, then consumes them. ``live`` consumes while
+another process publishes: it prints ``ready`` once its consumer is attached, and the caller publishes
+the N messages (ids ``b<n>``) to the queue ``bench.baseline`` and rates the arrivals at its receiver, as
+it rates hookline's live runs.
 """
 
 from __future__ import annotations
@@ -21,20 +25,29 @@ import uvloop
 KEY = b"k" * 32
 
 
-async def main(amqp_url: str, count: int, prefetch: int, url: str) -> None:
-    connection = await aio_pika.connect_robust(amqp_url)
-    channel = await connection.channel()
-    queue = await channel.declare_queue("bench.baseline", durable=True, arguments={"x-queue-type": "quorum"})
-    await queue.purge()
-    body = json.dumps({"id": "x", "data": {"x": "a" * 1000}}).encode()
+QUEUE = "bench.baseline"
+BODY = json.dumps({"id": "x", "data": {"x": "a" * 1000}}).encode()
+
+
+async def publish(channel: aio_pika.abc.AbstractChannel, count: int) -> None:
+    """``count`` persistent messages to the queue, 500 confirms in flight at most."""
     pending = []
     for n in range(count):
-        message = aio_pika.Message(body, delivery_mode=aio_pika.DeliveryMode.PERSISTENT, message_id=f"b{n}")
-        pending.append(channel.default_exchange.publish(message, routing_key=queue.name))
+        message = aio_pika.Message(BODY, delivery_mode=aio_pika.DeliveryMode.PERSISTENT, message_id=f"b{n}")
+        pending.append(channel.default_exchange.publish(message, routing_key=QUEUE))
         if len(pending) >= 500:
             await asyncio.gather(*pending)
             pending = []
     await asyncio.gather(*pending)
+
+
+async def main(amqp_url: str, count: int, prefetch: int, url: str, mode: str) -> None:
+    connection = await aio_pika.connect_robust(amqp_url)
+    channel = await connection.channel()
+    queue = await channel.declare_queue(QUEUE, durable=True, arguments={"x-queue-type": "quorum"})
+    await queue.purge()
+    if mode == "backlog":
+        await publish(channel, count)
 
     consumer_channel = await connection.channel()
     await consumer_channel.set_qos(prefetch_count=prefetch)
@@ -63,6 +76,8 @@ async def main(amqp_url: str, count: int, prefetch: int, url: str) -> None:
 
         started = time.perf_counter()
         await consumer_queue.consume(on_message)
+        if mode == "live":
+            print("ready", flush=True)
         await done.wait()
         elapsed_s = time.perf_counter() - started
     await queue.delete(if_unused=False, if_empty=False)
@@ -71,4 +86,6 @@ async def main(amqp_url: str, count: int, prefetch: int, url: str) -> None:
 
 
 if __name__ == "__main__":
-    uvloop.run(main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]))
+    uvloop.run(
+        main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], (sys.argv[5:] or ["backlog"])[0])
+    )

@@ -9,6 +9,11 @@ inline, or handed to the endpoint's queue of its own once it was backlogged), an
 delivered. What the lane's neighbours wait is at most the first of these.
 
     .venv/bin/python -m bench.burst --burst 10000
+
+``--direct`` measures the best a burst could cost if it never passed through its lane (an isolated
+endpoint's queue bound to ``events`` directly, not built): the bench isolates the burst's endpoint
+before the burst, as a dispatcher would, and publishes the burst's events addressed to its queue of its
+own, one queue write each, as the broker would route them there.
 """
 
 from __future__ import annotations
@@ -29,7 +34,10 @@ import aio_pika
 from bench.lanes import QUORUM
 from bench.run import Services, events_exchange, percentile, start_sink, vhost
 from bench.slow_endpoints import log_lines, wait_for
-from hookline.shared import topology
+from hookline.shared import addressing, placement, registry, topology
+from hookline.shared.amqp import Broker, Publisher
+from hookline.shared.isolation import Isolation
+from hookline.shared.supervision import Supervisor
 
 
 def _same_lane(as_tenant: str, *, other: bool) -> str:
@@ -76,27 +84,57 @@ async def trickle(
             await asyncio.sleep(max(0.0, started + n / per_s - time.monotonic()))
 
 
-async def burst(amqp_url: str, count: int) -> dict[str, float]:
+async def burst(amqp_url: str, count: int, direct_to: tuple[str, str] | None) -> dict[str, float]:
+    """``direct_to``: (endpoint id, its queue of its own) to address each event to instead of ``events``."""
     sent: dict[str, float] = {}
     async with events_exchange(amqp_url) as exchange:
+        delivery = await exchange.channel.get_exchange(topology.DELAY_DELIVERY)
         slots = asyncio.Semaphore(500)
 
         async def one(n: int) -> None:
             async with slots:
                 event_id = f"evt_burst_{n}"
                 sent[event_id] = time.time()
-                await _publish(exchange, "burst", event_id, "burst.x")
+                if direct_to is None:
+                    await _publish(exchange, "burst", event_id, "burst.x")
+                    return
+                endpoint_id, queue = direct_to
+                copy = addressing.message(
+                    _body("burst", event_id, "burst.x"), event_id=event_id, endpoint_id=endpoint_id
+                )
+                await delivery.publish(copy, topology.delay_routing_key(0, queue))
 
         await asyncio.gather(*(one(n) for n in range(count)))
     return sent
 
 
-async def burst_elsewhere(amqp_url: str, count: int) -> dict[str, float]:
+async def isolated(amqp_url: str, endpoint_id: str) -> str:
+    """The endpoint given a queue of its own as a dispatcher gives one to a backlogged endpoint; its
+    name."""
+    supervisor = Supervisor()
+    async with Broker(amqp_url, name="bench-burst", connect_timeout_s=30) as broker:
+        publisher = Publisher(broker)
+        try:
+            change_log = await registry.follow(
+                broker, publisher, supervisor, registry.EndpointRegistry(), sync_timeout_s=30
+            )
+            endpoint = change_log.registry.get(endpoint_id)
+            assert endpoint is not None
+            isolation = Isolation(broker, change_log, max_queues=200, timeout_s=30)
+            assert await isolation.isolate(endpoint, placement.Reason.BACKLOGGED.value)
+            return change_log.registry.address(endpoint)
+        finally:
+            await supervisor.stop()
+            await publisher.close()
+
+
+async def burst_elsewhere(amqp_url: str, count: int, direct_to: tuple[str, str] | None) -> dict[str, float]:
     """:func:`burst` from a process of its own: 500 publishes in flight in this one would hold the
     trickle's publishes back (their confirms behind the burst's), and count that as hookline's latency."""
+    direct = ["--direct-to", ",".join(direct_to)] if direct_to else []
     process = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "bench.burst", "--publish-only", "--amqp-url", amqp_url, "--burst", str(count),
-        stdout=asyncio.subprocess.PIPE,
+        *direct, stdout=asyncio.subprocess.PIPE,
     )  # fmt: skip
     out, _ = await process.communicate()
     assert process.returncode == 0, "the burst's publisher failed"
@@ -141,7 +179,13 @@ async def lane_emptied(amqp_url: str, lane: str, after: asyncio.Event) -> float:
 
 
 async def run(
-    amqp_url: str, *, count: int, trickle_per_s: float, dispatchers: int, settings: dict[str, str]
+    amqp_url: str,
+    *,
+    count: int,
+    trickle_per_s: float,
+    dispatchers: int,
+    settings: dict[str, str],
+    direct: bool = False,
 ) -> dict[str, Any]:
     work = Path(tempfile.mkdtemp(prefix="hookline-burst-"))
     print(f"logs in {work}", flush=True)
@@ -151,6 +195,7 @@ async def run(
     try:
         services.start_ingest()
         services.start_monitor()
+        created: dict[str, str] = {}
         async with services.api() as api:
             for tenant, path, types in (
                 ("burst", "/burst", ["burst.*"]),
@@ -163,7 +208,9 @@ async def run(
                           "verify": False},
                 )  # fmt: skip
                 response.raise_for_status()
+                created[tenant] = response.json()["id"]
         services.start_dispatchers(dispatchers)
+        direct_to = (created["burst"], await isolated(amqp_url, created["burst"])) if direct else None
         async with broker_alone(amqp_url, elsewhere) as beside:
             stop = asyncio.Event()
             trickle_sent: dict[str, float] = {}
@@ -174,7 +221,7 @@ async def run(
             burst_started = time.time()
             published = asyncio.Event()
             emptied = asyncio.create_task(lane_emptied(amqp_url, topology.lane_of("burst"), published))
-            burst_sent = await burst_elsewhere(amqp_url, count)
+            burst_sent = await burst_elsewhere(amqp_url, count, direct_to)
             published.set()
             lane_empty_at = await asyncio.wait_for(emptied, 600)
             stop.set()
@@ -195,7 +242,9 @@ async def run(
                 found.append((at - sent[event_id]) * 1000)
         return found
 
-    result: dict[str, Any] = {"burst": count, "trickle_per_s": trickle_per_s, "lanes": topology.LANES}
+    result: dict[str, Any] = {
+        "burst": count, "trickle_per_s": trickle_per_s, "lanes": topology.LANES, "direct": direct,
+    }  # fmt: skip
     for path in ("/neighbour", "/elsewhere"):
         result[path.strip("/")] = _summary(latencies(path, trickle_sent, during=True))
     # The same trickle, taken from the broker by a bare consumer beside hookline: the broker's share.
@@ -239,10 +288,16 @@ def main() -> None:
         metavar="NAME=VALUE",
         help="a HOOKLINE_ setting for the services",
     )
+    parser.add_argument(
+        "--direct", action="store_true", help="the burst straight to its queue of its own (see above)"
+    )
     parser.add_argument("--publish-only", action="store_true", help=argparse.SUPPRESS)  # the burst's process
+    parser.add_argument("--direct-to", help=argparse.SUPPRESS)  # the burst's process: ENDPOINT_ID,QUEUE
     arguments = parser.parse_args()
     if arguments.publish_only:
-        print(json.dumps(asyncio.run(burst(arguments.amqp_url, arguments.burst))))
+        endpoint_id, _, queue = (arguments.direct_to or "").partition(",")
+        direct_to = (endpoint_id, queue) if queue else None
+        print(json.dumps(asyncio.run(burst(arguments.amqp_url, arguments.burst, direct_to))))
         return
     with vhost(arguments.amqp_url) as amqp_url:
         result = asyncio.run(
@@ -252,6 +307,7 @@ def main() -> None:
                 trickle_per_s=arguments.trickle_per_s,
                 dispatchers=arguments.dispatchers,
                 settings=dict(setting.split("=", 1) for setting in arguments.setting),
+                direct=arguments.direct,
             )
         )
     print(json.dumps(result, indent=2))

@@ -45,6 +45,8 @@ import aio_pika
 import httpx
 import uvloop
 
+import bench.baseline
+
 ROOT = Path(__file__).resolve().parents[1]
 HOOKLINE = str(Path(sys.executable).with_name("hookline"))
 TOKEN = "bench-token-0123456789abcdef"  # noqa: S105 - a throwaway token for a throwaway vhost
@@ -570,6 +572,31 @@ def baseline(amqp_url: str, work: Path, count: int, prefetch: int) -> dict[str, 
     return result
 
 
+async def live_baseline(amqp_url: str, work: Path, count: int, prefetch: int) -> dict[str, Any]:
+    """The bare loop consuming while this process fills its quorum queue, with confirms as hookline's
+    live runs are published, and rated as they are: from the first publish to the last arrival."""
+    sink = start_sink(work)
+    loop = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "bench.baseline", amqp_url, str(count), str(prefetch),
+        f"http://127.0.0.1:{sink.port}/", "live", stdout=subprocess.PIPE,
+    )  # fmt: skip
+    try:
+        assert loop.stdout is not None
+        await loop.stdout.readline()  # "ready": its consumer is attached
+        connection = await aio_pika.connect_robust(amqp_url)
+        async with connection:
+            channel = await connection.channel(publisher_confirms=True)
+            started = time.time()
+            await bench.baseline.publish(channel, count)
+        await asyncio.wait_for(loop.wait(), 600)
+    finally:
+        if loop.returncode is None:
+            loop.kill()
+        result = sink.finish()
+    sent = {f"b{n}": started for n in range(count)}
+    return {"mode": "live", "events": count, **rates(sent, result["arrivals"], backlog=False)}
+
+
 def celery(
     amqp_url: str, work: Path, count: int, pool: str, concurrency: int, *, backlog: bool
 ) -> dict[str, Any]:
@@ -632,11 +659,16 @@ async def main(arguments: argparse.Namespace) -> dict[str, Any]:
             ]
             # Interleaved repeats, the median reported: one run on a shared 2-core box can be ±20 %.
             bare_runs: list[dict[str, Any]] = []
+            bare_live_runs: list[dict[str, Any]] = []
             runs: dict[int, list[dict[str, Any]]] = {n: [] for n in range(len(configurations))}
             peer_runs: dict[int, list[dict[str, Any]]] = {n: [] for n in range(len(peers))}
             for repeat in range(arguments.repeat):
                 print(f"bare loop, run {repeat + 1}/{arguments.repeat}…", flush=True)
                 bare_runs.append(baseline(amqp_url, work, arguments.events, 64))
+                print(
+                    f"bare loop consuming while published, run {repeat + 1}/{arguments.repeat}…", flush=True
+                )
+                bare_live_runs.append(await live_baseline(amqp_url, work, arguments.events, 64))
                 for n, configuration in enumerate(configurations):
                     print(f"throughput {configuration}, run {repeat + 1}/{arguments.repeat}…", flush=True)
                     runs[n].append(
@@ -650,6 +682,7 @@ async def main(arguments: argparse.Namespace) -> dict[str, Any]:
                         celery(amqp_url, work, arguments.events, pool, concurrency, backlog=backlog)
                     )
             report["bare_loop"] = median_of(bare_runs)
+            report["bare_loop_live"] = median_of(bare_live_runs)
             report["throughput"] = [median_of(rows) for rows in runs.values()]
             report["celery"] = [median_of(rows) for rows in peer_runs.values()]
             # Latency on a system that is not saturated: half the rate 2 dispatchers sustained while
@@ -745,17 +778,25 @@ def rate_rows(report: dict[str, Any], bare: float) -> list[str]:
     def runs(row: dict[str, Any]) -> str:
         return f"median of {', '.join(f'{r:,}' for r in row['runs_per_s'])}"
 
+    bare_live = report.get("bare_loop_live", {}).get("deliveries_per_s")
+
+    def against(row: dict[str, Any]) -> str:
+        """The ratio to the bare loop, and for a live run to the bare loop consuming while published."""
+        rate = row["deliveries_per_s"]
+        live = row["mode"].startswith("live") and bare_live
+        return f"{rate / bare:.2f}" + (f" ({rate / bare_live:.2f} of the live loop)" if live else "")
+
     for row in report["throughput"]:
         rate = row["deliveries_per_s"]
         lines.append(
             f"| hookline, {row['dispatchers']} dispatcher(s), {row['events']:,} events, {row['mode']} "
-            f"| {rate:,.0f} deliveries/s ({runs(row)}) | {rate / bare:.2f} |"
+            f"| {rate:,.0f} deliveries/s ({runs(row)}) | {against(row)} |"
         )
     for row in report["celery"]:
         rate = row["deliveries_per_s"]
         lines.append(
             f"| Celery, {row['pool']} ×{row['concurrency']}, {row['events']:,} events, {row['mode']} "
-            f"| {rate:,.0f} deliveries/s ({runs(row)}) | {rate / bare:.2f} |"
+            f"| {rate:,.0f} deliveries/s ({runs(row)}) | {against(row)} |"
         )
     healthy = next(r for r in report["throughput"] if r["mode"] == "backlog" and r["dispatchers"] == 2)
     for row in report["throughput"]:
@@ -786,6 +827,12 @@ def markdown(report: dict[str, Any]) -> str:
         "|---|---|---|",
         f"| bare consume→sign→POST→ack loop (1 process) | {bare:,.0f} deliveries/s | 1.00 |",
     ]
+    if "bare_loop_live" in report:
+        live = report["bare_loop_live"]["deliveries_per_s"]
+        lines.append(
+            f"| the same loop consuming while another process fills its queue (confirms, 500 in flight) "
+            f"| {live:,.0f} deliveries/s | {live / bare:.2f} |"
+        )
     lines += rate_rows(report, bare)
     lat = report["latency"]
     lines.append(
