@@ -23,7 +23,7 @@ import structlog
 
 from hookline.shared import topology
 from hookline.shared.amqp import BROKER_ERRORS, CALL_TIMEOUT_S, Broker
-from hookline.shared.models import StoredEndpoint
+from hookline.shared.models import Placement, StoredEndpoint
 from hookline.shared.registry import ChangeLog
 
 log = structlog.get_logger(__name__)
@@ -46,48 +46,82 @@ class Isolation:
         registry = self._change_log.registry
         if registry.isolated(endpoint):
             return True
-        # Isolations under way here count too: a thousand endpoints turning slow at once (a receiver
-        # host saturated) would otherwise all pass the check before the first is placed, and declare a
-        # thousand queues at once.
+        await self._place(endpoint, reason, promoting=False)
+        now = registry.get(endpoint.id)
+        return now is not None and registry.isolated(now)
+
+    async def promote(self, endpoint: StoredEndpoint) -> bool:
+        """A held endpoint given the queue of its own it was refused, the bound having room again (the
+        leading monitor asks while what held it stands: a holding lane shares its head of line with the
+        other held endpoints); whether it has one now. What it left in the holding lane is forwarded to
+        its queue as it comes up."""
+        registry = self._change_log.registry
+        current = registry.placement(endpoint.id)
+        if current is None or not registry.held(endpoint) or self._past_bound(endpoint):
+            return False
+        await self._place(endpoint, current.reason, promoting=True)
+        return registry.has_queue(endpoint.id)
+
+    def _past_bound(self, endpoint: StoredEndpoint) -> bool:
+        """Whether a queue of its own for the endpoint would pass the bound. Isolations under way here
+        count too: a thousand endpoints turning slow at once (a receiver host saturated) would otherwise
+        all pass the check before the first is placed, and declare a thousand queues at once."""
+        registry = self._change_log.registry
         under_way = 0 if endpoint.id in self._isolating else len(self._isolating)
         # A queue of its own it still has (on its way out) is used again: it counts already.
-        held = registry.queued_count + under_way >= self._max_queues and not registry.has_queue(endpoint.id)
+        return registry.queued_count + under_way >= self._max_queues and not registry.has_queue(endpoint.id)
+
+    async def _place(self, endpoint: StoredEndpoint, reason: str, *, promoting: bool) -> None:
+        registry = self._change_log.registry
+        held = self._past_bound(endpoint)
         lock = self._isolating.setdefault(endpoint.id, asyncio.Lock())
         self._users[endpoint.id] += 1
         try:
             async with lock:
                 current = registry.get(endpoint.id)
                 if current is None:
-                    return False
-                if registry.isolated(current):
-                    return True  # another task here, or another replica, did it meanwhile
-                try:
-                    if not held:
-                        await self.ensure_queue(current)
-                    placed = await self._change_log.place(
-                        current.id, isolated=True, reason=reason, held=held, timeout_s=self._timeout_s,
-                        bound=None if held else self._max_queues,
-                    )  # fmt: skip
-                finally:
-                    if not held and not registry.has_queue(current.id):
-                        # Held after all (other processes' isolations reached the bound first, or
-                        # another's placement of it came first), or not placed (the write timed out, the
-                        # broker refused): the queue declared for it is empty, and no replica hands it
-                        # anything. Left, it would hold broker file handles the bound does not count
-                        # (at 100,000 endpoints under load: 219 such queues, the broker's handles full).
-                        held = True
-                        await self._remove_unused(current)
+                    return
+                if (registry.held(current) and not held) if promoting else not registry.isolated(current):
+                    placed = await self._write(current, reason, held=held)
+                    if placed is not None:  # this process's write, not another's that came first
+                        log.warning(
+                            "endpoint_isolated", endpoint_id=endpoint.id, reason=reason,
+                            held=not registry.has_queue(endpoint.id), promoted=promoting,
+                        )  # fmt: skip
+                # else another task here, or another replica, placed it meanwhile
         except BROKER_ERRORS as exc:  # the write timed out, or the broker refused
             log.warning("isolation_failed", endpoint_id=endpoint.id, reason=reason, error=type(exc).__name__)
-            return False
         finally:
             self._users[endpoint.id] -= 1
             if not self._users[endpoint.id]:
                 del self._users[endpoint.id], self._isolating[endpoint.id]
-        if placed is not None:  # this process's write, not another's that came first
-            log.warning("endpoint_isolated", endpoint_id=endpoint.id, reason=reason, held=held)
-        now = registry.get(endpoint.id)
-        return now is not None and registry.isolated(now)
+
+    async def _write(self, current: StoredEndpoint, reason: str, *, held: bool) -> Placement | None:
+        """Its queue declared (unless held), then its placement written; the placement as written, or
+        None when another writer's came first."""
+        registry = self._change_log.registry
+        decided_on = registry.placement(current.id)
+        try:
+            if not held:
+                await self.ensure_queue(current)
+            if registry.placement(current.id) is not decided_on and (held or not registry.held(current)):
+                # Placed meanwhile (another replica gave it a queue, the monitor took it back): that one
+                # stands. Written on top of it, this would be a second isolation decided on the state
+                # before (two replicas each logged one for the same endpoint, 0.2 s apart). Placed held
+                # meanwhile, it takes the queue declared for it, as a promotion would.
+                return None
+            return await self._change_log.place(
+                current.id, isolated=True, reason=reason, held=held, timeout_s=self._timeout_s,
+                bound=None if held else self._max_queues,
+            )  # fmt: skip
+        finally:
+            if not held and not registry.has_queue(current.id):
+                # Held after all (other processes' isolations reached the bound first, or another's
+                # placement of it came first), or not placed (the write timed out, the broker refused):
+                # the queue declared for it is empty, and no replica hands it anything. Left, it would
+                # hold broker file handles the bound does not count (at 100,000 endpoints under load: 219
+                # such queues, the broker's handles full).
+                await self._remove_unused(current)
 
     async def _remove_unused(self, endpoint: StoredEndpoint) -> None:
         name = topology.own_queue(endpoint)

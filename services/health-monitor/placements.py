@@ -17,7 +17,9 @@ An endpoint isolated again meanwhile (its queue declared and bound again by whoe
 this at whatever step it had reached. A *held* endpoint (isolated past the bound, in a shared holding
 lane) has no queue to remove: it goes back to its lane once the reason has gone, it has been held for
 the grace period and no live dispatcher holds a message of it; what is left of it in the holding lane
-or the delay queues is forwarded to its lane when it comes up.
+or the delay queues is forwarded to its lane when it comes up. One whose reason stands is given a queue
+of its own once the bound has room again (the holding lane shares its head of line with the other held
+endpoints); what it left in the holding lane is forwarded to that queue.
 """
 
 from __future__ import annotations
@@ -37,6 +39,10 @@ from hookline.shared.models import StoredEndpoint
 from hookline.shared.registry import ChangeLog
 
 log = structlog.get_logger(__name__)
+
+#: Held endpoints given a queue of their own per sweep once the bound has room (each a declare and a
+#: change-log write): a thousand held at once take their turns instead of stalling the sweep.
+PROMOTIONS_PER_SWEEP = 10
 
 #: Dynamic reasons that end by themselves once the queue has drained.
 _DRAINED_REASONS = {placement.Reason.BACKLOGGED.value, placement.Reason.REPLAY.value}
@@ -98,13 +104,21 @@ class Placements:
                     await self._place_inline(endpoint)
                 continue
             await self._leave(endpoint, depths[endpoint.id], empty_for_s)
+        await self._sweep_held()
+
+    async def _sweep_held(self) -> None:
+        """Held endpoints back to their lane once the reason has gone, or given a queue of their own
+        once the bound has room while it stands."""
         now = datetime.now(UTC)
-        for endpoint in registry.held_endpoints():
-            current = registry.placement(endpoint.id)
+        promoted = 0
+        for endpoint in self.change_log.registry.held_endpoints():
+            current = self.change_log.registry.placement(endpoint.id)
             assert current is not None
             held_for_s = (now - current.at).total_seconds()
             if not self._unacked_somewhere(endpoint.id) and self._back_to_lane(endpoint, held_for_s):
                 await self._place_inline(endpoint)
+            elif promoted < PROMOTIONS_PER_SWEEP and await self.isolation.promote(endpoint):
+                promoted += 1
 
     def _unacked_somewhere(self, endpoint_id: str) -> bool:
         """Whether a live dispatcher holds messages of the endpoint unacked (its last heartbeat says so)."""

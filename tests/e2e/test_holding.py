@@ -1,12 +1,14 @@
-"""Past the bound on queues of their own (here HOOKLINE_MAX_ENDPOINT_QUEUES=0: none at all), an endpoint
-that needs isolation is held in a shared holding lane, apart from the healthy lanes: its breaker's open
-time is waited out in the delay queues, one queue write per copy per wait rather than a hand-back
-every second, and nothing is lost."""
+"""Past the bound on queues of their own (here HOOKLINE_MAX_ENDPOINT_QUEUES=1, the one taken by an
+endpoint with a rate limit, which has a queue of its own by its definition), an endpoint that needs
+isolation is held in a shared holding lane, apart from the healthy lanes: its breaker's open time is
+waited out in the delay queues, one queue write per copy per wait rather than a hand-back every second,
+and nothing is lost; once the bound has room, it gets a queue of its own."""
 
 from __future__ import annotations
 
 import time
 from collections import Counter
+from typing import Any
 
 import httpx
 import pytest
@@ -24,7 +26,7 @@ pytestmark = pytest.mark.e2e
 
 COOLDOWN_S = 8
 SYSTEM_ENV = {
-    "HOOKLINE_MAX_ENDPOINT_QUEUES": "0",
+    "HOOKLINE_MAX_ENDPOINT_QUEUES": "1",
     "HOOKLINE_RETIRED_QUEUE_GRACE_S": "1",
     "HOOKLINE_QUEUE_POLL_S": "0.5",
     "HOOKLINE_TICK_S": "0.2",
@@ -45,6 +47,18 @@ async def counted(system: System, series: str) -> float:
                 if line.startswith(series + " "):
                     total += float(line.split()[-1])
     return total
+
+
+async def take_the_bound(system: System, who: str, receiver: Receiver) -> dict[str, Any]:
+    """An endpoint with a queue of its own by its definition (a rate limit), which fills the bound."""
+    blocker = system.add_endpoint(who, receiver.url("/limited"), ["nothing.*"], rate_limit_per_s=5)
+    assert await queue_exists(system.amqp_url, topology.endpoint_queue(blocker["id"]))
+    return blocker
+
+
+def delete(system: System, endpoint: dict[str, Any]) -> None:
+    with system.api() as api:
+        assert api.delete(f"/v1/endpoints/{endpoint['id']}").status_code == 204
 
 
 async def test_an_endpoint_held_past_the_bound_waits_out_its_breaker_and_loses_nothing(
@@ -68,6 +82,7 @@ async def test_an_endpoint_held_past_the_bound_waits_out_its_breaker_and_loses_n
         return Reply(status=204)
 
     receiver.responder = respond
+    blocker = await take_the_bound(system, who, receiver)
     endpoint = system.add_endpoint(who, receiver.url("/held"), ["h.*"])
     system.add_endpoint(who, receiver.url("/healthy"), ["h.*"])
     tripping = await publish(system, who, "h.x", [f"evt_trip_{n}" for n in range(3)])
@@ -123,6 +138,50 @@ async def test_an_endpoint_held_past_the_bound_waits_out_its_breaker_and_loses_n
     after = await publish(system, who, "h.x", ["evt_after_lane"])
     await receiver.wait_for_ids(set(after), path="/held", timeout_s=30)
     assert set(delivered) == {*tripping, *held, *after}
+    with system.api() as api:
+        dead = api.get("/v1/dead-letters", params={"endpoint_id": endpoint["id"]}).json()["data"]
+    assert dead == []
+    delete(system, blocker)
+
+
+async def test_a_held_endpoint_gets_a_queue_of_its_own_once_the_bound_has_room(
+    system: System, receiver: Receiver
+) -> None:
+    """Held with its breaker open, then the endpoint that filled the bound is deleted: the leading
+    monitor gives the held one the queue of its own it was refused (its reason still standing), and
+    what it had waiting reaches it from there once it answers, none dead-lettered."""
+    who = tenant()
+    failing = {"now": True}
+
+    def respond(request: Received) -> Reply:
+        return Reply(status=500 if request.path == "/promoted" and failing["now"] else 204)
+
+    receiver.responder = respond
+    blocker = await take_the_bound(system, who, receiver)
+    endpoint = system.add_endpoint(who, receiver.url("/promoted"), ["p.*"])
+    tripping = await publish(system, who, "p.x", [f"evt_ptrip_{n}" for n in range(3)])
+
+    async def health() -> dict[str, object] | None:
+        return await get_json(system.monitor, f"/v1/endpoints/{endpoint['id']}/health")
+
+    async def held_open() -> bool:
+        now = await health()
+        return now is not None and now["breaker_state"] == "open" and now["held"] is True
+
+    await eventually(held_open, timeout_s=60)
+    waiting = await publish(system, who, "p.x", [f"evt_pwait_{n}" for n in range(3)])
+    delete(system, blocker)
+
+    async def promoted() -> bool:
+        now = await health()
+        return now is not None and now["held"] is False and now["isolation"] == "breaker_open"
+
+    await eventually(promoted, timeout_s=60)
+    isolated = logged([system.monitor], "endpoint_isolated", endpoint_id=endpoint["id"])
+    assert [(entry["held"], entry["promoted"]) for entry in isolated] == [(True, False), (False, True)]
+    assert await queue_exists(system.amqp_url, topology.endpoint_queue(endpoint["id"]))
+    failing["now"] = False
+    await receiver.wait_for_ids({*tripping, *waiting}, path="/promoted", timeout_s=90)
     with system.api() as api:
         dead = api.get("/v1/dead-letters", params={"endpoint_id": endpoint["id"]}).json()["data"]
     assert dead == []

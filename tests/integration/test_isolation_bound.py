@@ -13,6 +13,7 @@ from support.factories import stored_endpoint
 
 from hookline.shared import topology
 from hookline.shared.isolation import Isolation
+from hookline.shared.models import StoredEndpoint
 
 pytestmark = pytest.mark.integration
 BOUND = 3
@@ -86,3 +87,71 @@ async def test_an_isolation_whose_write_fails_leaves_no_queue_behind(
         assert not await isolation.isolate(endpoint, "slow")
         assert not change_log.registry.has_queue(endpoint.id)
         assert not await queue_exists(amqp_url, topology.endpoint_queue(endpoint.id))
+
+
+async def test_a_held_endpoint_gets_a_queue_of_its_own_once_the_bound_has_room(amqp_url: str) -> None:
+    """Held past the bound, an endpoint shares its holding lane's head of line with the others held; once
+    a queue of its own is removed (its endpoint back in its lane, drained), one held endpoint takes the
+    room, and the next finds the bound full again."""
+    async with following(amqp_url, name="promotion") as (broker, change_log):
+        endpoints = [stored_endpoint(f"ep_{n:026d}", url=f"https://example.com/{n}") for n in range(5)]
+        await change_log.create_many(endpoints, timeout_s=10)
+        isolation = Isolation(broker, change_log, max_queues=BOUND, timeout_s=10)
+        for endpoint in endpoints:
+            assert await isolation.isolate(endpoint, "slow")
+        registry = change_log.registry
+        own = [e for e in endpoints if registry.has_queue(e.id)]
+        held = [e for e in endpoints if registry.held(e)]
+        assert (len(own), len(held)) == (BOUND, 2)
+        assert not await isolation.promote(held[0]), "promoted past the bound"
+        assert not await isolation.promote(own[0]), "an endpoint with a queue of its own is not held"
+
+        # The first one's queue removed, as the monitor removes a drained one (its endpoint back inline).
+        await change_log.place(own[0].id, isolated=False, reason="slow", timeout_s=10)
+        await change_log.place(own[0].id, isolated=False, reason="", queue_removed=True, timeout_s=10)
+        assert registry.queued_count == BOUND - 1
+
+        assert await isolation.promote(held[0])
+        assert registry.has_queue(held[0].id)
+        assert not registry.held(held[0])
+        assert registry.address(held[0]) == topology.endpoint_queue(held[0].id)
+        assert await queue_exists(amqp_url, topology.endpoint_queue(held[0].id))
+        placed = registry.placement(held[0].id)
+        assert placed is not None
+        assert placed.reason == "slow", "promoted for the reason it was held for"
+        assert not await isolation.promote(held[1]), "the bound is full again"
+        assert registry.held(held[1])
+        assert not await queue_exists(amqp_url, topology.endpoint_queue(held[1].id))
+
+
+async def test_an_isolation_placed_elsewhere_while_its_queue_is_declared_writes_nothing_more(
+    amqp_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two replicas find the same endpoint slow: the second's declare of its queue is slow, and the
+    first's placement reaches it meanwhile. Its own write would be a second isolation on top of the
+    first (or undo the monitor's taking it back): the first stands, alone."""
+    async with (
+        following(amqp_url, name="isolation-first") as (broker_a, log_a),
+        following(amqp_url, name="isolation-second") as (broker_b, log_b),
+    ):
+        endpoint = stored_endpoint("ep_" + "7" * 26, url="https://example.com/7")
+        await log_a.create_many([endpoint], timeout_s=10)
+        await log_b.sync(timeout_s=10)
+        first = Isolation(broker_a, log_a, max_queues=BOUND, timeout_s=10)
+        second = Isolation(broker_b, log_b, max_queues=BOUND, timeout_s=10)
+        declare = second.ensure_queue
+
+        async def declared_while_the_first_places_it(target: StoredEndpoint) -> None:
+            await declare(target)
+            assert await first.isolate(target, "slow")
+            await log_b.sync(timeout_s=10)
+
+        monkeypatch.setattr(second, "ensure_queue", declared_while_the_first_places_it)
+        assert await second.isolate(endpoint, "backlogged")
+        for change_log in (log_a, log_b):
+            await change_log.sync(timeout_s=10)
+            placed = change_log.registry.placement(endpoint.id)
+            assert placed is not None
+            assert (placed.generation, placed.reason) == (1, "slow"), "a second placement was written"
+        assert log_b.registry.has_queue(endpoint.id)
+        assert await queue_exists(amqp_url, topology.endpoint_queue(endpoint.id))
