@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from contextlib import asynccontextmanager
@@ -60,6 +61,9 @@ log = structlog.get_logger(__name__)
 _records: TypeAdapter[ChangeRecord] = TypeAdapter(ChangeRecord)
 _LEGACY_SYNC = b'{"kind":"sync"'
 LOOP = "endpoint-log"
+#: The least time between two of :meth:`ChangeLog.caught_up`'s markers: the log keeps every record for
+#: ever, and a flood of events refused by a schema must not grow it by hundreds a second.
+CAUGHT_UP_EVERY_S = 1.0
 #: (tenant, type) pairs whose matching endpoints are remembered; past it the memo starts over.
 _MATCHES_KEPT = 100_000
 #: Parsed endpoints kept by id, and by tenant (their sum): a few KiB each.
@@ -507,6 +511,7 @@ class ChangeLog:
         self._user = broker.user
         self._caught_up_lock = asyncio.Lock()
         self._caught_up_asked = self._caught_up_to = 0
+        self._caught_up_at_s = -CAUGHT_UP_EVERY_S
 
     def resume(self) -> None:
         """Start from the registry's store: the event types, tokens and quotas it kept, and the change
@@ -690,15 +695,18 @@ class ChangeLog:
 
     async def caught_up(self, *, timeout_s: float) -> None:
         """As :meth:`sync`, shared: whoever calls while a sync is under way waits for the next one, which
-        covers every caller before it began. A flood of callers (every event of a burst refused by a
-        schema) writes a marker to the log per round trip between them, not one each."""
+        covers every caller before it began, and syncs are ``CAUGHT_UP_EVERY_S`` apart at least. A flood
+        of callers (every event of a burst refused by a schema) writes a marker a second between them,
+        not one each."""
         self._caught_up_asked += 1
         asked = self._caught_up_asked
         async with self._caught_up_lock:
             if self._caught_up_to >= asked:
                 return  # a sync begun after this call has finished meanwhile
+            await asyncio.sleep(self._caught_up_at_s + CAUGHT_UP_EVERY_S - time.monotonic())
             covering = self._caught_up_asked
             await self.sync(timeout_s=timeout_s)
+            self._caught_up_at_s = time.monotonic()
             self._caught_up_to = covering
 
     def _on_record(self, message: AbstractIncomingMessage) -> object:

@@ -259,8 +259,8 @@ async def test_callers_catching_up_at_once_share_their_markers_and_see_what_was_
     amqp_url: str,
 ) -> None:
     """A dispatcher whose catalog refuses a whole burst of events reads the log up to now before each
-    refusal: fifty at once write two markers between them (the first caller's, then one for all who
-    came while it ran), not fifty, and each sees what another process wrote before it called."""
+    refusal: fifty at once write one marker between them, not fifty, fifty more after them one more, and
+    each sees what another process wrote before it called."""
     async with (
         follow(amqp_url, registry.EndpointRegistry(), name="writer") as writer,
         follow(amqp_url, registry.EndpointRegistry(), name="behind") as behind,
@@ -275,9 +275,10 @@ async def test_callers_catching_up_at_once_share_their_markers_and_see_what_was_
             EventTypeUpserted(change_id=new_id("chg"), at=NOW, event_type=relaxed), timeout_s=10
         )
         await asyncio.gather(*(behind.caught_up(timeout_s=10) for _ in range(50)))
+        await asyncio.gather(*(behind.caught_up(timeout_s=10) for _ in range(50)))
         known = behind.catalog.get("payment.captured")
         assert known is not None
         assert known.description == "relaxed"
         assert behind.applied_offset is not None
-        # The type's record, and the two markers.
+        # The type's record, and a marker for each fifty.
         assert behind.applied_offset - before == 3
