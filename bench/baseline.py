@@ -74,15 +74,15 @@ async def main(amqp_url: str, count: int, prefetch: int, url: str, mode: str) ->
             if delivered >= count:
                 done.set()
 
-        started = time.perf_counter()
+        started, cpu_started_s = time.perf_counter(), time.process_time()
         await consumer_queue.consume(on_message)
         if mode == "live":
             print("ready", flush=True)
         await done.wait()
-        elapsed_s = time.perf_counter() - started
+        elapsed_s, cpu_s = time.perf_counter() - started, time.process_time() - cpu_started_s
     await queue.delete(if_unused=False, if_empty=False)
     await connection.close()
-    print(json.dumps({"deliveries_per_s": count / elapsed_s}))
+    print(json.dumps({"deliveries_per_s": count / elapsed_s, "cpu_s": cpu_s}))
 
 
 if __name__ == "__main__":

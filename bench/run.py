@@ -116,6 +116,7 @@ class Services:
     ingest_port: int = 0
 
     settings: dict[str, str] = field(default_factory=dict)  # over the bench's own (below)
+    binary: str = HOOKLINE  # another version's `hookline` (its own venv): compared in the same run
 
     def env(self, **extra: str) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items() if not k.startswith("HOOKLINE_")}
@@ -134,7 +135,7 @@ class Services:
     def _spawn(self, command: str, port_variable: str, port: int, name: str) -> subprocess.Popen[bytes]:
         log = (self.work / f"{name}-{port}.log").open("wb")
         process = subprocess.Popen(
-            [HOOKLINE, command],
+            [self.binary, command],
             env=self.env(**{port_variable: str(port)}),
             stdout=log,
             stderr=subprocess.STDOUT,

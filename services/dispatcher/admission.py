@@ -99,6 +99,7 @@ class Ledger:
     slow_after_s: float
     in_use: dict[Share, int] = field(default_factory=lambda: dict.fromkeys(Share, 0))
     slow_count: int = 0  # endpoints standing slow
+    busy: int = 0  # endpoints with attempts in flight
     _endpoints: dict[str, _Endpoint] = field(default_factory=dict)
     _tickets: dict[int, Ticket] = field(default_factory=dict)  # in flight and not aged, oldest first
     _numbers: itertools.count[int] = field(default_factory=itertools.count)
@@ -116,6 +117,13 @@ class Ledger:
         """The endpoint's attempts holding slots now."""
         endpoint = self._endpoints.get(endpoint_id)
         return 0 if endpoint is None else endpoint.in_flight
+
+    def holds_more_than_its_share(self, endpoint_id: str) -> bool:
+        """Whether the endpoint holds more than twice an even share of the slots in use (between the
+        endpoints with attempts in flight): when the slots run out, such an endpoint keeps the others'
+        deliveries waiting, while endpoints that each hold their share are only a busy replica."""
+        in_flight = self.in_flight(endpoint_id)
+        return in_flight > 0 and in_flight * self.busy > 2 * sum(self.in_use.values())
 
     def limit(self, share: Share) -> int:
         return self.slow_slots if share is Share.SLOW else self.slots - self.slow_slots
@@ -146,6 +154,7 @@ class Ledger:
         if self.in_use[share] >= self.limit(share):
             return None
         self.in_use[share] += 1
+        self.busy += not endpoint.in_flight
         endpoint.in_flight += 1
         ticket = Ticket(next(self._numbers), endpoint_id, now_s, share)
         self._tickets[ticket.number] = ticket
@@ -159,6 +168,7 @@ class Ledger:
         endpoint = self._endpoints[ticket.endpoint_id]
         was_slow = endpoint.standing is Standing.SLOW
         endpoint.in_flight -= 1
+        self.busy -= not endpoint.in_flight
         endpoint.last_s = now_s
         if ticket.aged:
             endpoint.aged -= 1

@@ -20,6 +20,7 @@ import contextlib
 import math
 import random
 import time
+from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -104,22 +105,42 @@ def _order_key(event: Event, parsed: inbound.Inbound) -> int:
     return parsed.sequence or time.time_ns()
 
 
+def holds_its_lane(waiting: int, lane_waiting: int, *, per_endpoint: int) -> bool:
+    """Whether an endpoint whose lane deliveries waited too long for their turn is backlogged: its
+    waiting copies are most of what waits here from its lane, so the lane messages they keep unacked
+    hold the lane's window, and the other endpoints' events behind them in the broker wait for it (a
+    burst). When a load is spread over a tenant's endpoints (or each event goes to all of them), each
+    waits its share: nobody is behind anybody, and a queue of its own would only write each of their
+    events twice, on a machine already short of time."""
+    return waiting >= per_endpoint and 2 * waiting > lane_waiting
+
+
 class _LaneGate:
     """An endpoint's turns for deliveries from lanes: ``limit`` at once, the others waiting in order."""
 
-    __slots__ = ("_turns", "users")
+    __slots__ = ("_lanes_waiting", "_turns", "lane", "users", "waiting")
 
-    def __init__(self, limit: int) -> None:
+    def __init__(self, limit: int, lane: str, lanes_waiting: Counter[str]) -> None:
         self._turns = asyncio.Semaphore(limit)
+        self.lane = lane
         self.users = 0  # under way: waiting for a turn, or delivering
+        self.waiting = 0  # waiting for a turn
+        self._lanes_waiting = lanes_waiting  # the same, summed per lane over every endpoint's gate
 
     async def enter(self, *, timeout_s: float | None) -> bool:
         """Whether a turn was had within ``timeout_s``."""
+        self.waiting += 1
+        self._lanes_waiting[self.lane] += 1
         try:
             async with asyncio.timeout(timeout_s):
                 await self._turns.acquire()
         except TimeoutError:
             return False
+        finally:
+            self.waiting -= 1
+            self._lanes_waiting[self.lane] -= 1
+            if not self._lanes_waiting[self.lane]:
+                del self._lanes_waiting[self.lane]
         return True
 
     def leave(self) -> None:
@@ -162,6 +183,7 @@ class Handler:
         self._isolation = isolation
         # Deliveries from lanes under way per endpoint, and their turns (see _from_lane).
         self._lane_gates: dict[str, _LaneGate] = {}
+        self._lanes_waiting: Counter[str] = Counter()
         self._credentials = Credentials(sealer, client)
         self._tracing = tracing or Tracing("dispatcher", None)
         self._publisher = publisher
@@ -229,20 +251,23 @@ class Handler:
         self, endpoint: StoredEndpoint, message: Incoming, parsed: inbound.Inbound | None
     ) -> bool:
         """A lane message's delivery: at most ``HOOKLINE_PREFETCH_PER_ENDPOINT`` of an endpoint's go at
-        once here; one that waits for its turn longer than a quarter of the slow line means the endpoint
-        is backlogged (its events come faster than it answers), and it is isolated, so that a burst to it
-        is moved off the lane at the rate of queue writes rather than of its answers. (A tenant's twenty
-        endpoints each taking their share of the same events wait for each other no longer than that.)"""
+        once here. One that waits for its turn longer than a quarter of the slow line, for an endpoint
+        whose waiting copies hold its lane (:func:`holds_its_lane`), means the endpoint is backlogged:
+        it is isolated, so that a burst to it is moved off the lane at the rate of queue writes rather
+        than of its answers."""
         gate = self._lane_gates.get(endpoint.id)
         if gate is None:
-            gate = self._lane_gates[endpoint.id] = _LaneGate(self._settings.prefetch_per_endpoint)
+            lane = topology.lane_of(endpoint.tenant)
+            gate = self._lane_gates[endpoint.id] = _LaneGate(
+                self._settings.prefetch_per_endpoint, lane, self._lanes_waiting
+            )
         gate.users += 1
         try:
             if not await gate.enter(timeout_s=self._settings.slow_attempt_s / 4):
-                if await self._isolate(endpoint, "backlogged"):
+                if self._holds_its_lane(gate) and await self._isolate(endpoint, "backlogged"):
                     await self.hand_on(message, endpoint, reason="backlogged")
                     return False
-                await gate.enter(timeout_s=None)  # no queue of its own to be had: its turn, then
+                await gate.enter(timeout_s=None)  # its lane's fair share, or no queue to be had
             try:
                 return await self._handle(endpoint, message, parsed, probe=False, lane=True)
             finally:
@@ -251,6 +276,14 @@ class Handler:
             gate.users -= 1
             if not gate.users:
                 del self._lane_gates[endpoint.id]
+
+    def _holds_its_lane(self, gate: _LaneGate) -> bool:
+        # This copy waits no more, yet it is one of the endpoint's: counted on both sides.
+        return holds_its_lane(
+            gate.waiting + 1,
+            self._lanes_waiting[gate.lane] + 1,
+            per_endpoint=self._settings.prefetch_per_endpoint,
+        )
 
     async def _from_holding(self, endpoint: StoredEndpoint, message: Incoming, *, probe: bool) -> bool:
         """A copy in a holding lane: its endpoint is isolated past the bound on queues of their own, and
@@ -267,7 +300,10 @@ class Handler:
             return False
         gate = self._lane_gates.get(endpoint.id)
         if gate is None:
-            gate = self._lane_gates[endpoint.id] = _LaneGate(self._settings.prefetch_per_endpoint)
+            lane = topology.holding_of(endpoint.id)
+            gate = self._lane_gates[endpoint.id] = _LaneGate(
+                self._settings.prefetch_per_endpoint, lane, self._lanes_waiting
+            )
         gate.users += 1
         try:
             if not await gate.enter(timeout_s=MAX_SLOT_WAIT_S):
@@ -367,15 +403,19 @@ class Handler:
         """A connection slot for the attempt (admission.py); None when the message was handled instead:
         put off (no slot within MAX_SLOT_WAIT_S, or a 429 pause began while it waited), handed back
         (its breaker opened while it waited), or, from a lane, handed on to the endpoint's queue of its
-        own (no slot within HOOKLINE_SLOW_ATTEMPT_S, the endpoint slow or holding slots itself)."""
+        own (no slot within HOOKLINE_SLOW_ATTEMPT_S, the endpoint slow or holding more than its share of
+        them)."""
         max_wait_s = self._settings.slow_attempt_s if lane else MAX_SLOT_WAIT_S
         ticket = await self.admission.acquire(endpoint.id, max_wait_s=max_wait_s)
         ledger = self.admission.ledger
-        its_own = ledger.standing(endpoint.id) is Standing.SLOW or ledger.in_flight(endpoint.id) > 0
+        its_own = ledger.standing(endpoint.id) is Standing.SLOW or ledger.holds_more_than_its_share(
+            endpoint.id
+        )
         if ticket is None and lane and not its_own:
-            # The slots are taken by other endpoints: this replica is busy, not this endpoint slow.
-            # Isolating it would only write its copy once more (at a hundred thousand endpoints with one
-            # event each, a saturated receiver host made it twenty thousand isolations at once).
+            # The slots are taken by other endpoints, or by many alike: this replica is busy, not this
+            # endpoint slow or hogging them. Isolating it would only write its copy once more (at a
+            # hundred thousand endpoints with one event each, a saturated receiver host made it twenty
+            # thousand isolations at once).
             ticket = await self.admission.acquire(endpoint.id, max_wait_s=MAX_SLOT_WAIT_S - max_wait_s)
         if ticket is None:
             slow = ledger.standing(endpoint.id) is Standing.SLOW

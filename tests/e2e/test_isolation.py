@@ -2,7 +2,8 @@
 one of hookline's own connections never counts against an attempt's timeout.
 
 Each dispatcher here has four attempt slots (one of them the slow share) and finds an endpoint slow
-after half a second: scaled down from 512 and 2 s, the same proportions as the defaults.
+after half a second: scaled down from 512 and 2 s, the same proportions as the defaults; it holds 16
+messages of a lane and delivers two of an endpoint's at once (256 and 32 by default).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from typing import Any
 
 import httpx
 import pytest
+from support.amqp import event, publish_events_at_once
 from support.logs import logged
 from support.monitoring import get_json, publish
 from support.receiver import Received, Receiver, Reply
@@ -23,6 +25,8 @@ SYSTEM_ENV = {
     "HOOKLINE_HTTP_MAX_CONNECTIONS": "4",
     "HOOKLINE_SLOW_SHARE": "0.25",
     "HOOKLINE_SLOW_ATTEMPT_S": "0.5",
+    "HOOKLINE_LANE_PREFETCH": "16",
+    "HOOKLINE_PREFETCH_PER_ENDPOINT": "2",
 }
 SLOW_ANSWER_S = 1.2
 
@@ -115,10 +119,73 @@ async def test_a_replica_busy_with_answering_endpoints_isolates_none_of_them(
         return got >= {f"/busy{n}" for n in range(40)}
 
     await eventually(everyone_got_it, timeout_s=60)
-    ids = {endpoint["id"] for endpoint in endpoints}
-    backlogged = [
+    assert isolated_as(system, "backlogged", {endpoint["id"] for endpoint in endpoints}) == []
+
+
+def isolated_as(system: System, reason: str, ids: set[str]) -> list[str]:
+    return [
         line["endpoint_id"]
         for line in logged(system.dispatchers, "endpoint_isolated")
-        if line["endpoint_id"] in ids and line["reason"] == "backlogged"
+        if line["endpoint_id"] in ids and line["reason"] == reason
     ]
-    assert backlogged == []
+
+
+async def test_a_burst_to_one_endpoint_is_moved_off_its_lane(system: System, receiver: Receiver) -> None:
+    """Sixty events at once to one endpoint that answers in 50 ms: two of its copies go at a time on
+    each dispatcher, the others wait for their turn and are all that waits from the tenant's lane, so
+    they hold the lane: the endpoint is backlogged, gets a queue of its own, and the burst leaves the
+    lane; its neighbour (the same tenant, another type) gets its event, and the burst arrives whole."""
+
+    def respond(request: Received) -> Reply:
+        return Reply(delay_s=0.05) if request.path == "/burst" else Reply()
+
+    receiver.responder = respond
+    who = tenant()
+    burst = system.add_endpoint(who, receiver.url("/burst"), ["burst.*"])
+    system.add_endpoint(who, receiver.url("/calm"), ["calm.*"])
+    ids = [f"evt_burst_{n}" for n in range(60)]
+    await publish_events_at_once(system.amqp_url, [event(who, "burst.go", i) for i in ids], f"{who}.burst.go")
+
+    async def isolated() -> bool:
+        return isolated_as(system, "backlogged", {burst["id"]}) != []
+
+    await eventually(isolated, timeout_s=30)
+    [calm_id] = await publish(system, who, "calm.go", ["evt_calm"])
+
+    async def delivered() -> bool:
+        return calm_id in ids_at(receiver, "/calm") and set(ids_at(receiver, "/burst")) == set(ids)
+
+    await eventually(delivered, timeout_s=60)
+
+
+async def test_a_load_spread_over_a_tenants_endpoints_isolates_none_of_them(
+    system: System, receiver: Receiver
+) -> None:
+    """Six endpoints of a tenant each get the same thirty events at once (a lane message each, fanned
+    out to all six) and answer in 0.1 s: their copies wait for their turn far past the backlog line, and
+    for the three answering slots, but each endpoint waits its share of its lane and holds its share of
+    the slots. Nobody is behind anybody: none is isolated (a queue of its own each would only write
+    every event twice), and every endpoint gets every event."""
+
+    def respond(request: Received) -> Reply:
+        return Reply(delay_s=0.1) if request.path.startswith("/spread") else Reply()
+
+    receiver.responder = respond
+    who = tenant()
+    endpoints = [system.add_endpoint(who, receiver.url(f"/spread{n}"), ["spread.*"]) for n in range(6)]
+    ids = [f"evt_spread_{n}" for n in range(30)]
+    await publish_events_at_once(
+        system.amqp_url, [event(who, "spread.go", i) for i in ids], f"{who}.spread.go"
+    )
+
+    async def everyone_got_everything() -> bool:
+        return all(set(ids_at(receiver, f"/spread{n}")) == set(ids) for n in range(6))
+
+    await eventually(everyone_got_everything, timeout_s=60)
+    spread = {endpoint["id"] for endpoint in endpoints}
+    assert isolated_as(system, "backlogged", spread) == []
+    assert isolated_as(system, "slow", spread) == []
+
+
+def ids_at(receiver: Receiver, path: str) -> set[str]:
+    return {r.headers["webhook-id"] for r in receiver.requests if r.path == path}

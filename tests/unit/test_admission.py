@@ -71,6 +71,31 @@ def test_a_new_endpoint_has_one_attempt_at_a_time_until_it_answers() -> None:
     assert [book.start("ep", now_s=0.02) is not None for _ in range(3)] == [True] * 3
 
 
+@pytest.mark.parametrize(
+    ("held", "holds_more"),
+    [
+        ({"ep": 1}, False),  # alone: all it holds is its share
+        ({"ep": 3, "a": 3}, False),  # alike: a busy replica, nobody hogging
+        ({"ep": 1, "a": 2, "b": 3}, False),
+        ({"ep": 4, "a": 1}, False),  # two endpoints: twice an even share is all of them
+        ({"ep": 4, "a": 1, "b": 1}, False),  # twice the even share (2 of 6), not more
+        ({"ep": 6, "a": 1, "b": 1}, True),  # 6 of 8 between three
+        ({"ep": 8, **{f"e{n}": 1 for n in range(8)}}, True),  # a burst among endpoints with one each
+        ({"ep": 0, "a": 6}, False),  # none of them
+    ],
+)
+def test_an_endpoint_holds_more_than_its_share_of_the_slots_in_use(
+    held: dict[str, int], holds_more: bool
+) -> None:
+    book = ledger(slots=24, slow_slots=2)
+    for endpoint_id, count in held.items():
+        answered(book, endpoint_id, took_s=0.01)  # heard from: no probation
+        for _ in range(count):
+            assert book.start(endpoint_id, now_s=1.0) is not None
+    assert book.busy == sum(1 for count in held.values() if count)
+    assert book.holds_more_than_its_share("ep") is holds_more
+
+
 def test_slow_endpoints_start_attempts_only_in_their_share() -> None:
     book = ledger(slots=8, slow_slots=2)
     for n in range(3):
