@@ -46,6 +46,7 @@ import httpx
 import uvloop
 
 import bench.baseline
+from bench import versions
 
 ROOT = Path(__file__).resolve().parents[1]
 HOOKLINE = str(Path(sys.executable).with_name("hookline"))
@@ -628,70 +629,97 @@ def median_of(rows: list[dict[str, Any]]) -> dict[str, Any]:
     return median
 
 
+async def delivery_rates(
+    arguments: argparse.Namespace,
+    report: dict[str, Any],
+    amqp_url: str,
+    work: Path,
+    compared: dict[str, Services],
+) -> None:
+    """The bare loops, hookline's configurations (each version in ``compared``) and the peer, interleaved
+    and repeated, the medians into ``report``; then the latency at half the live rate."""
+    configurations: list[dict[str, Any]] = [
+        {"dispatchers": 1, "backlog": True},
+        {"dispatchers": 2, "backlog": True},
+        {"dispatchers": 4, "backlog": True},
+        {"dispatchers": 2, "backlog": True, "monitor": True},
+        {"dispatchers": 2, "backlog": True, "failing": True},
+        {"dispatchers": 2, "backlog": True, "fanout": True, "endpoints": 20},
+        {"dispatchers": 2, "backlog": False, "fanout": True, "endpoints": 20},
+        {"dispatchers": 1, "backlog": False},
+        {"dispatchers": 2, "backlog": False},
+    ]
+    peers = [
+        (pool, concurrency, backlog)
+        for pool, concurrency in (("threads", 64), ("prefork", 8))
+        for backlog in (True, False)
+    ]
+    # Interleaved repeats, the median reported: one run on a shared 2-core box can be ±20 %.
+    bare_runs: list[dict[str, Any]] = []
+    bare_live_runs: list[dict[str, Any]] = []
+    runs: dict[tuple[str, int], list[dict[str, Any]]] = {
+        (version, n): [] for version in compared for n in range(len(configurations))
+    }
+    peer_runs: dict[int, list[dict[str, Any]]] = {n: [] for n in range(len(peers))}
+    for repeat in range(arguments.repeat):
+        print(f"bare loop, run {repeat + 1}/{arguments.repeat}…", flush=True)
+        bare_runs.append(baseline(amqp_url, work, arguments.events, 64))
+        print(f"bare loop consuming while published, run {repeat + 1}/{arguments.repeat}…", flush=True)
+        bare_live_runs.append(await live_baseline(amqp_url, work, arguments.events, 64))
+        for n, configuration in enumerate(configurations):
+            for version, each in compared.items():
+                print(
+                    f"throughput {configuration} ({version}), run {repeat + 1}/{arguments.repeat}…",
+                    flush=True,
+                )
+                runs[version, n].append(
+                    await throughput(each, work, count=arguments.events, **{"endpoints": 10, **configuration})
+                )
+        for n, (pool, concurrency, backlog) in enumerate(peers):
+            print(f"celery {pool} ×{concurrency}, backlog={backlog}, run {repeat + 1}…", flush=True)
+            peer_runs[n].append(celery(amqp_url, work, arguments.events, pool, concurrency, backlog=backlog))
+    report["bare_loop"] = median_of(bare_runs)
+    report["bare_loop_live"] = median_of(bare_live_runs)
+    report["throughput"] = [median_of(rows) for (version, _), rows in runs.items() if version == "this"]
+    if "before" in compared:
+        report["throughput_before"] = [
+            median_of(rows) for (version, _), rows in runs.items() if version == "before"
+        ]
+    report["celery"] = [median_of(rows) for rows in peer_runs.values()]
+    # Latency on a system that is not saturated: half the rate 2 dispatchers sustained while
+    # events were published.
+    live = next(r for r in report["throughput"] if r["dispatchers"] == 2 and r["mode"] == "live")
+    half_rate = int(live["deliveries_per_s"] / 2)
+    print(f"latency at {half_rate}/s…", flush=True)
+    report["latency"] = await latency(compared["this"], work, half_rate, arguments.latency_s, 10)
+    if "before" in compared:
+        print(f"latency at {half_rate}/s (before)…", flush=True)
+        report["latency_before"] = await latency(compared["before"], work, half_rate, arguments.latency_s, 10)
+
+
 async def main(arguments: argparse.Namespace) -> dict[str, Any]:
     report: dict[str, Any] = {
         "started_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "machine": machine(),
     }
-    with vhost(arguments.amqp_url) as amqp_url:
+    before = versions.hookline_of(arguments.before) if arguments.before else None
+    with vhost(arguments.amqp_url) as amqp_url, contextlib.ExitStack() as stack:
         work = Path(tempfile.mkdtemp(prefix="hookline-bench-"))
         print(f"logs in {work}", flush=True)
         if not arguments.quick:
             print("clients…", flush=True)
             report["clients"] = clients(work, arguments.client_requests, 32)
         services = Services(amqp_url, work)
-        services.start_ingest()
+        # The version before, if asked for: its own vhost and ingest, each of its runs beside this one's.
+        compared = {"this": services}
+        if before is not None:
+            report["before"] = {"ref": arguments.before, "commit": versions.commit_of(arguments.before)}
+            before_url = stack.enter_context(vhost(arguments.amqp_url))
+            compared["before"] = Services(before_url, work, binary=before)
+        for each in compared.values():
+            each.start_ingest()
         try:
-            configurations: list[dict[str, Any]] = [
-                {"dispatchers": 1, "backlog": True},
-                {"dispatchers": 2, "backlog": True},
-                {"dispatchers": 4, "backlog": True},
-                {"dispatchers": 2, "backlog": True, "monitor": True},
-                {"dispatchers": 2, "backlog": True, "failing": True},
-                {"dispatchers": 2, "backlog": True, "fanout": True, "endpoints": 20},
-                {"dispatchers": 2, "backlog": False, "fanout": True, "endpoints": 20},
-                {"dispatchers": 1, "backlog": False},
-                {"dispatchers": 2, "backlog": False},
-            ]
-            peers = [
-                (pool, concurrency, backlog)
-                for pool, concurrency in (("threads", 64), ("prefork", 8))
-                for backlog in (True, False)
-            ]
-            # Interleaved repeats, the median reported: one run on a shared 2-core box can be ±20 %.
-            bare_runs: list[dict[str, Any]] = []
-            bare_live_runs: list[dict[str, Any]] = []
-            runs: dict[int, list[dict[str, Any]]] = {n: [] for n in range(len(configurations))}
-            peer_runs: dict[int, list[dict[str, Any]]] = {n: [] for n in range(len(peers))}
-            for repeat in range(arguments.repeat):
-                print(f"bare loop, run {repeat + 1}/{arguments.repeat}…", flush=True)
-                bare_runs.append(baseline(amqp_url, work, arguments.events, 64))
-                print(
-                    f"bare loop consuming while published, run {repeat + 1}/{arguments.repeat}…", flush=True
-                )
-                bare_live_runs.append(await live_baseline(amqp_url, work, arguments.events, 64))
-                for n, configuration in enumerate(configurations):
-                    print(f"throughput {configuration}, run {repeat + 1}/{arguments.repeat}…", flush=True)
-                    runs[n].append(
-                        await throughput(
-                            services, work, count=arguments.events, **{"endpoints": 10, **configuration}
-                        )
-                    )
-                for n, (pool, concurrency, backlog) in enumerate(peers):
-                    print(f"celery {pool} ×{concurrency}, backlog={backlog}, run {repeat + 1}…", flush=True)
-                    peer_runs[n].append(
-                        celery(amqp_url, work, arguments.events, pool, concurrency, backlog=backlog)
-                    )
-            report["bare_loop"] = median_of(bare_runs)
-            report["bare_loop_live"] = median_of(bare_live_runs)
-            report["throughput"] = [median_of(rows) for rows in runs.values()]
-            report["celery"] = [median_of(rows) for rows in peer_runs.values()]
-            # Latency on a system that is not saturated: half the rate 2 dispatchers sustained while
-            # events were published.
-            live = next(r for r in report["throughput"] if r["dispatchers"] == 2 and r["mode"] == "live")
-            half_rate = int(live["deliveries_per_s"] / 2)
-            print(f"latency at {half_rate}/s…", flush=True)
-            report["latency"] = await latency(services, work, half_rate, arguments.latency_s, 10)
+            await delivery_rates(arguments, report, amqp_url, work, compared)
             if arguments.quick:
                 return report
             print("delay accuracy…", flush=True)
@@ -708,7 +736,8 @@ async def main(arguments: argparse.Namespace) -> dict[str, Any]:
             else:
                 report["memory"] = await memory(services, work, 1000)
         finally:
-            services.stop_all()
+            for each in compared.values():
+                each.stop_all()
     from bench import slow_endpoints
 
     # After the other vhost is gone: 220 endpoint queues need most of a stock broker's 927 file handles.
@@ -787,12 +816,19 @@ def rate_rows(report: dict[str, Any], bare: float) -> list[str]:
         live = row["mode"].startswith("live") and bare_live
         return f"{rate / bare:.2f}" + (f" ({rate / bare_live:.2f} of the live loop)" if live else "")
 
-    for row in report["throughput"]:
+    before = report.get("before", {}).get("ref")
+    for n, row in enumerate(report["throughput"]):
         rate = row["deliveries_per_s"]
         lines.append(
             f"| hookline, {row['dispatchers']} dispatcher(s), {row['events']:,} events, {row['mode']} "
             f"| {rate:,.0f} deliveries/s ({runs(row)}) | {against(row)} |"
         )
+        if before:
+            then = report["throughput_before"][n]
+            lines.append(
+                f"| ↳ the same, hookline as of {before} | {then['deliveries_per_s']:,.0f} deliveries/s "
+                f"({runs(then)}; this version {rate / then['deliveries_per_s']:.2f}× of it) | {against(then)} |"
+            )
     for row in report["celery"]:
         rate = row["deliveries_per_s"]
         lines.append(
@@ -818,6 +854,24 @@ def rate_rows(report: dict[str, Any], bare: float) -> list[str]:
     return lines
 
 
+def latency_rows(report: dict[str, Any]) -> list[str]:
+    """The publish→delivery latency, and the version before's at the same rate when it ran."""
+    lines: list[str] = []
+    for key, whose in (
+        ("latency", ""),
+        ("latency_before", f", hookline as of {report.get('before', {}).get('ref')}"),
+    ):
+        if key not in report:
+            continue
+        lat = report[key]
+        lines.append(
+            f"| publish→delivery latency at {lat['offered_per_s']}/s offered, 2 dispatchers{whose} | p50 "
+            f"{lat['p50_ms']:.1f} ms, p95 {lat['p95_ms']:.1f} ms, p99 {lat['p99_ms']:.1f} ms "
+            f"({lat['delivered']:,}/{lat['events']:,}) | |"
+        )
+    return lines
+
+
 def markdown(report: dict[str, Any]) -> str:
     bare = report["bare_loop"]["deliveries_per_s"]
     lines = [
@@ -835,11 +889,7 @@ def markdown(report: dict[str, Any]) -> str:
             f"| {live:,.0f} deliveries/s | {live / bare:.2f} |"
         )
     lines += rate_rows(report, bare)
-    lat = report["latency"]
-    lines.append(
-        f"| publish→delivery latency at {lat['offered_per_s']}/s offered, 2 dispatchers | p50 {lat['p50_ms']:.1f} ms, "
-        f"p95 {lat['p95_ms']:.1f} ms, p99 {lat['p99_ms']:.1f} ms ({lat['delivered']:,}/{lat['events']:,}) | |"
-    )
+    lines += latency_rows(report)
     mem = report.get("memory", {"skipped": "--quick"})
     if "skipped" in mem:
         lines.append(f"| dispatcher RSS with 1,000 endpoints | skipped: {mem['skipped']} | |")
@@ -934,6 +984,12 @@ if __name__ == "__main__":
             "HOOKLINE_BENCH_POSTGRES_URL", "postgresql://postgres@127.0.0.1:5432/postgres"
         ),
         help="a PostgreSQL user that may create databases (the outbox relay's benchmark)",
+    )
+    parser.add_argument(
+        "--before",
+        metavar="REF",
+        help="also run hookline as of this git commit (installed once into bench/.versions/), each of "
+        "its delivery-rate runs and its latency beside this version's, in a vhost of its own",
     )
     parser.add_argument(
         "--quick",
