@@ -412,6 +412,15 @@ class EndpointDrained(Model):
     endpoint_id: EndpointId
 
 
+class DirectRoute(Model):
+    """An isolated endpoint's queue of its own bound to ``events`` for the endpoint's patterns, and its
+    lane no longer bound for them: its events reach it without passing through the lane
+    (:mod:`hookline.health_monitor.direct`)."""
+
+    queue: str = Field(max_length=255, description="the queue of its own bound (its generation then)")
+    patterns: tuple[TypePattern, ...] = Field(min_length=1, max_length=100)
+
+
 class Placement(Model):
     """Where an endpoint is delivered from, as far as it is decided at run time (its options and status
     decide the rest: :mod:`hookline.shared.placement`): from its lane, or from a queue of its own."""
@@ -426,16 +435,20 @@ class Placement(Model):
     # The writer's bound on queues of their own: applied where the change log already has that many (other
     # processes' isolations came first), the placement holds the endpoint instead, on every replica alike.
     bound: int | None = Field(None, ge=0)
+    # Its queue of its own bound to ``events`` directly (only ever while isolated with one).
+    direct: DirectRoute | None = None
 
     @model_serializer(mode="wrap")
     def _written(self, write: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        """Without ``held`` and ``bound`` unless set: a version before holding lanes refuses fields it
+        """Without ``held``, ``bound`` and ``direct`` unless set: a version before them refuses fields it
         does not know (it would skip every placement record), and reads one without them as before."""
         written: dict[str, Any] = write(self)
         if not self.held:
             written.pop("held", None)
         if self.bound is None:
             written.pop("bound", None)
+        if self.direct is None:
+            written.pop("direct", None)
         return written
 
     # Written by the leading monitor once it has removed the endpoint's queue of its own (empty, and no

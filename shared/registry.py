@@ -34,6 +34,7 @@ from hookline.shared.amqp import Broker, Publisher
 from hookline.shared.ids import new_id
 from hookline.shared.models import (
     ChangeRecord,
+    DirectRoute,
     EndpointDeleted,
     EndpointDrained,
     EndpointStatus,
@@ -406,15 +407,33 @@ class EndpointRegistry:
             self._notify(gone[0], None)  # its patterns are no longer needed for it
 
     def patterns_needed(self, tenant: str) -> set[str]:
-        """The patterns the tenant's lane must stay bound for: those of its endpoints, and of those deleted
-        whose lane has not passed the fence yet (their events still become dead letters)."""
-        return {
-            pattern
-            for endpoints in (self._tenant(tenant), self._deleting.get(tenant, {}))
-            for endpoint in endpoints.values()
-            if endpoint.laned
-            for pattern in endpoint.event_types
-        }
+        """The patterns the tenant's lane must stay bound for: those of its endpoints (but those an
+        endpoint's queue of its own is bound to ``events`` for: :meth:`lane_patterns`), and of those
+        deleted whose lane has not passed the fence yet (their events still become dead letters)."""
+        live = (p for e in self._tenant(tenant).values() if e.laned for p in self.lane_patterns(e))
+        deleting = (p for e in self._deleting.get(tenant, {}).values() if e.laned for p in e.event_types)
+        return {*live, *deleting}
+
+    def lane_patterns(self, endpoint: StoredEndpoint) -> list[str]:
+        """The endpoint's patterns its lane must be bound for: all of them, but those its current queue of
+        its own is bound to ``events`` for (:meth:`direct`)."""
+        route = self.direct(endpoint)
+        if route is None or route.queue != topology.own_queue(endpoint) or not self.has_queue(endpoint.id):
+            return endpoint.event_types
+        return [pattern for pattern in endpoint.event_types if pattern not in route.patterns]
+
+    def direct(self, endpoint: StoredEndpoint) -> DirectRoute | None:
+        """The endpoint's queue of its own bound to ``events`` directly, as its placement records it."""
+        where = self._placements.get(endpoint.id)
+        return where.direct if where is not None else None
+
+    def directly_routed(self) -> list[tuple[str, DirectRoute]]:
+        """Every placement that records a direct route: (endpoint id, the route), the endpoint live or not."""
+        return [
+            (endpoint_id, where.direct)
+            for endpoint_id, where in sorted(self._placements.items())
+            if where.direct
+        ]
 
     def deleting_of_tenant(self, tenant: str) -> list[StoredEndpoint]:
         """The tenant's endpoints deleted whose lane has not passed the deletion's fence yet."""
@@ -597,8 +616,12 @@ class ChangeLog:
     ) -> Placement | None:
         """Isolate the endpoint (or take it back to its lane), on its placement as this process knows it;
         the placement as written, or None when it is gone or another writer changed it meanwhile (that
-        one stands: whoever wanted this looks again)."""
+        one stands: whoever wanted this looks again). A direct route it has stays while it is isolated;
+        taken back to its lane, it must have none (:meth:`route`: the lane is bound for it again first)."""
         current = self.registry.placement(endpoint_id)
+        direct = current.direct if current is not None and isolated else None
+        if not isolated and current is not None and current.direct is not None:
+            raise ValueError(f"{endpoint_id} is routed directly: its lane is to be bound again first")
         now = datetime.now(UTC)
         record = PlacementSet(
             change_id=new_id("chg"),
@@ -612,8 +635,26 @@ class ChangeLog:
                 queue_removed=queue_removed,
                 held=held,
                 bound=bound,
+                direct=direct,
             ),
             base_generation=current.generation if current else 0,
+        )
+        result = await self._append(record, timeout_s=timeout_s)
+        return result if isinstance(result, Placement) else None
+
+    async def route(
+        self, endpoint_id: str, direct: DirectRoute | None, *, timeout_s: float
+    ) -> Placement | None:
+        """The isolated endpoint's placement as it is, with ``direct`` as its direct route (None: none);
+        the placement as written, or None when another writer changed it meanwhile."""
+        current = self.registry.placement(endpoint_id)
+        if current is None or not current.isolated or current.held:
+            return None
+        record = PlacementSet(
+            change_id=new_id("chg"),
+            at=datetime.now(UTC),
+            placement=current.model_copy(update={"generation": current.generation + 1, "direct": direct}),
+            base_generation=current.generation,
         )
         result = await self._append(record, timeout_s=timeout_s)
         return result if isinstance(result, Placement) else None

@@ -44,6 +44,7 @@ queue it is addressed to. Each level either holds the message for 2^NN s (bit se
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import re
 import shlex
@@ -500,6 +501,24 @@ async def unbind_pattern(channel: AbstractChannel, tenant: str, pattern: str) ->
     await lane.unbind(EVENTS_EXCHANGE, routing_key=f"{tenant}.{pattern}")
 
 
+async def bind_direct(channel: AbstractChannel, queue: str, tenant: str, patterns: Iterable[str]) -> None:
+    """An isolated endpoint's queue of its own bound to ``events`` for its tenant's ``patterns``: its
+    events reach it without passing through its lane (placed so by the leading monitor)."""
+    own = await channel.get_queue(queue, ensure=False)
+    for key in sorted(binding_keys(tenant, patterns)):
+        await own.bind(EVENTS_EXCHANGE, routing_key=key)
+
+
+async def unbind_direct(channel: AbstractChannel, queue: str, tenant: str, patterns: Iterable[str]) -> None:
+    """The bindings :func:`bind_direct` made, removed (none left when the queue is gone already)."""
+    own = await channel.get_queue(queue, ensure=False)
+    try:
+        for key in sorted(binding_keys(tenant, patterns)):
+            await own.unbind(EVENTS_EXCHANGE, routing_key=key)
+    except aio_pika.exceptions.ChannelNotFoundEntity:
+        pass  # the queue is gone: so are its bindings
+
+
 async def unroute_legacy(channel: AbstractChannel, endpoint: StoredEndpoint) -> None:
     """The route exchanges (and, older still, the direct bindings) of an endpoint of a version before
     lanes: deleting the exchanges removes every binding to them. Its queue stays until it is drained."""
@@ -550,6 +569,25 @@ def endpoint_queues(endpoint: StoredEndpoint) -> list[str]:
     """Every queue of its own the endpoint may have messages in: the current one (if it is isolated, or
     was) and those it left."""
     return [endpoint_queue(endpoint.id, endpoint.queue_generation), *endpoint.retired_queues]
+
+
+def patterns_overlap(first: str, second: str) -> bool:
+    """Whether some routing key matches both topic patterns (``*`` one word, ``#`` zero or more)."""
+    a, b = first.split("."), second.split(".")
+
+    @functools.cache
+    def rest(i: int, j: int) -> bool:
+        """Whether ``a[i:]`` and ``b[j:]`` match some words alike. A ``#`` either matches no more words,
+        or matches the next word the other pattern does (when both are ``#``, one of them ends first)."""
+        if i < len(a) and a[i] == "#":
+            return rest(i + 1, j) or (j < len(b) and rest(i, j + 1))
+        if j < len(b) and b[j] == "#":
+            return rest(i, j + 1) or (i < len(a) and rest(i + 1, j))
+        if i == len(a) or j == len(b):
+            return i == len(a) and j == len(b)
+        return (a[i] == b[j] or "*" in (a[i], b[j])) and rest(i + 1, j + 1)
+
+    return rest(0, 0)
 
 
 def topic_matches(pattern: str, routing_key: str) -> bool:

@@ -97,6 +97,17 @@ SLOW_SHARE_DEFER_S = 30.0
 _SETTLED_AS = {Ack: "delivered", Retry: "retry_scheduled", DeadLetter: "dead_lettered"}
 
 
+def _subscribed(endpoint: StoredEndpoint, message: Incoming) -> bool:
+    """Whether a message is meant for the endpoint by its patterns: always, unless it came from ``events``
+    (to its queue of its own, bound there directly) with a type none of them matches."""
+    if message.exchange != topology.EVENTS_EXCHANGE:
+        return True
+    tenant, _, event_type = (message.routing_key or "").partition(".")
+    return tenant != endpoint.tenant or any(
+        topology.topic_matches(pattern, event_type) for pattern in endpoint.event_types
+    )
+
+
 def _order_key(event: Event, parsed: inbound.Inbound) -> int:
     """Where an ordered endpoint puts the event among those of its subject: the publisher's
     ``sequence`` when it gave one, else when this dispatcher first saw it (ns, kept across retries)."""
@@ -226,6 +237,13 @@ class Handler:
             return False
         if held:
             return await self._from_holding(endpoint, message, probe=probe)
+        if not lane and not _subscribed(endpoint, message):
+            # Routed straight to its queue of its own for a pattern it has dropped since (a direct
+            # route: the leading monitor unbinds it soon); its lane would not have fanned it out to it.
+            await self.acks.ack(message)
+            metrics.UNSUBSCRIBED.inc()
+            log.info("event_not_subscribed", endpoint_id=endpoint.id, event_id=message.message_id)
+            return False
         if lane and self._registry.isolated(endpoint):
             # Its events go to its queue of its own (a part of a lane message, or a message that came to
             # the lane before the endpoint was isolated).

@@ -79,6 +79,11 @@ LANE_MESSAGES = prometheus_client.Counter(
     "lane (held).",
     ["kind"],
 )
+UNSUBSCRIBED = prometheus_client.Counter(
+    "hookline_unsubscribed_copies",
+    "Events routed straight to an endpoint's queue of its own (a direct route) for a pattern it has dropped "
+    "since: acked unsent, as its lane would not have fanned them out to it.",
+)
 HANDED_ON = prometheus_client.Counter(
     "hookline_handed_on",
     "Copies handed on, unattempted, to their endpoint's address, by reason (isolated: an endpoint with a "

@@ -11,7 +11,9 @@ creation of the same pattern on an ingest would have its binding removed and put
 in between would reach that endpoint's tenant's other patterns but not it.
 
 A binding nobody needs costs the broker a little memory (0.68 KiB) and each matching event a write to
-the lane that the fan-out then drops: worth removing, not urgent.
+the lane that the fan-out then drops: worth removing, not urgent. A pattern an endpoint's queue of its
+own is bound to ``events`` for (a direct route: direct.py) is not needed on the lane, and is unbound
+here too, the direct route bound first.
 """
 
 from __future__ import annotations
@@ -21,11 +23,12 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 
 import structlog
+from aio_pika.abc import AbstractChannel
 
 from hookline.shared import topology
 from hookline.shared.amqp import BROKER_ERRORS, Broker
 from hookline.shared.models import StoredEndpoint
-from hookline.shared.registry import ChangeLog
+from hookline.shared.registry import ChangeLog, EndpointRegistry
 
 log = structlog.get_logger(__name__)
 
@@ -81,24 +84,42 @@ class Bindings:
         if not due:
             return
         try:
-            await self.change_log.sync(timeout_s=self.timeout_s)
-            registry = self.change_log.registry
-            gone = [(t, p) for t, p in due if p not in registry.patterns_needed(t)]
-            async with self.broker.channel() as channel:
-                for tenant, pattern in gone:
-                    await topology.unbind_pattern(channel, tenant, pattern)
-            await self.change_log.sync(timeout_s=self.timeout_s)
-            # Named again meanwhile (an ingest was creating one): bound back at once.
-            again = [(t, p) for t, p in gone if p in registry.patterns_needed(t)]
-            async with self.broker.channel() as channel:
-                for tenant, pattern in again:
-                    await topology.bind_patterns(channel, tenant, [pattern])
+            await self.unbind(due)
         except BROKER_ERRORS as exc:
             log.warning("binding_sweep_failed", error=type(exc).__name__)
             return
         for key in due:
             self._unneeded_since_s.pop(key, None)
+
+    async def unbind(self, keys: list[_Key]) -> None:
+        """Of ``keys``, the patterns their tenant's lane need not be bound for (the change log read up to
+        now), unbound; any named again meanwhile bound back. A pattern an endpoint's queue of its own is
+        recorded as bound to ``events`` for is bound there first (idempotent: a monitor that recorded a
+        direct route may have stopped before it bound it), so that no event of it goes nowhere."""
+        await self.change_log.sync(timeout_s=self.timeout_s)
+        registry = self.change_log.registry
+        gone = [(t, p) for t, p in keys if p not in registry.patterns_needed(t)]
+        if not gone:
+            return
+        async with self.broker.channel() as channel:
+            await bind_direct_routes(channel, registry, {tenant for tenant, _ in gone})
+            for tenant, pattern in gone:
+                await topology.unbind_pattern(channel, tenant, pattern)
+        await self.change_log.sync(timeout_s=self.timeout_s)
+        # Named again meanwhile (an ingest was creating one): bound back at once.
+        again = [(t, p) for t, p in gone if p in registry.patterns_needed(t)]
+        async with self.broker.channel() as channel:
+            for tenant, pattern in again:
+                await topology.bind_patterns(channel, tenant, [pattern])
         for tenant, pattern in gone:
             log.info("pattern_unbound", tenant=tenant, pattern=pattern, lane=topology.lane_of(tenant))
         for tenant, pattern in again:
             log.warning("pattern_bound_again", tenant=tenant, pattern=pattern, lane=topology.lane_of(tenant))
+
+
+async def bind_direct_routes(channel: AbstractChannel, registry: EndpointRegistry, tenants: set[str]) -> None:
+    """Every direct route the registry records for an endpoint of ``tenants``, bound (idempotent)."""
+    for endpoint_id, route in registry.directly_routed():
+        endpoint = registry.get(endpoint_id)
+        if endpoint is not None and endpoint.tenant in tenants:
+            await topology.bind_direct(channel, route.queue, endpoint.tenant, route.patterns)

@@ -39,6 +39,7 @@ from hookline.health_monitor.alerts import Alert, AlertBook, AlertKey, AlertPoli
 from hookline.health_monitor.bindings import Bindings
 from hookline.health_monitor.breaker import Breaker, BreakerPolicy
 from hookline.health_monitor.canary import CANARY_TYPE, CanaryBook
+from hookline.health_monitor.direct import Direct
 from hookline.health_monitor.health import EndpointHealth, Health, HealthPolicy
 from hookline.health_monitor.placements import Placements
 from hookline.health_monitor.sinks import AlertSinks
@@ -199,15 +200,19 @@ class Monitor:
         isolation = Isolation(
             broker, change_log, max_queues=settings.max_endpoint_queues, timeout_s=settings.connect_timeout_s
         )
-        self.placements = Placements(
-            broker, change_log, isolation, self.health, slow_p95_ms=settings.slow_p95_ms,
-            grace_s=settings.retired_queue_grace_s, timeout_s=settings.connect_timeout_s,
-        )  # fmt: skip
         self.bindings = Bindings(
             broker, change_log, grace_s=settings.retired_queue_grace_s, timeout_s=settings.connect_timeout_s
         )
         self.registry.subscribe(self.bindings.on_change)
         self.bindings.seed()
+        self.direct = Direct(
+            broker, change_log, self.bindings, lambda: self.leader, timeout_s=settings.connect_timeout_s
+        )
+        self.registry.subscribe(self.direct.on_change)
+        self.placements = Placements(
+            broker, change_log, isolation, self.direct, self.health, slow_p95_ms=settings.slow_p95_ms,
+            grace_s=settings.retired_queue_grace_s, timeout_s=settings.connect_timeout_s,
+        )  # fmt: skip
 
     @property
     def blocked(self) -> bool:
@@ -295,6 +300,7 @@ class Monitor:
             # lost with a connection): a half-open breaker gets a probe assigned afresh at the next tick
             # rather than after PROBE_TIMEOUT_S.
             health.probe_asked_at_s = 0.0
+        self.direct.forget_bound()  # a route recorded by the leader before may not be bound yet
         self.leader = True
         LEADER.set(1)
         log.warning("monitor_leading", breakers_open=len(self._breaker_log.commands()))
@@ -435,6 +441,7 @@ class Monitor:
             if endpoint is not None and self.registry.isolated(endpoint):
                 async with self._broker.channel() as channel:
                     await topology.declare_own_queue(channel, endpoint)
+                self.direct.forget_bound()  # declared again without its direct route, if it had one
         log.warning("topology_repaired", declared=sorted(missing))
 
     async def _rebind_lanes(self, lanes: set[str]) -> None:
@@ -877,6 +884,7 @@ def _spawn_loops(
     supervisor.spawn("breaker-commands", monitor.publish_commands)
     supervisor.spawn("tick", monitor.tick, stall_s=60)
     supervisor.spawn("queues", monitor.poll_queues, stall_s=120)
+    supervisor.spawn("direct-routes", monitor.direct.run, stall_s=120)
     supervisor.spawn("checkpoint", partial(monitor.checkpoint_loop, telemetry), stall_s=120)
     supervisor.spawn("broker", partial(monitor.watch_broker, capacity), stall_s=120)
     if settings.canary_interval_s > 0:
@@ -918,7 +926,14 @@ async def monitoring(
             # 1. the loops (leadership first: the lock goes with its channel), the checkpoint's among them,
             #    so that nothing saves beside the last save below;
             await supervisor.stop(
-                "leadership", "tick", "breaker-commands", "queues", "checkpoint", "broker", "canaries"
+                "leadership",
+                "tick",
+                "breaker-commands",
+                "queues",
+                "direct-routes",
+                "checkpoint",
+                "broker",
+                "canaries",
             )
             # 2. a last checkpoint, so that the next start reads only what came after it;
             await monitor.save_checkpoint(telemetry)

@@ -6,7 +6,8 @@ Removing a queue that may still receive (reference: control-plane-techniques.md 
 no ``if-empty`` delete, and a queue's messages go with it. So, in this order, each step only once the
 one before holds for every live dispatcher:
 
-1. the endpoint is placed back in its lane (a record every replica applies: none hands it anything more);
+1. the endpoint is placed back in its lane (a record every replica applies: none hands it anything more),
+   its direct route switched off first if it had one (direct.py);
 2. every live dispatcher has applied that record (heartbeats carry the change-log offset applied);
 3. the queue is unbound from the delay exchange: a retry or deferral still addressed to it now comes back
    unroutable and is forwarded to the lane (:mod:`hookline.shared.addressing`);
@@ -30,6 +31,7 @@ from datetime import UTC, datetime
 
 import structlog
 
+from hookline.health_monitor.direct import Direct
 from hookline.health_monitor.health import Health
 from hookline.shared import placement, topology
 from hookline.shared.amqp import BROKER_ERRORS, CALL_TIMEOUT_S, Broker
@@ -62,6 +64,7 @@ class Placements:
     broker: Broker
     change_log: ChangeLog
     isolation: Isolation
+    direct: Direct
     health: Health
     slow_p95_ms: float
     grace_s: float
@@ -149,8 +152,16 @@ class Placements:
         current = self.change_log.registry.placement(endpoint.id)
         reason = current.reason if current else ""
         try:
-            await self.change_log.sync(timeout_s=self.timeout_s)
-            await self.change_log.place(endpoint.id, isolated=False, reason=reason, timeout_s=self.timeout_s)
+            # Routed directly, its lane is bound for it again first; meanwhile the direct routes wait,
+            # so that none switches it on again before it is back in its lane.
+            async with self.direct.lock:
+                await self.change_log.sync(timeout_s=self.timeout_s)
+                route = self.change_log.registry.direct(endpoint)
+                if route is not None and not await self.direct.switch_off(endpoint, route):
+                    return
+                await self.change_log.place(
+                    endpoint.id, isolated=False, reason=reason, timeout_s=self.timeout_s
+                )
         except BROKER_ERRORS as exc:
             log.warning("placement_failed", endpoint_id=endpoint.id, error=type(exc).__name__)
             return

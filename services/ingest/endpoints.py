@@ -774,6 +774,7 @@ async def delete_endpoint(
             f"{ready} events are queued and {unacked} being delivered for this endpoint; "
             "delete with ?force=true to dead-letter them",
         )
+    route = state.registry.direct(endpoint)
     # 1. The deletion, conditional like every change: from here on every dispatcher drains the
     #    endpoint's queues into endpoint_gone dead letters, including whatever comes back to them late
     #    (a nack, a crashed handler, a dispatcher that lost its channel); the monitor removes the
@@ -791,6 +792,12 @@ async def delete_endpoint(
     #    addressed to it (a retry on its way) becomes an endpoint_gone dead letter; a pattern no other
     #    endpoint needs is unbound by the leading monitor. An endpoint of the version before lanes loses
     #    its route exchanges.
+    if route is not None:
+        # Its queue of its own bound to events directly: no longer (what came in meanwhile is drained
+        # into dead letters like the rest), before the fence, so that nothing published after the fence
+        # has passed reaches it either.
+        async with state.broker.channel() as admin:
+            await topology.unbind_direct(admin, route.queue, endpoint.tenant, route.patterns)
     if endpoint.laned:
         fence = addressing.message(
             b"", event_id=new_id("fence"), endpoint_id=endpoint_id, headers={Headers.FENCE: endpoint_id}

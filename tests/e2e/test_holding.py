@@ -10,11 +10,10 @@ import time
 from collections import Counter
 from typing import Any
 
-import httpx
 import pytest
 from support.amqp import queue_exists
 from support.logs import logged
-from support.monitoring import get_json, publish
+from support.monitoring import counted, get_json, publish
 from support.receiver import Received, Receiver, Reply
 from support.system import System, tenant
 from support.waiting import eventually
@@ -36,17 +35,6 @@ SYSTEM_ENV = {
     "HOOKLINE_RETRY_SCHEDULE_S": "1",
     "HOOKLINE_MAX_ATTEMPTS": "1000",
 }
-
-
-async def counted(system: System, series: str) -> float:
-    """A counter of the dispatchers' /metrics, summed over them."""
-    total = 0.0
-    async with httpx.AsyncClient(timeout=10) as client:
-        for dispatcher in system.dispatchers:
-            for line in (await client.get(f"{dispatcher.base_url}/metrics")).text.splitlines():
-                if line.startswith(series + " "):
-                    total += float(line.split()[-1])
-    return total
 
 
 async def take_the_bound(system: System, who: str, receiver: Receiver) -> dict[str, Any]:

@@ -14,7 +14,7 @@ import httpx
 import pytest
 from support.amqp import event, publish_events_at_once
 from support.logs import logged
-from support.monitoring import get_json, publish
+from support.monitoring import counted, get_json, publish
 from support.receiver import Received, Receiver, Reply
 from support.system import System, tenant
 from support.waiting import eventually
@@ -134,7 +134,8 @@ async def test_a_burst_to_one_endpoint_is_moved_off_its_lane(system: System, rec
     """Sixty events at once to one endpoint that answers in 50 ms: two of its copies go at a time on
     each dispatcher, the others wait for their turn and are all that waits from the tenant's lane, so
     they hold the lane: the endpoint is backlogged, gets a queue of its own, and the burst leaves the
-    lane; its neighbour (the same tenant, another type) gets its event, and the burst arrives whole."""
+    lane; its neighbour (the same tenant, another type) gets its event, and the burst arrives whole.
+    The monitor then binds its queue to ``events`` directly: the next sixty never pass through the lane."""
 
     def respond(request: Received) -> Reply:
         return Reply(delay_s=0.05) if request.path == "/burst" else Reply()
@@ -156,6 +157,23 @@ async def test_a_burst_to_one_endpoint_is_moved_off_its_lane(system: System, rec
         return calm_id in ids_at(receiver, "/calm") and set(ids_at(receiver, "/burst")) == set(ids)
 
     await eventually(delivered, timeout_s=60)
+
+    async def routed_directly() -> bool:
+        lines = logged([system.monitor], "endpoint_routed_directly")
+        return any(line["endpoint_id"] == burst["id"] for line in lines)
+
+    await eventually(routed_directly, timeout_s=30)
+    fanned_out = await counted(system, 'hookline_lane_messages_total{kind="fan_out"}')
+    more = [f"evt_burst_more_{n}" for n in range(60)]
+    await publish_events_at_once(system.amqp_url, [event(who, "burst.go", i) for i in more], f"{who}.burst.go")
+    [sentinel] = await publish(system, who, "calm.go", ["evt_calm_after"])
+
+    async def all_delivered() -> bool:
+        return sentinel in ids_at(receiver, "/calm") and set(ids_at(receiver, "/burst")) >= set(more)
+
+    await eventually(all_delivered, timeout_s=60)
+    # The sentinel is the one lane message since (the burst went straight to the queue of its own).
+    assert await counted(system, 'hookline_lane_messages_total{kind="fan_out"}') - fanned_out == 1
 
 
 async def test_a_load_spread_over_a_tenants_endpoints_isolates_none_of_them(

@@ -17,7 +17,7 @@ from support import services
 from support.amqp import queue_exists, read_stream
 from support.broker import Broker
 from support.logs import logged
-from support.monitoring import get_json, publish
+from support.monitoring import counted, get_json, publish
 from support.receiver import Received, Receiver, Reply
 from support.system import System, tenant
 from support.waiting import eventually
@@ -37,17 +37,6 @@ SYSTEM_ENV = {
     "HOOKLINE_RETRY_SCHEDULE_S": "1",
     "HOOKLINE_MAX_ATTEMPTS": "1000",
 }
-
-
-async def counted(system: System, series: str) -> float:
-    """A counter of the dispatchers' /metrics, summed over them."""
-    total = 0.0
-    async with httpx.AsyncClient(timeout=10) as client:
-        for dispatcher in system.dispatchers:
-            for line in (await client.get(f"{dispatcher.base_url}/metrics")).text.splitlines():
-                if line.startswith(series + " "):
-                    total += float(line.split()[-1])
-    return total
 
 
 async def lane_messages(system: System) -> float:

@@ -25,6 +25,17 @@ async def publish(system: System, who: str, event_type: str, ids: Iterable[str])
     return published
 
 
+async def counted(system: System, series: str) -> float:
+    """A counter of the dispatchers' /metrics, summed over them."""
+    total = 0.0
+    async with httpx.AsyncClient(timeout=10) as client:
+        for dispatcher in system.dispatchers:
+            for line in (await client.get(f"{dispatcher.base_url}/metrics")).text.splitlines():
+                if line.startswith(series + " "):
+                    total += float(line.split()[-1])
+    return total
+
+
 async def get_json(service: services.Service, path: str, **params: str) -> Any:
     """The JSON a service answers to GET ``path``; None while it does not answer 200."""
     async with httpx.AsyncClient(base_url=service.base_url, headers=AUTH, timeout=10) as client:

@@ -8,7 +8,16 @@ from support.factories import stored_endpoint
 
 from hookline.health_monitor.bindings import Bindings
 from hookline.ingest.bound import BoundPatterns
-from hookline.shared.models import EndpointDeleted, EndpointDrained, EndpointUpserted, StoredEndpoint
+from hookline.shared import topology
+from hookline.shared.models import (
+    DirectRoute,
+    EndpointDeleted,
+    EndpointDrained,
+    EndpointUpserted,
+    Placement,
+    PlacementSet,
+    StoredEndpoint,
+)
 from hookline.shared.registry import EndpointRegistry
 
 NOW = datetime(2026, 12, 2, tzinfo=UTC)
@@ -81,3 +90,53 @@ def test_an_ingest_binds_a_pattern_once_while_it_stays_needed() -> None:
     registry.apply_drained(EndpointDrained(change_id="f", at=NOW, endpoint_id=EP1))
     # Needed by nobody for a moment: the monitor may unbind it, so the next endpoint naming it binds it.
     assert bound.unbound("acme", ["order.*"]) == ["order.*"]
+
+
+def _route(
+    registry: EndpointRegistry, endpoint: StoredEndpoint, base: int, direct: DirectRoute | None
+) -> None:
+    placed = Placement(
+        endpoint_id=endpoint.id,
+        generation=base + 1,
+        isolated=True,
+        reason="backlogged",
+        at=NOW,
+        direct=direct,
+    )
+    registry.apply_placement(PlacementSet(change_id="p", at=NOW, placement=placed, base_generation=base))
+
+
+def test_a_pattern_routed_directly_to_an_endpoints_queue_is_not_needed_on_its_lane() -> None:
+    """Its queue of its own bound to ``events`` for it (a direct route), the lane need not be, and the
+    ingest and the monitor's tracker hear of it; the route switched off, the lane needs it again."""
+    change_log = _Log()
+    registry = change_log.registry
+    tracker = Bindings(broker=None, change_log=change_log, grace_s=60, timeout_s=1)  # type: ignore[arg-type]
+    bound = BoundPatterns(registry)
+    registry.subscribe(tracker.on_change)
+    registry.subscribe(bound.on_change)
+    _upsert(registry, burst := stored_endpoint(EP1, event_types=["burst.*", "other.*"]))
+    _upsert(registry, stored_endpoint(EP2, event_types=["other.*"]))
+    bound.bound("acme", ["burst.*", "other.*"])
+    route = DirectRoute(queue=topology.own_queue(burst), patterns=("burst.*",))
+    _route(registry, burst, 0, route)
+    assert registry.direct(burst) == route
+    assert registry.lane_patterns(burst) == ["other.*"]
+    assert registry.patterns_needed("acme") == {"other.*"}
+    assert tracker.unneeded == {("acme", "burst.*")}
+    assert bound.unbound("acme", ["burst.*"]) == ["burst.*"]  # an endpoint naming it again binds it
+    _route(registry, burst, 1, None)
+    assert registry.patterns_needed("acme") == {"burst.*", "other.*"}
+    assert tracker.unneeded == set()
+
+
+def test_a_route_to_a_queue_the_endpoint_has_left_leaves_its_lane_needed() -> None:
+    """A change of its options moved it to a queue of the next generation: the route recorded is to the
+    one it left, so its lane is needed for the patterns again (the monitor binds it, then unbinds the
+    old queue)."""
+    registry = EndpointRegistry()
+    _upsert(registry, burst := stored_endpoint(EP1, event_types=["burst.*"]))
+    _route(registry, burst, 0, DirectRoute(queue=topology.own_queue(burst), patterns=("burst.*",)))
+    assert registry.patterns_needed("acme") == set()
+    _upsert(registry, burst.model_copy(update={"queue_generation": 1}))
+    assert registry.patterns_needed("acme") == {"burst.*"}

@@ -9,7 +9,7 @@ import pytest
 from support.factories import stored_endpoint
 
 from hookline.shared import placement
-from hookline.shared.models import EndpointStatus, Placement
+from hookline.shared.models import DirectRoute, EndpointStatus, Placement
 
 NOW = datetime(2026, 12, 2, tzinfo=UTC)
 
@@ -79,3 +79,37 @@ def test_a_placement_is_written_without_held_unless_it_is() -> None:
     held = _placed(True, "slow", held=True)
     assert '"held":true' in held.model_dump_json()
     assert Placement.model_validate_json(held.model_dump_json()) == held
+
+
+def test_a_placement_is_written_without_direct_unless_it_has_one() -> None:
+    plain = _placed(True, "backlogged")
+    assert "direct" not in plain.model_dump_json()
+    routed = _placed(True, "backlogged", direct=DirectRoute(queue="hookline.endpoint.x", patterns=("a.*",)))
+    assert '"direct":{' in routed.model_dump_json()
+    assert Placement.model_validate_json(routed.model_dump_json()) == routed
+
+
+ME = "ep_" + "1" * 26
+
+
+@pytest.mark.parametrize(
+    ("mine", "theirs", "direct"),
+    [
+        ({"event_types": ["order.*"]}, [], ("order.*",)),  # alone in its tenant
+        ({"event_types": ["order.*", "invoice.paid"]}, [["refund.*"]], ("invoice.paid", "order.*")),
+        ({"event_types": ["order.*"]}, [["order.created"]], ()),  # another takes order.created from the lane
+        ({"event_types": ["order.*"]}, [["#"]], ()),
+        ({"event_types": ["order.*"]}, [["order.*"]], ()),
+        ({"event_types": ["order.*"], "ordered": True}, [], ()),  # two ways in could reorder a subject
+        ({"event_types": ["order.*"], "laned": False}, [], ()),  # not on a lane yet (before lanes)
+        ({"event_types": ["order.*"], "rate_limit_per_s": 5.0}, [], ("order.*",)),
+    ],
+)
+def test_routed_directly_unless_ordered_or_overlapping(
+    mine: dict[str, Any], theirs: list[list[str]], direct: tuple[str, ...]
+) -> None:
+    endpoint = stored_endpoint(ME, **mine)
+    others = [endpoint] + [
+        stored_endpoint("ep_" + str(n + 2) * 26, event_types=t) for n, t in enumerate(theirs)
+    ]
+    assert placement.direct_patterns(endpoint, others=others) == direct

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import shlex
 from datetime import UTC, datetime
 
@@ -65,6 +66,42 @@ def test_endpoint_queue_name_fits_a_routing_key() -> None:
 )
 def test_topic_matches_like_rabbitmq(pattern: str, key: str, expected: bool) -> None:
     assert topology.topic_matches(pattern, key) is expected
+
+
+@pytest.mark.parametrize(
+    ("first", "second", "overlap"),
+    [
+        ("order.created", "order.created", True),
+        ("order.created", "order.updated", False),
+        ("order.*", "order.created", True),
+        ("order.*", "invoice.*", False),
+        ("order.*", "order.*.*", False),  # two words against three
+        ("*.created", "order.*", True),  # order.created
+        ("order.#", "order", True),  # # matching no word
+        ("order.#", "invoice.#", False),
+        ("#", "anything.at.all", True),
+        ("#.created", "order.#", True),  # order.created
+        ("a.*.c", "a.#", True),
+        ("a.#.z", "a.b", False),
+        ("#.x", "#.y", False),  # the last word differs
+        ("#.#", "a", True),
+        ("*", "a.b", False),
+    ],
+)
+def test_patterns_overlap_when_a_routing_key_matches_both(first: str, second: str, overlap: bool) -> None:
+    assert topology.patterns_overlap(first, second) is overlap
+    assert topology.patterns_overlap(second, first) is overlap
+
+
+def test_patterns_overlap_agrees_with_matching_every_short_key() -> None:
+    """Every pair of patterns of up to three words of a, b, * and #, against every key of up to four words
+    of a, b and c (c: a word neither names)."""
+    parts = ["a", "b", "*", "#"]
+    patterns = [".".join(w) for n in range(1, 4) for w in itertools.product(parts, repeat=n)]
+    keys = [".".join(w) for n in range(1, 5) for w in itertools.product("abc", repeat=n)]
+    for first, second in itertools.product(patterns, repeat=2):
+        matched = any(topology.topic_matches(first, k) and topology.topic_matches(second, k) for k in keys)
+        assert topology.patterns_overlap(first, second) is matched, (first, second)
 
 
 @pytest.mark.parametrize(
