@@ -165,7 +165,9 @@ async def test_a_burst_to_one_endpoint_is_moved_off_its_lane(system: System, rec
     await eventually(routed_directly, timeout_s=30)
     fanned_out = await counted(system, 'hookline_lane_messages_total{kind="fan_out"}')
     more = [f"evt_burst_more_{n}" for n in range(60)]
-    await publish_events_at_once(system.amqp_url, [event(who, "burst.go", i) for i in more], f"{who}.burst.go")
+    await publish_events_at_once(
+        system.amqp_url, [event(who, "burst.go", i) for i in more], f"{who}.burst.go"
+    )
     [sentinel] = await publish(system, who, "calm.go", ["evt_calm_after"])
 
     async def all_delivered() -> bool:
