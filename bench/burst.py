@@ -10,10 +10,11 @@ delivered. What the lane's neighbours wait is at most the first of these.
 
     .venv/bin/python -m bench.burst --burst 10000
 
-``--direct`` measures the best a burst could cost if it never passed through its lane (an isolated
-endpoint's queue bound to ``events`` directly, not built): the bench isolates the burst's endpoint
-before the burst, as a dispatcher would, and publishes the burst's events addressed to its queue of its
-own, one queue write each, as the broker would route them there.
+Once the burst's endpoint is isolated (backlogged), the leading monitor routes it directly: its queue of
+its own bound to ``events``, its lane unbound (health-monitor/direct.py), so the rest of the burst never
+passes through the lane; ``burst_routed_directly_s`` says when. ``--direct`` isolates the endpoint
+before the burst, as a dispatcher would, and waits until it is routed directly: the whole burst then
+goes straight to its queue (the best a burst can cost: one queue write per event).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import tempfile
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +36,7 @@ import aio_pika
 from bench.lanes import QUORUM
 from bench.run import Services, events_exchange, percentile, start_sink, vhost
 from bench.slow_endpoints import log_lines, wait_for
-from hookline.shared import addressing, placement, registry, topology
+from hookline.shared import placement, registry, topology
 from hookline.shared.amqp import Broker, Publisher
 from hookline.shared.isolation import Isolation
 from hookline.shared.supervision import Supervisor
@@ -84,33 +86,23 @@ async def trickle(
             await asyncio.sleep(max(0.0, started + n / per_s - time.monotonic()))
 
 
-async def burst(amqp_url: str, count: int, direct_to: tuple[str, str] | None) -> dict[str, float]:
-    """``direct_to``: (endpoint id, its queue of its own) to address each event to instead of ``events``."""
+async def burst(amqp_url: str, count: int) -> dict[str, float]:
     sent: dict[str, float] = {}
     async with events_exchange(amqp_url) as exchange:
-        delivery = await exchange.channel.get_exchange(topology.DELAY_DELIVERY)
         slots = asyncio.Semaphore(500)
 
         async def one(n: int) -> None:
             async with slots:
                 event_id = f"evt_burst_{n}"
                 sent[event_id] = time.time()
-                if direct_to is None:
-                    await _publish(exchange, "burst", event_id, "burst.x")
-                    return
-                endpoint_id, queue = direct_to
-                copy = addressing.message(
-                    _body("burst", event_id, "burst.x"), event_id=event_id, endpoint_id=endpoint_id
-                )
-                await delivery.publish(copy, topology.delay_routing_key(0, queue))
+                await _publish(exchange, "burst", event_id, "burst.x")
 
         await asyncio.gather(*(one(n) for n in range(count)))
     return sent
 
 
-async def isolated(amqp_url: str, endpoint_id: str) -> str:
-    """The endpoint given a queue of its own as a dispatcher gives one to a backlogged endpoint; its
-    name."""
+async def isolated(amqp_url: str, endpoint_id: str) -> None:
+    """The endpoint given a queue of its own as a dispatcher gives one to a backlogged endpoint."""
     supervisor = Supervisor()
     async with Broker(amqp_url, name="bench-burst", connect_timeout_s=30) as broker:
         publisher = Publisher(broker)
@@ -122,19 +114,17 @@ async def isolated(amqp_url: str, endpoint_id: str) -> str:
             assert endpoint is not None
             isolation = Isolation(broker, change_log, max_queues=200, timeout_s=30)
             assert await isolation.isolate(endpoint, placement.Reason.BACKLOGGED.value)
-            return change_log.registry.address(endpoint)
         finally:
             await supervisor.stop()
             await publisher.close()
 
 
-async def burst_elsewhere(amqp_url: str, count: int, direct_to: tuple[str, str] | None) -> dict[str, float]:
+async def burst_elsewhere(amqp_url: str, count: int) -> dict[str, float]:
     """:func:`burst` from a process of its own: 500 publishes in flight in this one would hold the
     trickle's publishes back (their confirms behind the burst's), and count that as hookline's latency."""
-    direct = ["--direct-to", ",".join(direct_to)] if direct_to else []
     process = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "bench.burst", "--publish-only", "--amqp-url", amqp_url, "--burst", str(count),
-        *direct, stdout=asyncio.subprocess.PIPE,
+        stdout=asyncio.subprocess.PIPE,
     )  # fmt: skip
     out, _ = await process.communicate()
     assert process.returncode == 0, "the burst's publisher failed"
@@ -210,7 +200,12 @@ async def run(
                 response.raise_for_status()
                 created[tenant] = response.json()["id"]
         services.start_dispatchers(dispatchers)
-        direct_to = (created["burst"], await isolated(amqp_url, created["burst"])) if direct else None
+        if direct:
+            await isolated(amqp_url, created["burst"])
+            for _ in range(300):  # the monitor's log, read until it says so
+                if _routed_directly_at(work, created["burst"]) is not None:
+                    break
+                await asyncio.sleep(0.2)
         async with broker_alone(amqp_url, elsewhere) as beside:
             stop = asyncio.Event()
             trickle_sent: dict[str, float] = {}
@@ -221,7 +216,7 @@ async def run(
             burst_started = time.time()
             published = asyncio.Event()
             emptied = asyncio.create_task(lane_emptied(amqp_url, topology.lane_of("burst"), published))
-            burst_sent = await burst_elsewhere(amqp_url, count, direct_to)
+            burst_sent = await burst_elsewhere(amqp_url, count)
             published.set()
             lane_empty_at = await asyncio.wait_for(emptied, 600)
             stop.set()
@@ -261,7 +256,17 @@ async def run(
     )
     result["burst_off_the_lane_s"] = round(lane_empty_at - burst_started, 2)
     result["burst_endpoint_isolated"] = [r.get("reason") for r in handed]
+    routed_at = _routed_directly_at(work, created["burst"])
+    result["burst_routed_directly_s"] = round(routed_at - burst_started, 2) if routed_at is not None else None
     return result
+
+
+def _routed_directly_at(work: Path, endpoint_id: str) -> float | None:
+    """When the monitor logged the endpoint routed directly (None: it did not)."""
+    for line in log_lines(work, "health-monitor"):
+        if line.get("event") == "endpoint_routed_directly" and line.get("endpoint_id") == endpoint_id:
+            return datetime.fromisoformat(line["ts"]).timestamp()
+    return None
 
 
 def _summary(latencies_ms: list[float]) -> dict[str, Any]:
@@ -289,15 +294,12 @@ def main() -> None:
         help="a HOOKLINE_ setting for the services",
     )
     parser.add_argument(
-        "--direct", action="store_true", help="the burst straight to its queue of its own (see above)"
+        "--direct", action="store_true", help="the endpoint routed directly before the burst (see above)"
     )
     parser.add_argument("--publish-only", action="store_true", help=argparse.SUPPRESS)  # the burst's process
-    parser.add_argument("--direct-to", help=argparse.SUPPRESS)  # the burst's process: ENDPOINT_ID,QUEUE
     arguments = parser.parse_args()
     if arguments.publish_only:
-        endpoint_id, _, queue = (arguments.direct_to or "").partition(",")
-        direct_to = (endpoint_id, queue) if queue else None
-        print(json.dumps(asyncio.run(burst(arguments.amqp_url, arguments.burst, direct_to))))
+        print(json.dumps(asyncio.run(burst(arguments.amqp_url, arguments.burst))))
         return
     with vhost(arguments.amqp_url) as amqp_url:
         result = asyncio.run(
