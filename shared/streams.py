@@ -11,6 +11,7 @@ marker has been handled; :meth:`StreamFollower.append` does the same for a recor
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import uuid
 from collections.abc import Callable
 from datetime import datetime
@@ -20,7 +21,15 @@ import aio_pika
 import structlog
 from aio_pika.abc import AbstractChannel, AbstractIncomingMessage
 
-from hookline.shared.amqp import Broker, Publisher, close_quietly, on_cancel, passive_queue, until_closed
+from hookline.shared.amqp import (
+    BROKER_ERRORS,
+    Broker,
+    Publisher,
+    close_quietly,
+    on_cancel,
+    passive_queue,
+    until_closed,
+)
 from hookline.shared.supervision import Body, Loop, Supervisor
 
 log = structlog.get_logger(__name__)
@@ -56,6 +65,11 @@ class StreamFollower:
         self.next_offset: Offset = start
         self._prefetch = prefetch
         self._waiting: dict[str, asyncio.Future[object]] = {}
+        # Acks go in batches: a stream's acks only return credit, and one frame (and one write) per
+        # record was most of what following the event log cost an ingest during a burst.
+        self._unacked: AbstractIncomingMessage | None = None  # the last record read, not acked yet
+        self._unacked_count = 0
+        self._ack_task: asyncio.Task[None] | None = None
 
     async def run(self, loop: Loop) -> None:
         """Consume from the next unread offset until the channel goes (then the supervisor calls again)."""
@@ -105,14 +119,31 @@ class StreamFollower:
         offset = offset_of(message)
         if offset is not None:
             if isinstance(self.next_offset, int) and offset < self.next_offset:
-                await message.ack()
+                self._ack_soon(message)
                 return  # read twice across a resubscription: applied already
             self.next_offset = offset + 1
         result = None if MARKER_HEADER in (message.headers or {}) else self._handler(message)
         waiter = self._waiting.pop(message.message_id or "", None)
         if waiter is not None and not waiter.done():
             waiter.set_result(result)
-        await message.ack()
+        self._ack_soon(message)
+
+    def _ack_soon(self, message: AbstractIncomingMessage) -> None:
+        """Ack ``message`` and every one before it on its channel, once the records read in this turn of
+        the event loop are applied (or half the prefetch is, so that credit never runs out)."""
+        if self._unacked is not None and self._unacked.channel is not message.channel:
+            self._unacked_count = 0  # a new channel: what the old one had is gone with it
+        self._unacked = message
+        self._unacked_count += 1
+        if self._ack_task is None or self._ack_task.done() or self._unacked_count >= self._prefetch // 2:
+            self._ack_task = asyncio.get_running_loop().create_task(self._ack())
+
+    async def _ack(self) -> None:
+        await asyncio.sleep(0)  # the records read with this one are applied first
+        while (message := self._unacked) is not None:  # (more may come while an ack is written)
+            self._unacked, self._unacked_count = None, 0
+            with contextlib.suppress(*BROKER_ERRORS):  # the channel went: its credit went with it
+                await message.ack(multiple=True)
 
 
 async def read_until_now(

@@ -590,8 +590,10 @@ def patterns_overlap(first: str, second: str) -> bool:
     return rest(0, 0)
 
 
+@functools.lru_cache(maxsize=65_536)
 def topic_matches(pattern: str, routing_key: str) -> bool:
-    """RabbitMQ topic matching: ``*`` is exactly one word, ``#`` zero or more (used by replay)."""
+    """RabbitMQ topic matching: ``*`` is exactly one word, ``#`` zero or more (remembered: a direct copy
+    is checked against its endpoint's patterns each time)."""
     words = routing_key.split(".")
     parts = pattern.split(".")
 
