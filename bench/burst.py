@@ -14,7 +14,9 @@ Once the burst's endpoint is isolated (backlogged), the leading monitor routes i
 its own bound to ``events``, its lane unbound (health-monitor/direct.py), so the rest of the burst never
 passes through the lane; ``burst_routed_directly_s`` says when. ``--direct`` isolates the endpoint
 before the burst, as a dispatcher would, and waits until it is routed directly: the whole burst then
-goes straight to its queue (the best a burst can cost: one queue write per event).
+goes straight to its queue (the best a burst can cost: one queue write per event). ``--nice-others 10``
+runs the ingest and the monitor with ``HOOKLINE_NICE=10``: on this machine's two cores, shared with the
+broker and the burst's publisher, they then yield the CPU to the dispatchers.
 """
 
 from __future__ import annotations
@@ -176,12 +178,16 @@ async def run(
     dispatchers: int,
     settings: dict[str, str],
     direct: bool = False,
+    nice_others: int = 0,
 ) -> dict[str, Any]:
     work = Path(tempfile.mkdtemp(prefix="hookline-burst-"))
     print(f"logs in {work}", flush=True)
     sink = start_sink(work)
     neighbour, elsewhere = _same_lane("burst", other=False), _same_lane("burst", other=True)
-    services = Services(amqp_url, work, settings=settings)
+    yielding = {"HOOKLINE_NICE": str(nice_others)}
+    services = Services(
+        amqp_url, work, settings=settings, service_settings={"ingest": yielding, "health-monitor": yielding}
+    )
     try:
         services.start_ingest()
         services.start_monitor()
@@ -239,6 +245,7 @@ async def run(
 
     result: dict[str, Any] = {
         "burst": count, "trickle_per_s": trickle_per_s, "lanes": topology.LANES, "direct": direct,
+        "ingest_and_monitor_nice": nice_others,
     }  # fmt: skip
     for path in ("/neighbour", "/elsewhere"):
         result[path.strip("/")] = _summary(latencies(path, trickle_sent, during=True))
@@ -296,6 +303,13 @@ def main() -> None:
     parser.add_argument(
         "--direct", action="store_true", help="the endpoint routed directly before the burst (see above)"
     )
+    parser.add_argument(
+        "--nice-others",
+        type=int,
+        default=0,
+        metavar="N",
+        help="HOOKLINE_NICE for the ingest and the monitor: they yield the CPU to the dispatchers",
+    )
     parser.add_argument("--publish-only", action="store_true", help=argparse.SUPPRESS)  # the burst's process
     arguments = parser.parse_args()
     if arguments.publish_only:
@@ -310,6 +324,7 @@ def main() -> None:
                 dispatchers=arguments.dispatchers,
                 settings=dict(setting.split("=", 1) for setting in arguments.setting),
                 direct=arguments.direct,
+                nice_others=arguments.nice_others,
             )
         )
     print(json.dumps(result, indent=2))

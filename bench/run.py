@@ -118,6 +118,8 @@ class Services:
 
     settings: dict[str, str] = field(default_factory=dict)  # over the bench's own (below)
     binary: str = HOOKLINE  # another version's `hookline` (its own venv): compared in the same run
+    # Settings of one service only, by its command (ingest, dispatcher, health-monitor), over the rest.
+    service_settings: dict[str, dict[str, str]] = field(default_factory=dict)
 
     def env(self, **extra: str) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items() if not k.startswith("HOOKLINE_")}
@@ -137,7 +139,7 @@ class Services:
         log = (self.work / f"{name}-{port}.log").open("wb")
         process = subprocess.Popen(
             [self.binary, command],
-            env=self.env(**{port_variable: str(port)}),
+            env=self.env(**self.service_settings.get(command, {}), **{port_variable: str(port)}),
             stdout=log,
             stderr=subprocess.STDOUT,
         )

@@ -6,6 +6,7 @@ Signal handlers only coordinate (set an event); each service owns its ordered sh
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
 from collections.abc import Callable, Coroutine
 from typing import Any
@@ -20,8 +21,11 @@ def stop_event() -> asyncio.Event:
     return stopping
 
 
-def run(main: Callable[[], Coroutine[Any, Any, None]]) -> None:
-    """Run a service's main coroutine on uvloop when available."""
+def run(main: Callable[[], Coroutine[Any, Any, None]], *, nice: int = 0) -> None:
+    """Run a service's main coroutine on uvloop when available, ``nice`` added to the process's niceness
+    first (what it yields to the other processes of its machine when they want the CPU too)."""
+    if nice:
+        os.nice(nice)
     try:
         import uvloop
     except ImportError:  # pragma: no cover - uvloop is a dependency on every supported platform

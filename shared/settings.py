@@ -57,6 +57,13 @@ class CommonSettings(BaseSettings):
         description="RabbitMQ URL, vhost included; a cluster: its nodes' URLs, comma separated, tried in turn.",
     )
     log_level: LogLevel = "info"
+    nice: int = Field(
+        0,
+        ge=0,
+        le=19,
+        description="Niceness added to the process at start: on a machine shared with dispatchers, an "
+        "ingest or monitor at 10 yields the CPU to the delivery path (README, Operations).",
+    )
     otlp_endpoint: str | None = Field(
         None,
         description="Export traces over OTLP/HTTP to this collector (http://host:4318); unset: none exported.",

@@ -260,7 +260,7 @@ def main() -> None:
     async def run() -> None:
         await serve(settings, lifecycle.stop_event())
 
-    lifecycle.run(run)
+    lifecycle.run(run, nice=settings.nice)
 
 
 async def serve(settings: DispatcherSettings, stopping: asyncio.Event) -> None:

@@ -137,4 +137,4 @@ def main() -> None:
             grace_s=settings.shutdown_grace_s,
         )
 
-    lifecycle.run(run)
+    lifecycle.run(run, nice=settings.nice)

@@ -36,7 +36,7 @@ def main(*, dsn: str | None, migrate_only: bool) -> None:
         else:
             await serve(settings, lifecycle.stop_event())
 
-    lifecycle.run(run)
+    lifecycle.run(run, nice=settings.nice)
 
 
 def _dsn(settings: OutboxRelaySettings) -> str:

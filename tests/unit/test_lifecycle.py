@@ -1,0 +1,28 @@
+"""A service's process entry: the niceness it yields the CPU with (HOOKLINE_NICE)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+SCRIPT = """
+import os, sys
+from hookline.shared import lifecycle
+
+async def main() -> None:
+    print(os.nice(0) - int(sys.argv[1]))
+
+lifecycle.run(main, nice=int(sys.argv[2]))
+"""
+
+
+@pytest.mark.parametrize("nice", [0, 10])
+def test_a_service_runs_at_the_niceness_it_was_given_more(nice: int) -> None:
+    before = os.nice(0)
+    done = subprocess.run(
+        [sys.executable, "-c", SCRIPT, str(before), str(nice)], capture_output=True, text=True, check=True
+    )
+    assert int(done.stdout) == min(nice, 19 - before)
