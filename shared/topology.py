@@ -7,6 +7,7 @@ arguments come from one function each: redeclaring with different arguments is a
       │  ├─ "#" ──▶ hookline.events.log (stream: every accepted event, for replay)
       │  └─ alternate exchange ──▶ hookline.unrouted (only if the event log is missing)
     hookline.endpoint.<id>[.g<N>] (quorum): an endpoint's queue of its own, only while it needs one
+      └─ bound to events for its patterns in place of its lane while routed directly
     hookline.holding.<k> (quorum): isolated endpoints past the bound on queues of their own share these
     hookline.delay.27 … hookline.delay.00 (topic + quorum TTL queue of 2^NN s each)
       └─▶ hookline.delay.delivery (topic) ──"*"x28.<lane or endpoint queue>──▶ that queue
@@ -23,7 +24,9 @@ A registered endpoint costs the broker nothing of its own: its tenant's lane is 
 queue's bindings match), and the dispatchers fan a lane message out to the tenant's matching endpoints.
 An endpoint that needs isolation (its limits need one consumer, it is paused, disabled or unverified,
 its breaker is open, it is slow or backlogged: :mod:`hookline.shared.placement`) has a queue of its own,
-to which the fan-out hands its copies. Messages meant for one endpoint (retries, replays, redrives,
+to which the fan-out hands its copies; the leading monitor then binds that queue to ``events`` for the
+endpoint's patterns and unbinds its lane for them (a direct route, ``Placement.direct``), so that its
+events stop passing through the lane. Messages meant for one endpoint (retries, replays, redrives,
 notifications) carry its id (``x-hookline-endpoint-id``) and go to its *address*: its queue of its own
 if it has one, else its lane. A message found in the wrong place is forwarded, never dropped. Past the
 bound on queues of their own (``HOOKLINE_MAX_ENDPOINT_QUEUES``), an endpoint that needs isolation at run

@@ -111,9 +111,22 @@ class Direct:
                     self._ensured.add(route.queue)
                 continue
             await self.switch_off(endpoint, route)
+        switched: list[tuple[StoredEndpoint, tuple[str, ...]]] = []
         for endpoint in registry.with_queues():
-            if registry.direct(endpoint) is None and (patterns := self.wanted(endpoint)):
-                await self._switch_on(endpoint, patterns)
+            patterns = self.wanted(endpoint) if registry.direct(endpoint) is None else ()
+            if patterns and await self._bind(endpoint, patterns):
+                switched.append((endpoint, patterns))
+        if switched:
+            # One read of the change log (two markers in it) for every route switched on in this pass:
+            # a hundred endpoints isolated at once would otherwise write two hundred.
+            await self.bindings.unbind(
+                [(e.tenant, pattern) for e, patterns in switched for pattern in patterns]
+            )
+        for endpoint, patterns in switched:
+            log.info(
+                "endpoint_routed_directly", endpoint_id=endpoint.id, queue=topology.own_queue(endpoint),
+                patterns=list(patterns),
+            )  # fmt: skip
 
     async def _release(self, endpoint_id: str, route: DirectRoute) -> None:
         """A deleted endpoint's route unbound (the ingest does so as it deletes it; here once more, for
@@ -135,20 +148,21 @@ class Direct:
         others = [*registry.of_tenant(endpoint.tenant), *registry.deleting_of_tenant(endpoint.tenant)]
         return placement.direct_patterns(endpoint, others=others)
 
-    async def _switch_on(self, endpoint: StoredEndpoint, patterns: tuple[str, ...]) -> None:
+    async def _bind(self, endpoint: StoredEndpoint, patterns: tuple[str, ...]) -> bool:
+        """The first two steps of a switch on: the route recorded, the queue bound; whether they were
+        taken (the lane is unbound for every route switched on in the pass at once)."""
         queue = topology.own_queue(endpoint)
         route = DirectRoute(queue=queue, patterns=patterns)
         if await self.change_log.route(endpoint.id, route, timeout_s=self.timeout_s) is None:
             self._due.set()  # placed otherwise meanwhile: looked at again
-            return
+            return False
         async with self.broker.channel() as channel:
             await topology.bind_direct(channel, queue, endpoint.tenant, patterns)
         if self.change_log.registry.get(endpoint.id) is None:
             self._due.set()  # deleted meanwhile (its ingest unbound before this bound): released next
-            return
+            return False
         self._ensured.add(queue)
-        await self.bindings.unbind([(endpoint.tenant, pattern) for pattern in patterns])
-        log.info("endpoint_routed_directly", endpoint_id=endpoint.id, queue=queue, patterns=list(patterns))
+        return True
 
     async def switch_off(self, endpoint: StoredEndpoint, route: DirectRoute) -> bool:
         """The endpoint's lane bound for its patterns again, its queue unbound from ``events``, the route's
