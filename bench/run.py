@@ -47,6 +47,7 @@ import uvloop
 
 import bench.baseline
 from bench import versions
+from hookline.shared import topology
 
 ROOT = Path(__file__).resolve().parents[1]
 HOOKLINE = str(Path(sys.executable).with_name("hookline"))
@@ -480,10 +481,18 @@ async def register_for(services: Services, sink: Sink, endpoints: int) -> None:
 
 
 async def delete_endpoints(services: Services) -> None:
+    """Every endpoint deleted, and any queue of its own with it: the monitor (not running in most runs)
+    would remove them only later, and a version before lanes has one per endpoint, which run after run
+    would fill a stock broker's file handles (its ingest then refuses registrations: 503)."""
     async with services.api() as api:
         listed = (await api.get("/v1/endpoints", params={"limit": 1000})).json()["data"]
         for endpoint in listed:
             (await api.delete(f"/v1/endpoints/{endpoint['id']}", params={"force": "true"})).raise_for_status()
+    connection = await aio_pika.connect(services.amqp_url)
+    async with connection:
+        channel = await connection.channel()
+        for endpoint in listed:
+            await channel.queue_delete(topology.endpoint_queue(endpoint["id"]))
 
 
 async def drain(sink: Sink, expected: int, timeout_s: float = 600) -> None:

@@ -86,9 +86,8 @@ class Direct:
                 try:
                     async with self.lock:
                         await self.reconcile()
-                except BROKER_ERRORS as exc:  # looked at again at the next pass
+                except BROKER_ERRORS as exc:  # looked at again in RECHECK_S, not at once
                     log.warning("direct_routes_failed", error=type(exc).__name__)
-                    self._due.set()
             elif not self.leading():
                 self._ensured.clear()
                 self._released.clear()

@@ -159,10 +159,13 @@ async def test_a_burst_to_one_endpoint_is_moved_off_its_lane(system: System, rec
     await eventually(delivered, timeout_s=60)
 
     async def routed_directly() -> bool:
-        lines = logged([system.monitor], "endpoint_routed_directly")
-        return any(line["endpoint_id"] == burst["id"] for line in lines)
+        health = await get_json(system.monitor, f"/v1/endpoints/{burst['id']}/health")
+        return health is not None and health["routed_directly"] is True
 
     await eventually(routed_directly, timeout_s=30)
+    assert any(
+        line["endpoint_id"] == burst["id"] for line in logged([system.monitor], "endpoint_routed_directly")
+    )
     fanned_out = await counted(system, 'hookline_lane_messages_total{kind="fan_out"}')
     more = [f"evt_burst_more_{n}" for n in range(60)]
     await publish_events_at_once(
