@@ -240,11 +240,11 @@ class Consumers:
 
     async def _lane(self, message: Delivery) -> None:
         if fanout.is_fan_out(message):
-            metrics.LANE_MESSAGES.labels("fan_out").inc()
+            metrics.LANE_FANNED_OUT.inc()
             await self.track("", partial(fanout.fan_out, self._handler), message)
             return
         endpoint_id = addressing.endpoint_named(message.headers)
-        metrics.LANE_MESSAGES.labels("addressed").inc()
+        metrics.LANE_ADDRESSED.inc()
         if endpoint_id is None:
             await self.track("", self._handler.stray, message)
             return
@@ -255,7 +255,7 @@ class Consumers:
 
     async def _holding(self, message: Delivery) -> None:
         endpoint_id = addressing.endpoint_named(message.headers)
-        metrics.LANE_MESSAGES.labels("held").inc()
+        metrics.LANE_HELD.inc()
         if endpoint_id is None:
             await self.track("", self._handler.stray, message)
             return

@@ -130,9 +130,15 @@ async def fan_out(handler: Handler, message: Delivery) -> bool:
         await handler.acks.ack(message)
         return True
     parts = [(endpoint.id, Part(message)) for endpoint in targets]
-    await asyncio.gather(
-        *(handle_safely(handler, endpoint_id, part, parsed=parsed, lane=True) for endpoint_id, part in parts)
-    )
+    if len(parts) == 1:  # most lane messages: no task of its own for the one part
+        await handle_safely(handler, parts[0][0], parts[0][1], parsed=parsed, lane=True)
+    else:
+        await asyncio.gather(
+            *(
+                handle_safely(handler, endpoint_id, part, parsed=parsed, lane=True)
+                for endpoint_id, part in parts
+            )
+        )
     for endpoint_id, part in parts:
         if part.settled:
             continue

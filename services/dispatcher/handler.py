@@ -146,6 +146,9 @@ class _LaneGate:
 
     async def enter(self, *, timeout_s: float | None) -> bool:
         """Whether a turn was had within ``timeout_s``."""
+        if not self._turns.locked():  # a turn free: had at once (most deliveries), no timer set up
+            await self._turns.acquire()
+            return True
         self.waiting += 1
         self._lanes_waiting[self.lane] += 1
         try:

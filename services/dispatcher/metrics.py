@@ -79,6 +79,10 @@ LANE_MESSAGES = prometheus_client.Counter(
     "lane (held).",
     ["kind"],
 )
+# One per lane message: looked up once here rather than by label each time.
+LANE_FANNED_OUT = LANE_MESSAGES.labels("fan_out")
+LANE_ADDRESSED = LANE_MESSAGES.labels("addressed")
+LANE_HELD = LANE_MESSAGES.labels("held")
 UNSUBSCRIBED = prometheus_client.Counter(
     "hookline_unsubscribed_copies",
     "Events routed straight to an endpoint's queue of its own (a direct route) for a pattern it has dropped "
