@@ -69,7 +69,7 @@ class StreamFollower:
         # record was most of what following the event log cost an ingest during a burst.
         self._unacked: AbstractIncomingMessage | None = None  # the last record read, not acked yet
         self._unacked_count = 0
-        self._ack_task: asyncio.Task[None] | None = None
+        self._ack_tasks: set[asyncio.Task[None]] = set()  # kept, as the event loop keeps tasks weakly
 
     async def run(self, loop: Loop) -> None:
         """Consume from the next unread offset until the channel goes (then the supervisor calls again)."""
@@ -135,8 +135,10 @@ class StreamFollower:
             self._unacked_count = 0  # a new channel: what the old one had is gone with it
         self._unacked = message
         self._unacked_count += 1
-        if self._ack_task is None or self._ack_task.done() or self._unacked_count >= self._prefetch // 2:
-            self._ack_task = asyncio.get_running_loop().create_task(self._ack())
+        if not self._ack_tasks or self._unacked_count >= self._prefetch // 2:
+            task = asyncio.get_running_loop().create_task(self._ack())
+            self._ack_tasks.add(task)
+            task.add_done_callback(self._ack_tasks.discard)
 
     async def _ack(self) -> None:
         await asyncio.sleep(0)  # the records read with this one are applied first
