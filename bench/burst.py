@@ -43,6 +43,9 @@ from hookline.shared.amqp import Broker, Publisher
 from hookline.shared.isolation import Isolation
 from hookline.shared.supervision import Supervisor
 
+#: Item 3's line for the endpoints beside a burst.
+LATE_MS = 250.0
+
 
 def _same_lane(as_tenant: str, *, other: bool) -> str:
     lane = topology.lane_of(as_tenant)
@@ -249,6 +252,15 @@ async def run(
     }  # fmt: skip
     for path in ("/neighbour", "/elsewhere"):
         result[path.strip("/")] = _summary(latencies(path, trickle_sent, during=True))
+        # When (seconds after the burst began) the trickle's events that missed the 250 ms line were sent:
+        # in the burst's first second, while it still passes through its lane, or all along.
+        result[path.strip("/")]["late_sent_at_s"] = sorted(
+            round(trickle_sent[key.split(" ", 1)[1]] - burst_started, 1)
+            for key, at in arrivals.items()
+            if key.startswith(path + " ")
+            and trickle_sent.get(key.split(" ", 1)[1], 0) >= burst_started
+            and (at - trickle_sent[key.split(" ", 1)[1]]) * 1000 > LATE_MS
+        )
     # The same trickle, taken from the broker by a bare consumer beside hookline: the broker's share.
     result["elsewhere_broker_alone"] = _summary(
         [(at - trickle_sent[e]) * 1000 for e, at in beside.items() if trickle_sent.get(e, 0) >= burst_started]

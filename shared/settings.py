@@ -250,11 +250,12 @@ class DispatcherSettings(DeliveryPolicySettings):
         "unset: open, as the dispatcher has no API token.",
     )
     prefetch_per_endpoint: int = Field(
-        32,
+        16,
         ge=1,
         le=1000,
-        description="Deliveries one dispatcher has under way per endpoint (past it, from a lane, the endpoint "
-        "is backlogged and gets a queue of its own).",
+        description="Deliveries one dispatcher holds per endpoint (past it, from a lane, the endpoint is "
+        "backlogged and gets a queue of its own); while the dispatcher's event loop runs late, 8 of them under "
+        "way at once.",
     )
     lane_prefetch: int = Field(
         256,

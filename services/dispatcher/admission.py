@@ -17,11 +17,18 @@ from yet is on *probation*: one attempt at a time until its first answer, so a c
 that hang holds one answering slot each, and only for ``slow_attempt_s``. A slow endpoint's prefetch is
 its part of the slow share (:meth:`Ledger.slow_prefetch`).
 
+While the dispatcher's event loop runs late (it is short of CPU: ``crowded``, told by lag.py), an
+answering endpoint has at most ``CROWDED_IN_FLIGHT`` (8) attempts under way here. More would not deliver
+it faster — the loop is the limit — but each step of every other delivery would wait behind them. A
+burst of 10,000 to one fast endpoint on this 2-core machine, 16 of its deliveries held by each of two
+dispatchers: another lane's trickle p99 202-299 ms with all 16 under way, 101-163 ms with 8, the burst
+delivered as fast. Its other deliveries wait in a line of its own, woken as its attempts end.
+
 An attempt that has waited ``slow_attempt_s`` counts against the slow share from then on, and frees its
 answering slot: the answering share is never held longer than that by anything slow, and the slow share
 bounds what slow endpoints *start*. (Attempts already under way when their endpoint turned slow can put
 the slow share over its size until they end; each ends by its timeout.) One endpoint holds at most its
-prefetch (``HOOKLINE_PREFETCH_PER_ENDPOINT``, 32) of either share.
+prefetch (``HOOKLINE_PREFETCH_PER_ENDPOINT``, 16) of either share.
 
 Waiting for a slot is hookline's own time: the attempt's timeout starts when it has one. A delivery that
 would wait longer than its ``max_wait_s`` is put off through the delay queues instead (no attempt spent),
@@ -42,6 +49,11 @@ from enum import Enum
 
 #: An endpoint the ledger has not seen an attempt of for this long is forgotten (it is on probation again).
 FORGET_AFTER_S = 600.0
+#: What one answering endpoint may have under way while the event loop runs late (the module's docstring).
+CROWDED_IN_FLIGHT = 8
+#: A tick of the loop this late (lag.py, every 50 ms) says it is crowded; the next one on time, that it
+#: is not. Unloaded, ticks are a fraction of a millisecond late.
+CROWDED_LATE_S = 0.01
 
 
 class Share(Enum):
@@ -100,6 +112,7 @@ class Ledger:
     in_use: dict[Share, int] = field(default_factory=lambda: dict.fromkeys(Share, 0))
     slow_count: int = 0  # endpoints standing slow
     busy: int = 0  # endpoints with attempts in flight
+    crowded: bool = False  # the event loop runs late: an answering endpoint holds CROWDED_IN_FLIGHT at most
     _endpoints: dict[str, _Endpoint] = field(default_factory=dict)
     _tickets: dict[int, Ticket] = field(default_factory=dict)  # in flight and not aged, oldest first
     _numbers: itertools.count[int] = field(default_factory=itertools.count)
@@ -131,10 +144,20 @@ class Ledger:
     def share_for(self, endpoint_id: str) -> Share:
         return Share.SLOW if self.standing(endpoint_id) is Standing.SLOW else Share.ANSWERING
 
-    def on_probation(self, endpoint_id: str) -> bool:
-        """New, with its one attempt out: its next waits for that one to end, not for its share."""
+    def room(self, endpoint_id: str) -> int | None:
+        """How many more attempts the endpoint itself may start now, whatever its share has free (None:
+        no limit of its own). New: one at a time until it answers (probation); answering, while the loop
+        is crowded: up to CROWDED_IN_FLIGHT. At 0 its next delivery waits for one of its own attempts to
+        end, not for its share."""
         endpoint = self._endpoints.get(endpoint_id)
-        return endpoint is not None and endpoint.standing is Standing.NEW and endpoint.in_flight > 0
+        if endpoint is None:
+            return 1
+        standing = endpoint.standing
+        if standing is Standing.NEW:
+            return max(0, 1 - endpoint.in_flight)
+        if standing is Standing.ANSWERING and self.crowded:
+            return max(0, CROWDED_IN_FLIGHT - endpoint.in_flight)
+        return None
 
     def slow_prefetch(self) -> int:
         """What one slow endpoint may hold of this dispatcher's deliveries: its part of the slow share
@@ -144,9 +167,9 @@ class Ledger:
         return 1 << (fair.bit_length() - 1)
 
     def start(self, endpoint_id: str, *, now_s: float) -> Ticket | None:
-        """A slot for an attempt now, or None: its share is full, or the endpoint is on probation with
-        an attempt out already."""
-        if self.on_probation(endpoint_id):
+        """A slot for an attempt now, or None: its share is full, or the endpoint has no room of its own
+        (on probation with an attempt out already, or as many under way as a crowded loop allows)."""
+        if self.room(endpoint_id) == 0:
             return None
         endpoint = self._endpoints.setdefault(endpoint_id, _Endpoint())
         endpoint.last_s = now_s
@@ -215,15 +238,25 @@ class Ledger:
 
 
 class Admission:
-    """The ledger, with waiters queued in order for their share (or, on probation, for their endpoint's
-    attempt to end)."""
+    """The ledger, with waiters queued in order for their share (or, when their endpoint has no room of its
+    own, for one of its attempts to end)."""
 
     def __init__(self, ledger: Ledger, *, clock: Callable[[], float] = time.monotonic) -> None:
         self.ledger = ledger
         self._clock = clock
         self._waiting: dict[Share, deque[asyncio.Future[None]]] = {share: deque() for share in Share}
-        self._on_probation: dict[str, deque[asyncio.Future[None]]] = {}
+        self._own_lines: dict[str, deque[asyncio.Future[None]]] = {}
         self._aging: asyncio.TimerHandle | None = None
+
+    def loop_ran_late(self, late_s: float) -> None:
+        """How late the event loop's last tick was (lag.py): past CROWDED_LATE_S it is crowded."""
+        crowded = late_s >= CROWDED_LATE_S
+        if crowded == self.ledger.crowded:
+            return
+        self.ledger.crowded = crowded
+        if not crowded:  # every endpoint has room again
+            for endpoint_id in list(self._own_lines):
+                self._wake_own(endpoint_id)
 
     async def acquire(self, endpoint_id: str, *, max_wait_s: float) -> Ticket | None:
         """A slot for an attempt to ``endpoint_id``, waited for up to ``max_wait_s`` (None: not in time)."""
@@ -245,11 +278,18 @@ class Admission:
 
     def release(self, ticket: Ticket, ended: Ended) -> None:
         self.ledger.end(ticket, ended, now_s=self._clock())
-        on_probation = self._on_probation.get(ticket.endpoint_id)
-        # Heard from now: all of its waiters may go (each to its share's line if that is full).
-        while on_probation:
-            self._wake(on_probation)
+        self._wake_own(ticket.endpoint_id)
         self._wake_free()
+
+    def _wake_own(self, endpoint_id: str) -> None:
+        """As many of the endpoint's own line as it has room for (each goes on to its share's line if
+        that is full): one on probation, all once it has answered and the loop is not crowded."""
+        line = self._own_lines.get(endpoint_id)
+        if not line:
+            return
+        room = self.ledger.room(endpoint_id)
+        for _ in range(len(line) if room is None else min(room, len(line))):
+            self._wake(line)
 
     def _start(self, endpoint_id: str) -> Ticket | None:
         self._age()
@@ -259,10 +299,10 @@ class Admission:
         return ticket
 
     async def _wait_turn(self, endpoint_id: str) -> None:
-        probation = self.ledger.on_probation(endpoint_id)
+        own = self.ledger.room(endpoint_id) == 0
         line = (
-            self._on_probation.setdefault(endpoint_id, deque())
-            if probation
+            self._own_lines.setdefault(endpoint_id, deque())
+            if own
             else self._waiting[self.ledger.share_for(endpoint_id)]
         )
         turn = asyncio.get_running_loop().create_future()
@@ -278,8 +318,8 @@ class Admission:
         finally:
             # Only its own line: a waiter woken from it earlier may have left, and a new line been
             # started for the endpoint since, whose waiters nothing would wake if it were dropped.
-            if probation and not line and self._on_probation.get(endpoint_id) is line:
-                del self._on_probation[endpoint_id]
+            if own and not line and self._own_lines.get(endpoint_id) is line:
+                del self._own_lines[endpoint_id]
 
     def _age(self) -> None:
         freed = self.ledger.in_use[Share.ANSWERING]

@@ -11,6 +11,7 @@ before it reached the process (the broker, or the connection: see ``_unbounded_f
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from types import TracebackType
 
 from hookline.dispatcher import metrics
@@ -25,6 +26,11 @@ class LagProbe:
         self._tick_s = tick_s
         self._timer: asyncio.TimerHandle | None = None
         self._due_s = 0.0
+        self._listeners: list[Callable[[float], None]] = []
+
+    def listen(self, listener: Callable[[float], None]) -> None:
+        """Have ``listener`` told how late each tick was (the admission's crowded loop)."""
+        self._listeners.append(listener)
 
     async def __aenter__(self) -> LagProbe:
         self._schedule(asyncio.get_running_loop())
@@ -43,5 +49,8 @@ class LagProbe:
 
     def _tick(self) -> None:
         loop = asyncio.get_running_loop()
-        metrics.LOOP_LATE_SECONDS.observe(max(0.0, loop.time() - self._due_s))
+        late_s = max(0.0, loop.time() - self._due_s)
+        metrics.LOOP_LATE_SECONDS.observe(late_s)
+        for listener in self._listeners:
+            listener(late_s)
         self._schedule(loop)

@@ -200,12 +200,14 @@ async def dispatching(
     change_log: ChangeLog,
     publisher: Publisher,
     client: DeliveryClient,
+    lag: LagProbe,
 ) -> AsyncIterator[Consumers]:
     sealer = Sealer(settings.secret_key.get_secret_value() if settings.secret_key else None)
     _check_secrets_open(change_log.registry, sealer)
     async with _tracing(settings) as tracing, _side_publishers(broker) as publishers:
         parts = _assemble(settings, broker, change_log, client, sealer, publishers, tracing)
         consumers = parts.consumers
+        lag.listen(parts.handler.admission.loop_ran_late)
         await _follow_breakers(settings, broker, publisher, supervisor, parts)
         supervisor.spawn("breaker-leases", partial(expire_breakers, parts.breakers, consumers), stall_s=30)
         # Neither is needed for delivering (a replica without them is still ready).
@@ -282,7 +284,7 @@ async def serve(settings: DispatcherSettings, stopping: asyncio.Event) -> None:
         # No limit of the client's own: the handler's admission is the limit (HOOKLINE_HTTP_MAX_CONNECTIONS),
         # and an attempt's timeout must never include a wait for one of hookline's connections.
         DeliveryClient.for_endpoints(settings, max_connections=0, user_agent=USER_AGENT) as client,
-        LagProbe(),
+        LagProbe() as lag,
     ):
         await topology.declare(broker, settings.retention)
         publisher = Publisher(broker)
@@ -291,7 +293,7 @@ async def serve(settings: DispatcherSettings, stopping: asyncio.Event) -> None:
                 broker, publisher, supervisor, endpoint_registry, sync_timeout_s=settings.connect_timeout_s
             )
             async with (
-                dispatching(settings, broker, supervisor, change_log, publisher, client) as consumers,
+                dispatching(settings, broker, supervisor, change_log, publisher, client, lag) as consumers,
                 probe_server(
                     settings.dispatcher_metrics_host,
                     settings.dispatcher_metrics_port,

@@ -7,7 +7,17 @@ import asyncio
 
 import pytest
 
-from hookline.dispatcher.admission import FORGET_AFTER_S, Admission, Ended, Ledger, Share, Standing, Ticket
+from hookline.dispatcher.admission import (
+    CROWDED_IN_FLIGHT,
+    CROWDED_LATE_S,
+    FORGET_AFTER_S,
+    Admission,
+    Ended,
+    Ledger,
+    Share,
+    Standing,
+    Ticket,
+)
 
 SLOW_AFTER_S = 2.0
 
@@ -168,6 +178,33 @@ def test_a_slow_endpoint_holds_its_part_of_the_slow_share(slow_endpoints: int, p
     assert book.slow_prefetch() == prefetch
 
 
+@pytest.mark.parametrize(
+    ("answer_s", "in_flight", "crowded", "room"),
+    [
+        (None, 0, False, 1),  # new: one attempt, until it answers
+        (None, 1, False, 0),
+        (None, 0, True, 1),
+        (0.01, 0, False, None),  # answering: no limit of its own (its prefetch and its share are)
+        (0.01, 20, False, None),
+        (0.01, 0, True, CROWDED_IN_FLIGHT),  # a crowded loop: so many at once
+        (0.01, CROWDED_IN_FLIGHT - 1, True, 1),
+        (0.01, CROWDED_IN_FLIGHT, True, 0),
+        (8.0, 20, True, None),  # slow: it waits on the network, not the loop; the slow share bounds it
+    ],
+)
+def test_what_an_endpoint_may_start_of_its_own(
+    answer_s: float | None, in_flight: int, crowded: bool, room: int | None
+) -> None:
+    book = ledger(slots=64, slow_slots=32)
+    if answer_s is not None:
+        answered(book, "ep", took_s=answer_s)
+    for _ in range(in_flight):
+        assert book.start("ep", now_s=10.0) is not None
+    book.crowded = crowded
+    assert book.room("ep") == room
+    assert (book.start("ep", now_s=10.0) is None) is (room == 0)
+
+
 def test_the_shares_must_both_have_slots() -> None:
     with pytest.raises(ValueError, match="slow share"):
         Ledger(slots=4, slow_slots=4, slow_after_s=1.0)
@@ -283,5 +320,33 @@ async def test_a_new_endpoint_with_nothing_out_waits_for_its_share_not_for_itsel
         ticket = await asyncio.wait_for(first, 1)
         assert ticket is not None
         assert ticket.endpoint_id == "new"
+    finally:
+        admission.close()
+
+
+async def test_in_a_crowded_loop_an_endpoint_waits_for_its_own_attempts_and_goes_once_it_is_not() -> None:
+    """Crowded: a fast endpoint's ninth delivery waits for one of its eight attempts to end (not for its
+    share, which has room), while another endpoint starts at once; uncrowded, all its waiters go."""
+    admission = Admission(ledger(slots=64, slow_slots=8), clock=Clock())
+    try:
+        for name in ("fast", "other"):
+            warm = await admission.acquire(name, max_wait_s=1)
+            assert warm is not None
+            admission.release(warm, Ended.ANSWERED)
+        admission.loop_ran_late(CROWDED_LATE_S)
+        held = [await admission.acquire("fast", max_wait_s=1) for _ in range(CROWDED_IN_FLIGHT)]
+        waiting = [asyncio.ensure_future(admission.acquire("fast", max_wait_s=5)) for _ in range(3)]
+        await asyncio.sleep(0)
+        assert not any(task.done() for task in waiting), "eight under way: the rest wait"
+        assert await admission.acquire("other", max_wait_s=0.01) is not None, "only that endpoint waits"
+        first = held.pop()
+        assert first is not None
+        admission.release(first, Ended.ANSWERED)
+        done, pending = await asyncio.wait(waiting, timeout=1, return_when=asyncio.FIRST_COMPLETED)
+        assert len(done) == 1, "one attempt ended: one more goes"
+        admission.loop_ran_late(0.0)
+        tickets = await asyncio.wait_for(asyncio.gather(*pending), 1)
+        assert all(ticket is not None for ticket in tickets), "on time again: no limit of its own"
+        assert admission.ledger.in_flight("fast") == CROWDED_IN_FLIGHT + 2
     finally:
         admission.close()
