@@ -12,7 +12,7 @@ from support.changelog import following
 from support.factories import stored_endpoint
 
 from hookline.shared import topology
-from hookline.shared.isolation import Isolation
+from hookline.shared.isolation import DECLARING_AT_ONCE, Isolation
 from hookline.shared.models import StoredEndpoint
 
 pytestmark = pytest.mark.integration
@@ -38,6 +38,35 @@ async def test_many_isolations_at_once_declare_no_more_queues_than_the_bound(amq
             assert address == (
                 topology.endpoint_queue(endpoint.id) if has else topology.holding_of(endpoint.id)
             )
+
+
+async def test_many_isolations_at_once_declare_their_queues_a_few_at_a_time(
+    amqp_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A receiver host slowing down for a hundred endpoints at once: their quorum queues are declared
+    ``DECLARING_AT_ONCE`` at a time, not all within a moment (which made the healthy endpoints beside
+    them wait 160-235 ms for one event), and every one of them still gets its queue."""
+    async with following(amqp_url, name="isolation-paced") as (broker, change_log):
+        endpoints = [stored_endpoint(f"ep_{n:026d}", url=f"https://example.com/{n}") for n in range(8)]
+        await change_log.create_many(endpoints, timeout_s=10)
+        isolation = Isolation(broker, change_log, max_queues=100, timeout_s=10)
+        declare = isolation.ensure_queue
+        declaring: set[str] = set()
+        most_at_once = 0
+
+        async def counted(endpoint: StoredEndpoint) -> None:
+            nonlocal most_at_once
+            declaring.add(endpoint.id)
+            most_at_once = max(most_at_once, len(declaring))
+            try:
+                await declare(endpoint)
+            finally:
+                declaring.discard(endpoint.id)
+
+        monkeypatch.setattr(isolation, "ensure_queue", counted)
+        assert all(await asyncio.gather(*(isolation.isolate(e, "slow") for e in endpoints)))
+        assert most_at_once == DECLARING_AT_ONCE
+        assert all(change_log.registry.has_queue(e.id) for e in endpoints)
 
 
 async def test_the_bound_holds_across_processes_and_every_replica_agrees(amqp_url: str) -> None:
