@@ -97,6 +97,13 @@ ALERTS_EXCHANGE = "alerts"
 # Held (declared exclusive) by the health monitor that leads; the broker deletes it with its connection.
 MONITOR_LEADER_LOCK = "hookline.monitor.leader"
 
+#: How long a queue found missing stays so before hookline declares it again. RabbitMQ tells a deleted
+#: quorum queue's consumers (basic.cancel) a moment after the delete; a queue declared again under the
+#: same name before that takes the old consumers back: the broker counts them and hands them messages
+#: that their channels never pass on. Measured on RabbitMQ 3.10: a queue declared again at once kept a
+#: consumer for good that held a message unacked and undelivered; 50 ms later the cancel had come.
+REDECLARE_AFTER_S = 1.0
+
 DELAY_BITS = 28
 MAX_DELAY_S = 2**DELAY_BITS - 1
 DELAY_DELIVERY = "hookline.delay.delivery"

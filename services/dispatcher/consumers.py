@@ -171,6 +171,7 @@ class Consumers:
         self._opening = asyncio.Lock()  # one channel per prefetch value, also while attaching in parallel
         self._queues = QueueProbe(broker)  # declares: an error there closes its channel, not a consumer's
         self._checks = QueueProbe(broker)  # the check with the broker's, apart from the attaching's
+        self._missing_since_s: dict[str, float] = {}  # current queues found missing, not yet declared again
         self._probes: dict[str, int] = {}  # endpoint id -> the half-open version being probed
         self._changed: asyncio.Queue[str | None] = asyncio.Queue()
         self._connection_lost = asyncio.Event()
@@ -390,9 +391,19 @@ class Consumers:
         queue = await self._queues.find(queue_name)
         endpoint = self._registry.get(want.endpoint_id)
         if queue is not None or want.mode is not Mode.DELIVER or endpoint is None:
+            self._missing_since_s.pop(queue_name, None)
             return queue
         if not self._registry.isolated(endpoint):
             return None  # back in its lane: its queue was removed once drained
+        # Not at once: the other replicas' consumers of the queue deleted must have been told first.
+        now_s = time.monotonic()
+        missing_for_s = now_s - self._missing_since_s.setdefault(queue_name, now_s)
+        if missing_for_s < topology.REDECLARE_AFTER_S:
+            asyncio.get_running_loop().call_later(
+                topology.REDECLARE_AFTER_S - missing_for_s, self._changed.put_nowait, want.endpoint_id
+            )
+            return None
+        del self._missing_since_s[queue_name]
         log.error("endpoint_queue_missing", endpoint_id=endpoint.id, queue=queue_name, alert=True)
         metrics.QUEUES_REDECLARED.inc()
         await topology.declare_own_queue(await self._queues.channel(), endpoint)

@@ -21,7 +21,7 @@ import math
 import random
 import time
 from collections import Counter
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import cast
@@ -282,14 +282,7 @@ class Handler:
         whose waiting copies hold its lane (:func:`holds_its_lane`), means the endpoint is backlogged:
         it is isolated, so that a burst to it is moved off the lane at the rate of queue writes rather
         than of its answers."""
-        gate = self._lane_gates.get(endpoint.id)
-        if gate is None:
-            lane = topology.lane_of(endpoint.tenant)
-            gate = self._lane_gates[endpoint.id] = _LaneGate(
-                self._settings.prefetch_per_endpoint, lane, self._lanes_waiting
-            )
-        gate.users += 1
-        try:
+        with self._lane_turns(endpoint.id, topology.lane_of(endpoint.tenant)) as gate:
             if not await gate.enter(timeout_s=self._settings.slow_attempt_s * BACKLOG_WAIT_SHARE):
                 if self._holds_its_lane(gate) and await self._isolate(endpoint, "backlogged"):
                     await self.hand_on(message, endpoint, reason="backlogged")
@@ -299,10 +292,23 @@ class Handler:
                 return await self._handle(endpoint, message, parsed, probe=False, lane=True)
             finally:
                 gate.leave()
+
+    @contextlib.contextmanager
+    def _lane_turns(self, endpoint_id: str, lane: str) -> Iterator[_LaneGate]:
+        """The endpoint's turns for deliveries from ``lane`` (its lane, or its holding lane), shared by
+        its deliveries under way here and dropped with the last of them."""
+        gate = self._lane_gates.get(endpoint_id)
+        if gate is None:
+            gate = self._lane_gates[endpoint_id] = _LaneGate(
+                self._settings.prefetch_per_endpoint, lane, self._lanes_waiting
+            )
+        gate.users += 1
+        try:
+            yield gate
         finally:
             gate.users -= 1
             if not gate.users:
-                del self._lane_gates[endpoint.id]
+                del self._lane_gates[endpoint_id]
 
     def _holds_its_lane(self, gate: _LaneGate) -> bool:
         # This copy waits no more, yet it is one of the endpoint's: counted on both sides.
@@ -325,14 +331,7 @@ class Handler:
             wait_s = held_wait_s(breaker, now_s=time.time())
             await self.hand_on(message, endpoint, delay_s=wait_s, reason="breaker_open")
             return False
-        gate = self._lane_gates.get(endpoint.id)
-        if gate is None:
-            lane = topology.holding_of(endpoint.id)
-            gate = self._lane_gates[endpoint.id] = _LaneGate(
-                self._settings.prefetch_per_endpoint, lane, self._lanes_waiting
-            )
-        gate.users += 1
-        try:
+        with self._lane_turns(endpoint.id, topology.holding_of(endpoint.id)) as gate:
             if not await gate.enter(timeout_s=MAX_SLOT_WAIT_S):
                 # Far from the broker's consumer_timeout: put off, its turn not had within a minute.
                 await self.hand_on(message, endpoint, delay_s=int(SLOW_SHARE_DEFER_S), reason="held_busy")
@@ -341,10 +340,6 @@ class Handler:
                 return await self._handle(endpoint, message, None, probe=probe, lane=False)
             finally:
                 gate.leave()
-        finally:
-            gate.users -= 1
-            if not gate.users:
-                del self._lane_gates[endpoint.id]
 
     async def parse_event(self, message: Incoming, *, tenant: str) -> inbound.Inbound | inbound.Invalid:
         """The event in a message for one of ``tenant``'s endpoints, checked (the catalog's schema too,
@@ -949,7 +944,9 @@ class Handler:
             await self.acks.ack(message)
             return
         if self._registry.isolated(endpoint) and not self._registry.held(endpoint) and self._isolation:
-            await self._isolation.ensure_queue(endpoint)  # deleted by hand, or lost with a node
+            # Deleted by hand, or lost with a node: declared again once its consumers have been told.
+            await asyncio.sleep(topology.REDECLARE_AFTER_S)
+            await self._isolation.ensure_queue(endpoint)
         copy = addressing.message(
             message.body,
             event_id=message.message_id or "",

@@ -424,9 +424,15 @@ class Monitor:
         if missing and self.leader:
             await self._repair(missing)
 
-    async def _repair(self, missing: dict[str, str | None]) -> None:
-        for name, endpoint_id in sorted(missing.items(), key=lambda item: item[0]):
+    async def _repair(self, found_missing: dict[str, str | None]) -> None:
+        for name, endpoint_id in sorted(found_missing.items(), key=lambda item: item[0]):
             log.error("queue_missing", queue=name, endpoint_id=endpoint_id, alert=True)
+        # Not at once: the consumers of the queue deleted must have been told first (REDECLARE_AFTER_S).
+        # A dispatcher that was told may have declared its queue of its own again meanwhile.
+        await asyncio.sleep(topology.REDECLARE_AFTER_S)
+        missing = {name: e for name, e in found_missing.items() if await self._probe.depth(name) is None}
+        if not missing:
+            return
         if any(endpoint_id is None for endpoint_id in missing.values()):
             try:
                 await topology.declare(self._broker, self.settings.retention, timeout_s=REPAIR_WAIT_S)

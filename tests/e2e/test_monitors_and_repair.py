@@ -32,11 +32,12 @@ SYSTEM_ENV = {
     "HOOKLINE_BREAKER_FAILURE_THRESHOLD": "3",
     "HOOKLINE_BREAKER_COOLDOWN_S": "3",
     "HOOKLINE_TICK_S": "0.2",
-    "HOOKLINE_QUEUE_POLL_S": "0.5",
+    # Polled often, the monitor finds a queue deleted by hand before the broker has told its consumers;
+    # declared again then, the queue kept them without a word (two runs of five, before
+    # topology.REDECLARE_AFTER_S; tests/integration/test_redeclare_after.py).
+    "HOOKLINE_QUEUE_POLL_S": "0.1",
     "HOOKLINE_RETRY_SCHEDULE_S": "1",
     "HOOKLINE_BREAKER_LEASE_S": str(int(LEASE_S)),
-    # Now and then no cancel reaches the dispatchers for a quorum queue deleted by hand (seen in CI on
-    # RabbitMQ 3.10: both consumers of it gone without a word); the consumer check is the net under that.
     "HOOKLINE_CONSUMER_CHECK_S": "3",
 }
 # --- the receiver's side -------------------------------------------------------------------------------
