@@ -49,6 +49,16 @@ def delete(system: System, endpoint: dict[str, Any]) -> None:
         assert api.delete(f"/v1/endpoints/{endpoint['id']}").status_code == 204
 
 
+async def until_health(system: System, endpoint: dict[str, Any], **expected: object) -> None:
+    """Until the monitor's health of the endpoint says ``expected`` (``held=True``, …)."""
+
+    async def says_so() -> bool:
+        now = await get_json(system.monitor, f"/v1/endpoints/{endpoint['id']}/health")
+        return now is not None and all(now[name] == value for name, value in expected.items())
+
+    await eventually(says_so, timeout_s=60)
+
+
 async def test_an_endpoint_held_past_the_bound_waits_out_its_breaker_and_loses_nothing(
     system: System, receiver: Receiver
 ) -> None:
@@ -75,14 +85,7 @@ async def test_an_endpoint_held_past_the_bound_waits_out_its_breaker_and_loses_n
     system.add_endpoint(who, receiver.url("/healthy"), ["h.*"])
     tripping = await publish(system, who, "h.x", [f"evt_trip_{n}" for n in range(3)])
 
-    async def health() -> dict[str, object] | None:
-        return await get_json(system.monitor, f"/v1/endpoints/{endpoint['id']}/health")
-
-    async def held_open() -> bool:
-        now = await health()
-        return now is not None and now["breaker_state"] == "open" and now["held"] is True
-
-    await eventually(held_open, timeout_s=60)
+    await until_health(system, endpoint, breaker_state="open", held=True)
     [isolated] = logged([system.monitor], "endpoint_isolated", endpoint_id=endpoint["id"])
     assert (isolated["reason"], isolated["held"]) == ("breaker_open", True)
     assert not await queue_exists(system.amqp_url, topology.endpoint_queue(endpoint["id"]))
@@ -117,11 +120,7 @@ async def test_an_endpoint_held_past_the_bound_waits_out_its_breaker_and_loses_n
     # Their waits began and ended in the holding lane (each copy taken from it at least twice).
     assert await counted(system, from_holding) - from_holding_before >= 2 * len(held)
 
-    async def back_in_lane() -> bool:
-        now = await health()
-        return now is not None and now["breaker_state"] == "closed" and now["held"] is False
-
-    await eventually(back_in_lane, timeout_s=60)
+    await until_health(system, endpoint, breaker_state="closed", held=False)
     assert logged([system.monitor], "endpoint_back_in_lane", endpoint_id=endpoint["id"])
     after = await publish(system, who, "h.x", ["evt_after_lane"])
     await receiver.wait_for_ids(set(after), path="/held", timeout_s=30)
@@ -149,22 +148,11 @@ async def test_a_held_endpoint_gets_a_queue_of_its_own_once_the_bound_has_room(
     endpoint = system.add_endpoint(who, receiver.url("/promoted"), ["p.*"])
     tripping = await publish(system, who, "p.x", [f"evt_ptrip_{n}" for n in range(3)])
 
-    async def health() -> dict[str, object] | None:
-        return await get_json(system.monitor, f"/v1/endpoints/{endpoint['id']}/health")
-
-    async def held_open() -> bool:
-        now = await health()
-        return now is not None and now["breaker_state"] == "open" and now["held"] is True
-
-    await eventually(held_open, timeout_s=60)
+    await until_health(system, endpoint, breaker_state="open", held=True)
     waiting = await publish(system, who, "p.x", [f"evt_pwait_{n}" for n in range(3)])
     delete(system, blocker)
 
-    async def promoted() -> bool:
-        now = await health()
-        return now is not None and now["held"] is False and now["isolation"] == "breaker_open"
-
-    await eventually(promoted, timeout_s=60)
+    await until_health(system, endpoint, held=False, isolation="breaker_open")
     isolated = logged([system.monitor], "endpoint_isolated", endpoint_id=endpoint["id"])
     assert [(entry["held"], entry["promoted"]) for entry in isolated] == [(True, False), (False, True)]
     assert await queue_exists(system.amqp_url, topology.endpoint_queue(endpoint["id"]))

@@ -46,7 +46,7 @@ async def sentinel_arrives(system: System, receiver: Receiver, acme: str, path: 
         {"id": f"evt_sentinel_{acme}", "tenant": acme, "type": "order.sentinel", "data": {}},
     )
     assert sent.status_code == 202, sent.text
-    await eventually(lambda: asyncio.sleep(0, deliveries(receiver, path)[f"evt_sentinel_{acme}"] == 1))
+    await eventually(lambda: asyncio.sleep(0, deliveries(receiver, path)[f"evt_sentinel_{acme}"] >= 1))
 
 
 async def logged_by(base_url: str, event_id: str) -> bool:
@@ -170,6 +170,11 @@ async def test_a_batch_gets_a_result_per_item_and_each_event_is_delivered_once(
 ) -> None:
     acme = tenant()
     system.add_endpoint(acme, receiver.url("/batch"), ["order.*"])
+    # Alone in its tenant, the endpoint could be routed straight to a queue of its own during the 500
+    # below (backlogged), and a handful of events published during that switch reach it both ways (at
+    # least once: tests/integration/test_direct_routes.py). One naming an overlapping pattern keeps its
+    # events in its lane, so that a second delivery here can only be a second publish.
+    system.add_endpoint(acme, receiver.url("/beside"), ["order.#"])
     earlier = await post(
         system.ingest.base_url,
         {"id": f"evt_earlier_{acme}", "tenant": acme, "type": "order.created", "data": {}},
