@@ -390,11 +390,14 @@ class Consumers:
         only drained has been removed once empty, and stays removed."""
         queue = await self._queues.find(queue_name)
         endpoint = self._registry.get(want.endpoint_id)
-        if queue is not None or want.mode is not Mode.DELIVER or endpoint is None:
+        if (
+            queue is not None
+            or want.mode is not Mode.DELIVER
+            or endpoint is None
+            or not self._registry.isolated(endpoint)  # back in its lane: its queue was removed once drained
+        ):
             self._missing_since_s.pop(queue_name, None)
             return queue
-        if not self._registry.isolated(endpoint):
-            return None  # back in its lane: its queue was removed once drained
         # Not at once: the other replicas' consumers of the queue deleted must have been told first.
         now_s = time.monotonic()
         missing_for_s = now_s - self._missing_since_s.setdefault(queue_name, now_s)

@@ -13,12 +13,12 @@ import asyncio
 from urllib.parse import unquote, urlsplit
 
 import aio_pika
-import aiormq
 import pytest
 from support import broker as test_broker
 from support.waiting import eventually
 
 from hookline.shared import topology
+from hookline.shared.amqp import on_cancel
 
 pytestmark = pytest.mark.integration
 ARGUMENTS = {"x-queue-type": "quorum", "x-single-active-consumer": True}
@@ -42,12 +42,7 @@ async def test_a_deleted_queue_declared_again_after_the_wait_has_told_its_consum
             await message.ack()
 
         await queue.consume(take)
-        underlay = await channel.get_underlay_channel()
-        underlay.on_consumer_cancel_callbacks.add(
-            lambda frame: (
-                cancelled.append(frame.consumer_tag) if isinstance(frame, aiormq.spec.Basic.Cancel) else None
-            )
-        )
+        await on_cancel(channel, lambda frame: cancelled.append(frame.consumer_tag or ""))
 
         await rabbitmq.ctl_async(["delete_queue", "-p", vhost, "redeclare.q"])
         await asyncio.sleep(topology.REDECLARE_AFTER_S)  # as the monitor and the dispatchers wait
