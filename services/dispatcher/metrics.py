@@ -38,6 +38,11 @@ LOOP_LATE_SECONDS = prometheus_client.Histogram(
     "How late a timer fired on the dispatcher's event loop, every 50 ms (the wait for CPU; lag.py).",
     buckets=(0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1),
 )
+LOOP_CPU_WAIT_SECONDS = prometheus_client.Counter(
+    "hookline_dispatcher_loop_cpu_wait_seconds",
+    "Time the event loop's thread was ready to run but waited for a CPU (Linux schedstat; lag.py): "
+    "growing about as fast as the loop runs late, the machine is short of CPU, not the replica busy.",
+)
 SLOW_ENDPOINTS = prometheus_client.Gauge(
     "hookline_dispatcher_slow_endpoints",
     "Endpoints this dispatcher finds slow (an answer or a wait of HOOKLINE_SLOW_ATTEMPT_S or more).",
