@@ -294,13 +294,14 @@ def script(tmp_path: Path, name: str, body: str) -> str:
 
 
 def answering(tmp_path: Path, status: dict[str, Any] = STATUS, name: str = "diagnostics") -> str:
-    """A stand-in that checks its arguments, counts its runs in ``runs`` and prints ``status``."""
+    """A stand-in that checks its arguments, counts its runs in ``runs`` (each with its niceness) and
+    prints ``status``."""
     runs = tmp_path / "runs"
     return script(
         tmp_path,
         name,
         f'[ "$*" = "-q status --formatter json" ] || {{ echo "unexpected arguments: $*" >&2; exit 2; }}\n'
-        f"echo run >> '{runs}'\n"
+        f"echo \"run $(nice)\" >> '{runs}'\n"
         f"cat <<'EOF'\n{json.dumps(status)}\nEOF\n",
     )
 
@@ -359,6 +360,8 @@ async def test_diagnostics_are_read_from_the_command(tmp_path: Path) -> None:
         capacity = await reader.read()
     assert capacity == from_diagnostics({**STATUS, "alarms": [MEMORY_ALARM]})
     assert capacity.memory_alarm
+    # Run at the lowest priority: it boots an Erlang VM, on a machine the dispatchers may share.
+    assert (tmp_path / "runs").read_text().split() == ["run", "19"]
 
 
 async def test_a_failing_command_names_itself_and_its_error(tmp_path: Path) -> None:
