@@ -17,6 +17,12 @@ before the burst, as a dispatcher would, and waits until it is routed directly: 
 goes straight to its queue (the best a burst can cost: one queue write per event). ``--nice-others 10``
 runs the ingest and the monitor with ``HOOKLINE_NICE=10``: on this machine's two cores, shared with the
 broker and the burst's publisher, they then yield the CPU to the dispatchers.
+
+Each service, the receiving sink and the burst's publisher run in a session of their own, as they would
+be deployed (a systemd unit or a container each, a CPU share each): with the kernel's autogroup on, as
+here, a session is a CPU share, and all in the bench's they would share one. ``--one-session`` runs them
+all in the bench's session. The dispatchers log ``loop_ran_late`` with what held them (lag.py): in every
+run measured here, the wait for a CPU.
 """
 
 from __future__ import annotations
@@ -124,12 +130,12 @@ async def isolated(amqp_url: str, endpoint_id: str) -> None:
             await publisher.close()
 
 
-async def burst_elsewhere(amqp_url: str, count: int) -> dict[str, float]:
+async def burst_elsewhere(amqp_url: str, count: int, *, own_session: bool) -> dict[str, float]:
     """:func:`burst` from a process of its own: 500 publishes in flight in this one would hold the
     trickle's publishes back (their confirms behind the burst's), and count that as hookline's latency."""
     process = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "bench.burst", "--publish-only", "--amqp-url", amqp_url, "--burst", str(count),
-        stdout=asyncio.subprocess.PIPE,
+        stdout=asyncio.subprocess.PIPE, start_new_session=own_session,
     )  # fmt: skip
     out, _ = await process.communicate()
     assert process.returncode == 0, "the burst's publisher failed"
@@ -182,15 +188,17 @@ async def run(
     settings: dict[str, str],
     direct: bool = False,
     nice_others: int = 0,
+    one_session: bool = False,
 ) -> dict[str, Any]:
     work = Path(tempfile.mkdtemp(prefix="hookline-burst-"))
     print(f"logs in {work}", flush=True)
-    sink = start_sink(work)
+    sink = start_sink(work, own_session=not one_session)
     neighbour, elsewhere = _same_lane("burst", other=False), _same_lane("burst", other=True)
     yielding = {"HOOKLINE_NICE": str(nice_others)}
     services = Services(
-        amqp_url, work, settings=settings, service_settings={"ingest": yielding, "health-monitor": yielding}
-    )
+        amqp_url, work, settings=settings, service_settings={"ingest": yielding, "health-monitor": yielding},
+        own_sessions=not one_session,
+    )  # fmt: skip
     try:
         services.start_ingest()
         services.start_monitor()
@@ -224,7 +232,7 @@ async def run(
             await asyncio.sleep(3)  # the trickle's own latency before the burst
             published = asyncio.Event()
             emptied = asyncio.create_task(lane_emptied(amqp_url, topology.lane_of("burst"), published))
-            burst_sent = await burst_elsewhere(amqp_url, count)
+            burst_sent = await burst_elsewhere(amqp_url, count, own_session=not one_session)
             # From its first publish: the publisher's process takes about half a second to start, which
             # the times after the burst began (routed directly, off the lane) once counted.
             burst_started = min(burst_sent.values())
@@ -251,6 +259,7 @@ async def run(
     result: dict[str, Any] = {
         "burst": count, "trickle_per_s": trickle_per_s, "lanes": topology.LANES, "direct": direct,
         "ingest_and_monitor_nice": nice_others,
+        "sessions": "one" if one_session else "one per process",
     }  # fmt: skip
     for path in ("/neighbour", "/elsewhere"):
         result[path.strip("/")] = _summary(latencies(path, trickle_sent, during=True))
@@ -324,6 +333,12 @@ def main() -> None:
         metavar="N",
         help="HOOKLINE_NICE for the ingest and the monitor: they yield the CPU to the dispatchers",
     )
+    parser.add_argument(
+        "--one-session",
+        action="store_true",
+        help="every process in the bench's session (with autogroup, one CPU share for them all), not each "
+        "service, the sink and the burst's publisher in one of its own (as deployed)",
+    )
     parser.add_argument("--publish-only", action="store_true", help=argparse.SUPPRESS)  # the burst's process
     arguments = parser.parse_args()
     if arguments.publish_only:
@@ -339,6 +354,7 @@ def main() -> None:
                 settings=dict(setting.split("=", 1) for setting in arguments.setting),
                 direct=arguments.direct,
                 nice_others=arguments.nice_others,
+                one_session=arguments.one_session,
             )
         )
     print(json.dumps(result, indent=2))

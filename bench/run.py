@@ -97,12 +97,13 @@ class Sink:
         return result
 
 
-def start_sink(work: Path, status: int = 204, delay_ms: int = 0) -> Sink:
+def start_sink(work: Path, status: int = 204, delay_ms: int = 0, *, own_session: bool = False) -> Sink:
     port = free_port()
     out = work / f"sink-{port}.json"
     process = subprocess.Popen(
         [sys.executable, "-m", "bench.sink", str(port), str(out), str(status), str(delay_ms)],
         stdout=subprocess.PIPE,
+        start_new_session=own_session,  # see Services.own_sessions
     )
     assert process.stdout is not None
     process.stdout.readline()  # "ready"
@@ -121,6 +122,10 @@ class Services:
     binary: str = HOOKLINE  # another version's `hookline` (its own venv): compared in the same run
     # Settings of one service only, by its command (ingest, dispatcher, health-monitor), over the rest.
     service_settings: dict[str, dict[str, str]] = field(default_factory=dict)
+    # Each service in a session of its own, as deployed (a systemd unit or a container each: a CPU share
+    # each). In the bench's session, with the kernel's autogroup on (as here), they would share one CPU
+    # share with everything else the bench starts in it.
+    own_sessions: bool = False
 
     def env(self, **extra: str) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items() if not k.startswith("HOOKLINE_")}
@@ -143,6 +148,7 @@ class Services:
             env=self.env(**self.service_settings.get(command, {}), **{port_variable: str(port)}),
             stdout=log,
             stderr=subprocess.STDOUT,
+            start_new_session=self.own_sessions,
         )
         wait_ready(port, process)
         self.processes.append(process)
