@@ -761,12 +761,22 @@ async def main(arguments: argparse.Namespace) -> dict[str, Any]:
     print(
         f"{arguments.slow_endpoints} slow endpoints beside {arguments.slow_beside} healthy ones…", flush=True
     )
-    report["slow_endpoints"] = slow_endpoints.measure(
+    # A thread: measure() runs each case in an event loop of its own (asyncio.run, which refuses to
+    # start inside this one).
+    report["slow_endpoints"] = await asyncio.to_thread(
+        slow_endpoints.measure,
         argparse.Namespace(
             amqp_url=arguments.amqp_url, slow=arguments.slow_endpoints, healthy=arguments.slow_beside,
             events=50, rate_per_s=2.0, slow_ms=8000, dispatchers=2, wait_s=120.0, alone_too=True,
-        )
+        ),
     )  # fmt: skip
+    from bench import burst
+
+    print(f"a burst of {arguments.burst:,} to one endpoint, beside a trickle to two others…", flush=True)
+    with vhost(arguments.amqp_url) as burst_url:
+        report["burst"] = await burst.run(
+            burst_url, count=arguments.burst, trickle_per_s=20.0, dispatchers=2, settings={}
+        )
     from bench import monitor_restart
 
     print(f"monitor restart with {arguments.monitor_records:,} telemetry records…", flush=True)
@@ -926,6 +936,18 @@ def markdown(report: dict[str, Any]) -> str:
             f"{alone['healthy_p50_ms']:.0f} ms, p99 {alone['healthy_p99_ms']:.0f} ms); failed attempts "
             f"{beside['healthy_failed_attempts']}, breakers moved {beside['healthy_breakers_changed']} | |"
         )
+    burst = report.get("burst")
+    if burst:
+        other, neighbour = burst["elsewhere"], burst["neighbour"]
+        lines.append(
+            f"| a burst of {burst['burst']:,} events to one endpoint, a trickle of {burst['trickle_per_s']:g}/s to "
+            f"a tenant in another lane and to one in its lane ({burst['lanes']} lanes) | other lane p50 "
+            f"{other['p50_ms']:.0f} ms, **p99 {other['p99_ms']:.0f} ms** (the broker alone: p99 "
+            f"{burst['elsewhere_broker_alone']['p99_ms']:.0f} ms); its lane's neighbours p50 {neighbour['p50_ms']:.0f} "
+            f"ms, p99 {neighbour['p99_ms']:.0f} ms; the burst routed directly after "
+            f"{burst['burst_routed_directly_s']} s, published in {burst['burst_published_s']} s, all delivered "
+            f"after {burst['burst_all_delivered_s']} s | |"
+        )
     restart = report.get("monitor_restart")
     if restart:
         lines.append(
@@ -1001,6 +1023,9 @@ if __name__ == "__main__":
             "HOOKLINE_BENCH_POSTGRES_URL", "postgresql://postgres@127.0.0.1:5432/postgres"
         ),
         help="a PostgreSQL user that may create databases (the outbox relay's benchmark)",
+    )
+    parser.add_argument(
+        "--burst", type=int, default=10_000, help="events published at once to one endpoint (bench/burst.py)"
     )
     parser.add_argument(
         "--before",
