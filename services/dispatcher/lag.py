@@ -104,7 +104,7 @@ class LagProbe:
         waited_since_s = 0.0
         if waited_s is not None:
             waited_since_s = waited_s - (self._waited_s if self._waited_s is not None else waited_s)
-            metrics.LOOP_CPU_WAIT_SECONDS.inc(waited_since_s)
+            metrics.LOOP_CPU_WAIT_SECONDS.inc(max(0.0, waited_since_s))
             self._waited_s = waited_s
         if late_s >= LATE_LOGGED_S and (
             self._logged_at_s is None or now_s - self._logged_at_s >= LOGGED_EVERY_S
