@@ -14,7 +14,7 @@ more on the same cores does not help, CPU set aside for the dispatchers does), o
 *blocked* (a call that waited on the disk, or the process was stopped). The run-queue wait is also
 counted whole in ``hookline_dispatcher_loop_cpu_wait_seconds_total`` (Linux, from the thread's
 schedstat). Found so: a burst's neighbours in other lanes late by 250–400 ms on this 2-core machine
-were, to the millisecond, the dispatcher's thread waiting for a CPU the broker and the burst's
+were, within a few milliseconds, the dispatcher's thread waiting for a CPU the broker and the burst's
 publisher had (``docs/decisions.md``, "Late for want of a CPU").
 """
 
@@ -111,13 +111,12 @@ class LagProbe:
         ):
             self._logged_at_s = now_s
             ran_s = time.thread_time() - self._ran_s
-            elapsed_s = now_s - self._scheduled_s
+            known = waited_s is not None  # without the wait, waiting and blocked look alike
             log.warning(
                 "loop_ran_late", late_ms=round(late_s * 1000), ran_ms=round(ran_s * 1000),
-                waited_for_cpu_ms=round(waited_since_s * 1000) if waited_s is not None else None,
-                cause=why_late(elapsed_s=elapsed_s, ran_s=ran_s, waited_s=waited_since_s)
-                if waited_s is not None
-                else None,
+                waited_for_cpu_ms=round(waited_since_s * 1000) if known else None,
+                cause=why_late(elapsed_s=now_s - self._scheduled_s, ran_s=ran_s, waited_s=waited_since_s)
+                if known else None,
             )  # fmt: skip
         for listener in self._listeners:
             listener(late_s)
