@@ -308,6 +308,20 @@ def _summary(latencies_ms: list[float]) -> dict[str, Any]:
     }
 
 
+def markdown(result: dict[str, Any]) -> list[str]:
+    """make bench's row for a result of :func:`run`."""
+    other, neighbour = result["elsewhere"], result["neighbour"]
+    return [
+        f"| a burst of {result['burst']:,} events to one endpoint, a trickle of {result['trickle_per_s']:g}/s "
+        f"to a tenant in another lane and to one in its lane ({result['lanes']} lanes) | other lane p50 "
+        f"{other['p50_ms']:.0f} ms, **p99 {other['p99_ms']:.0f} ms** (the broker alone: p99 "
+        f"{result['elsewhere_broker_alone']['p99_ms']:.0f} ms); the lane's neighbours p50 "
+        f"{neighbour['p50_ms']:.0f} ms, p99 {neighbour['p99_ms']:.0f} ms; routed directly "
+        f"{result['burst_routed_directly_s']} s after the first publish, published in "
+        f"{result['burst_published_s']} s, all delivered after {result['burst_all_delivered_s']} s | |"
+    ]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter

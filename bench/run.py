@@ -944,18 +944,11 @@ def markdown(report: dict[str, Any]) -> str:
             f"{alone['healthy_p50_ms']:.0f} ms, p99 {alone['healthy_p99_ms']:.0f} ms); failed attempts "
             f"{beside['healthy_failed_attempts']}, breakers moved {beside['healthy_breakers_changed']} | |"
         )
-    burst = report.get("burst")
-    if burst:
-        other, neighbour = burst["elsewhere"], burst["neighbour"]
-        lines.append(
-            f"| a burst of {burst['burst']:,} events to one endpoint, a trickle of {burst['trickle_per_s']:g}/s to "
-            f"a tenant in another lane and to one in its lane ({burst['lanes']} lanes) | other lane p50 "
-            f"{other['p50_ms']:.0f} ms, **p99 {other['p99_ms']:.0f} ms** (the broker alone: p99 "
-            f"{burst['elsewhere_broker_alone']['p99_ms']:.0f} ms); its lane's neighbours p50 {neighbour['p50_ms']:.0f} "
-            f"ms, p99 {neighbour['p99_ms']:.0f} ms; the burst routed directly after "
-            f"{burst['burst_routed_directly_s']} s, published in {burst['burst_published_s']} s, all delivered "
-            f"after {burst['burst_all_delivered_s']} s | |"
-        )
+    burst_result = report.get("burst")
+    if burst_result:
+        from bench import burst
+
+        lines += burst.markdown(burst_result)
     restart = report.get("monitor_restart")
     if restart:
         lines.append(
