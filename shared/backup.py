@@ -204,8 +204,16 @@ def _header(text: bytes) -> Header:
 
 def restored(endpoint: StoredEndpoint) -> StoredEndpoint:
     """An endpoint as an import writes it: its queues of the old broker are gone (none to drain), and
-    it is delivered through its lane (a queue of its own only if its definition needs one)."""
-    return endpoint.model_copy(update={"retired_queues": [], "routed": True, "laned": True})
+    it is delivered through its lane (a queue of its own only if its definition needs one), or, ordered,
+    from its queue of its own bound to ``events`` (``straight``)."""
+    return endpoint.model_copy(
+        update={
+            "retired_queues": [],
+            "routed": True,
+            "laned": not endpoint.ordered,
+            "straight": endpoint.ordered,
+        }
+    )
 
 
 def key_problem(backup: Snapshot, sealer: Sealer) -> str | None:

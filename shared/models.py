@@ -299,6 +299,10 @@ class StoredEndpoint(Endpoint):
     # bound to ``events`` directly. The ingest moves them onto their lane at its start (``laned``).
     routed: bool = False
     laned: bool = False
+    # An ``ordered`` endpoint's queue of its own is bound to ``events`` for its patterns from the moment
+    # it is ordered (``straight``; never laned): through a lane, two dispatchers each handing on one of
+    # two events of a subject could put them in its queue the other way round.
+    straight: bool = False
     # What the endpoint's requests carry, secrets sealed (header values, the auth's password, token,
     # client secret or key); ``headers`` and ``auth`` are what the API shows of them.
     sealed_headers: dict[str, str] = Field(default_factory=dict)
@@ -313,6 +317,7 @@ class StoredEndpoint(Endpoint):
                     "retired_queues",
                     "routed",
                     "laned",
+                    "straight",
                     "sealed_headers",
                     "sealed_auth",
                 }

@@ -67,6 +67,8 @@ LOOP = "endpoint-log"
 CAUGHT_UP_EVERY_S = 1.0
 #: (tenant, type) pairs whose matching endpoints are remembered; past it the memo starts over.
 _MATCHES_KEPT = 100_000
+#: Per tenant and event type: the endpoints subscribed, and the laned ones among them (the fan-out's).
+_Matches = tuple[tuple[StoredEndpoint, ...], tuple[StoredEndpoint, ...]]
 #: Parsed endpoints kept by id, and by tenant (their sum): a few KiB each.
 CACHED_ENDPOINTS = 10_000
 CACHED_TENANT_ENDPOINTS = 20_000
@@ -126,7 +128,7 @@ class EndpointRegistry:
         self._has_queue: set[str] = set()
         self._queued: set[str] = set()
         self._sets_changed = False
-        self._matches: dict[str, dict[str, tuple[StoredEndpoint, ...]]] = {}  # tenant -> type ->
+        self._matches: dict[str, dict[str, _Matches]] = {}  # tenant -> type -> (subscribed, laned)
         self._matches_kept = 0
         self._listeners: list[Listener] = []
 
@@ -243,22 +245,31 @@ class EndpointRegistry:
         return self.store.named(notifier_id)
 
     def matching(self, tenant: str, event_type: str) -> tuple[StoredEndpoint, ...]:
-        """The tenant's endpoints one of whose patterns matches ``event_type``: the fan-out of a lane
-        message (remembered per tenant and type until one of the tenant's endpoints changes, or the
-        tenant leaves the cache). An endpoint deleted a moment ago is among them until its lane has
-        passed the deletion's fence (its copy is then kept as a dead letter: nothing published before a
-        deletion is lost); an endpoint of the version before lanes is passed over (its route exchange
-        still feeds it, until the ingest moves it onto its lane)."""
+        """The tenant's laned endpoints one of whose patterns matches ``event_type``: the fan-out of a lane
+        message. An endpoint deleted a moment ago is among them until its lane has passed the deletion's
+        fence (its copy is then kept as a dead letter: nothing published before a deletion is lost); an
+        endpoint not laned is passed over (its queue of its own is bound to ``events``: ordered, or of
+        the version before lanes until the ingest moves it onto its lane)."""
+        return self._subscribed(tenant, event_type)[1]
+
+    def subscribed(self, tenant: str, event_type: str) -> tuple[StoredEndpoint, ...]:
+        """The tenant's endpoints one of whose patterns matches ``event_type``, laned or not (those deleted
+        whose lane has not passed the fence among them)."""
+        return self._subscribed(tenant, event_type)[0]
+
+    def _subscribed(self, tenant: str, event_type: str) -> _Matches:
+        """Every endpoint subscribed, and the laned ones among them: remembered per tenant and type until
+        one of the tenant's endpoints changes, or the tenant leaves the cache."""
         of_tenant = self._matches.get(tenant)
         found = of_tenant.get(event_type) if of_tenant is not None else None
         if found is None:
-            found = tuple(
+            every = tuple(
                 endpoint
                 for endpoints in (self._tenant(tenant), self._deleting.get(tenant, {}))
                 for endpoint in endpoints.values()
-                if endpoint.laned
-                and any(topology.topic_matches(pattern, event_type) for pattern in endpoint.event_types)
+                if any(topology.topic_matches(pattern, event_type) for pattern in endpoint.event_types)
             )
+            found = (every, tuple(endpoint for endpoint in every if endpoint.laned))
             if self._matches_kept >= _MATCHES_KEPT:
                 self._matches.clear()
                 self._matches_kept = 0

@@ -61,7 +61,8 @@ class EndpointHealthView(Model):
     # those it is held in a shared holding lane instead.
     isolation: str | None = None
     held: bool = False
-    # Its queue of its own bound to events for its patterns in place of its lane (a direct route).
+    # Its queue of its own bound to events for its patterns in place of its lane (a direct route; an
+    # ordered endpoint's always).
     routed_directly: bool = False
 
 

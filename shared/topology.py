@@ -7,7 +7,7 @@ arguments come from one function each: redeclaring with different arguments is a
       │  ├─ "#" ──▶ hookline.events.log (stream: every accepted event, for replay)
       │  └─ alternate exchange ──▶ hookline.unrouted (only if the event log is missing)
     hookline.endpoint.<id>[.g<N>] (quorum): an endpoint's queue of its own, only while it needs one
-      └─ bound to events for its patterns in place of its lane while routed directly
+      └─ bound to events for its patterns in place of its lane while routed directly (ordered: always)
     hookline.holding.<k> (quorum): isolated endpoints past the bound on queues of their own share these
     hookline.delay.27 … hookline.delay.00 (topic + quorum TTL queue of 2^NN s each)
       └─▶ hookline.delay.delivery (topic) ──"*"x28.<lane or endpoint queue>──▶ that queue
@@ -26,7 +26,9 @@ An endpoint that needs isolation (its limits need one consumer, it is paused, di
 its breaker is open, it is slow or backlogged: :mod:`hookline.shared.placement`) has a queue of its own,
 to which the fan-out hands its copies; the leading monitor then binds that queue to ``events`` for the
 endpoint's patterns and unbinds its lane for them (a direct route, ``Placement.direct``), so that its
-events stop passing through the lane. Messages meant for one endpoint (retries, replays, redrives,
+events stop passing through the lane. An ``ordered`` endpoint's queue is bound so from the start
+(``straight``): a lane is taken by every dispatcher, and two of them each handing on one of two events
+of a subject could swap them. Messages meant for one endpoint (retries, replays, redrives,
 notifications) carry its id (``x-hookline-endpoint-id``) and go to its *address*: its queue of its own
 if it has one, else its lane. A message found in the wrong place is forwarded, never dropped. Past the
 bound on queues of their own (``HOOKLINE_MAX_ENDPOINT_QUEUES``), an endpoint that needs isolation at run
@@ -481,13 +483,18 @@ async def declare_own_queue(
     channel: AbstractChannel, endpoint: StoredEndpoint, generation: int | None = None
 ) -> AbstractQueue:
     """Declare (create if missing) the endpoint's queue of its own of ``generation`` (default: its
-    current one), and bind it for the retries addressed to it."""
+    current one), and bind it for the retries addressed to it; a ``straight`` endpoint's current one
+    also to ``events`` for its patterns (wherever it is declared: a queue lost and declared again gets
+    its events again)."""
     generation = endpoint.queue_generation if generation is None else generation
     name = endpoint_queue(endpoint.id, generation)
     queue = await channel.declare_queue(
         name, durable=True, arguments=endpoint_queue_arguments(single_consumer=endpoint.single_consumer)
     )
     await queue.bind(DELAY_DELIVERY, routing_key=delay_delivery_binding(name))
+    if endpoint.straight and generation == endpoint.queue_generation:
+        for key in sorted(binding_keys(endpoint.tenant, endpoint.event_types)):
+            await queue.bind(EVENTS_EXCHANGE, routing_key=key)
     return queue
 
 
@@ -496,7 +503,8 @@ async def provision(channel: AbstractChannel, endpoint: StoredEndpoint, *, isola
     its queue of its own when it is ``isolated`` (declared before anything is handed to it)."""
     if isolated:
         await declare_own_queue(channel, endpoint)
-    await bind_patterns(channel, endpoint.tenant, endpoint.event_types)
+    if endpoint.laned:
+        await bind_patterns(channel, endpoint.tenant, endpoint.event_types)
 
 
 async def bind_patterns(channel: AbstractChannel, tenant: str, patterns: Iterable[str]) -> None:

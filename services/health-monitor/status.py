@@ -75,7 +75,8 @@ def endpoint_view(
         oldest_pending_age_s=health.oldest_pending_s(now_s),
         isolation=isolation,
         held=endpoint is not None and monitor.registry.held(endpoint),
-        routed_directly=endpoint is not None and monitor.registry.direct(endpoint) is not None,
+        routed_directly=endpoint is not None
+        and (endpoint.straight or monitor.registry.direct(endpoint) is not None),
     )
 
 

@@ -43,7 +43,17 @@ SECRET_FIELDS = frozenset({"secrets", "sealed_headers", "sealed_auth", "headers"
 _URL_FIELDS = frozenset({"url", "notify_url"})
 # Fields that change with every write: not a change anyone made.
 _BOOKKEEPING = frozenset(
-    {"id", "created_at", "version", "updated_at", "queue_generation", "retired_queues", "routed"}
+    {
+        "id",
+        "created_at",
+        "version",
+        "updated_at",
+        "queue_generation",
+        "retired_queues",
+        "routed",
+        "laned",
+        "straight",
+    }
 )
 
 SCHEMA = ViewSchema(

@@ -266,16 +266,18 @@ async def _own_queue_if_isolated(
 
 async def _activate(state: IngestState, endpoint: StoredEndpoint, *, patterns: list[str]) -> None:
     """Once the endpoint's record is written: wait until every live dispatcher has applied it, then bind
-    its lane for ``patterns`` (those this ingest has not bound: binding is idempotent)."""
+    its lane for ``patterns`` (those this ingest has not bound: binding is idempotent), if it is laned
+    (a ``straight`` endpoint's queue was bound for them as it was declared)."""
     await _applied_everywhere(state, [endpoint.id])
-    await _bind(state, {endpoint.tenant: patterns})
+    if endpoint.laned:
+        await _bind(state, {endpoint.tenant: patterns})
 
 
 async def _activate_all(state: IngestState, endpoints: list[StoredEndpoint]) -> None:
     """``_activate`` for a batch: one wait for the last record, each tenant's patterns bound once."""
     await _applied_everywhere(state, [endpoint.id for endpoint in endpoints])
     patterns: dict[str, list[str]] = {}
-    for endpoint in endpoints:
+    for endpoint in filter(lambda endpoint: endpoint.laned, endpoints):
         patterns.setdefault(endpoint.tenant, []).extend(endpoint.event_types)
     await _bind(state, {tenant: sorted(set(named)) for tenant, named in patterns.items()})
 
@@ -430,7 +432,9 @@ async def _prepare(state: IngestState, caller: Caller, spec: EndpointCreate) -> 
         updated_at=now,
         secrets=[SigningSecret(value=state.sealer.seal(secret), created_at=now)],
         routed=True,
-        laned=True,
+        # Ordered: its queue of its own bound to events as it is declared, before the record (models.py).
+        laned=not spec.ordered,
+        straight=spec.ordered,
     )
     notifier = await _notifier(state, endpoint)
     if spec.verify:
@@ -530,12 +534,14 @@ async def update_endpoint(
     after, changes = await _changed_to(state, before, change)
     if after.url != before.url and change.verify:
         after = await _handshake(state, after)
+    if before.straight and not after.ordered:
+        after = after.model_copy(update={"straight": False, "laned": True})  # back on its lane
     moving = after.single_consumer != before.single_consumer
     after = await _queues_for(state, before, after, moving=moving)
     try:
         written = await _write(state, after, base_version)
     except ApiError:
-        await _undo(state.broker, after, moving=moving)
+        await _undo(state.broker, before, after, moving=moving)
         raise
     if moving:
         log.info(
@@ -546,8 +552,12 @@ async def update_endpoint(
             isolated=_isolation(state, written),
         )
     new_patterns = sorted(set(written.event_types) - set(before.event_types))
+    if before.straight and not written.straight:
+        new_patterns = written.event_types  # its lane bound for them all, then its queue unbound
     if new_patterns:
         await _activate(state, written, patterns=new_patterns)
+    if before.straight:
+        await _unbind_straight(state, before, written)
     log.info("endpoint_updated", endpoint_id=endpoint_id, tenant=written.tenant, fields=sorted(changes))
     await _audit(state.trail, caller, "endpoint.updated", before, written)
     _etag(response, written)
@@ -593,12 +603,31 @@ async def _queues_for(
     return after
 
 
-async def _undo(broker: Broker, after: StoredEndpoint, *, moving: bool) -> None:
+async def _undo(broker: Broker, before: StoredEndpoint, after: StoredEndpoint, *, moving: bool) -> None:
     """A change that lost to another write: a queue of the next generation declared for it (empty, known
-    to nobody) is deleted. (One of the same generation is the endpoint's own already: kept.)"""
-    if moving:
-        async with broker.channel() as admin:
+    to nobody) is deleted. (One of the same generation is the endpoint's own already: kept, without the
+    bindings the change gave it.)"""
+    async with broker.channel() as admin:
+        if moving:
             await admin.queue_delete(topology.own_queue(after))
+        elif after.straight:
+            added = set(after.event_types) - set(before.event_types)
+            await topology.unbind_direct(admin, topology.own_queue(after), after.tenant, added)
+
+
+async def _unbind_straight(state: IngestState, before: StoredEndpoint, after: StoredEndpoint) -> None:
+    """Once ``after`` is written (and, back on its lane, its lane bound): the patterns ``before``'s queue
+    was bound to ``events`` for that ``after`` does not have it bound for, unbound. An event published
+    meanwhile may have come both ways (a duplicate), none neither way."""
+    kept = (
+        set(after.event_types)
+        if after.straight and after.queue_generation == before.queue_generation
+        else set()
+    )
+    dropped = set(before.event_types) - kept
+    if dropped:
+        async with state.broker.channel() as admin:
+            await topology.unbind_direct(admin, topology.own_queue(before), before.tenant, dropped)
 
 
 async def _check_capacity(state: IngestState) -> None:
@@ -649,7 +678,7 @@ async def upgrade(state: IngestState, endpoint_id: str) -> None:
     its old queue among those to drain; then its route exchanges go. Retries still addressed to them
     come back unroutable and are forwarded to its address."""
     endpoint = state.registry.get(endpoint_id)
-    if endpoint is None or endpoint.laned:
+    if endpoint is None or endpoint.laned or endpoint.straight:
         return
     async with state.broker.channel() as admin:
         await topology.bind_patterns(admin, endpoint.tenant, endpoint.event_types)
@@ -798,7 +827,13 @@ async def delete_endpoint(
         # has passed reaches it either.
         async with state.broker.channel() as admin:
             await topology.unbind_direct(admin, route.queue, endpoint.tenant, route.patterns)
-    if endpoint.laned:
+    if endpoint.straight:
+        # Its queue of its own bound to events from the start: no longer (nothing of it is in its lane).
+        async with state.broker.channel() as admin:
+            await topology.unbind_direct(
+                admin, topology.own_queue(endpoint), endpoint.tenant, endpoint.event_types
+            )
+    elif endpoint.laned:
         fence = addressing.message(
             b"", event_id=new_id("fence"), endpoint_id=endpoint_id, headers={Headers.FENCE: endpoint_id}
         )

@@ -212,7 +212,7 @@ async def _story(state: IngestState, logged: LoggedEvent, *, with_attempts: bool
     dead = await state.dead_letters_index.select(event_id=logged.event_id)
     subscribed = [
         endpoint.id
-        for endpoint in state.registry.matching(logged.tenant, logged.type)
+        for endpoint in state.registry.subscribed(logged.tenant, logged.type)
         if state.registry.get(endpoint.id) is not None
     ]
     # Endpoints that were attempted too: their patterns may have changed since, or they are gone.

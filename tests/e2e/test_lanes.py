@@ -14,7 +14,7 @@ import httpx
 import orjson
 import pytest
 from support import services
-from support.amqp import queue_exists, read_stream
+from support.amqp import event, publish_event, queue_exists, read_stream
 from support.broker import Broker
 from support.logs import logged
 from support.monitoring import counted, get_json, publish
@@ -299,3 +299,53 @@ async def test_a_batch_of_endpoints_is_created_at_once_and_each_gets_the_next_ev
         await publish(system, who, "b.x", [f"evt_batch_{who}"])
     for n in range(40):
         await receiver.wait_for_ids({f"evt_batch_{tenants[n % 5]}"}, path=f"/batch{n}", timeout_s=30)
+
+
+async def test_an_ordered_endpoint_takes_its_events_straight_from_events(
+    system: System, receiver: Receiver
+) -> None:
+    """An ordered endpoint's queue of its own is bound to ``events`` from its creation: none of its
+    events passes through its lane (taken by every dispatcher, two of them each handing on one of two
+    events of a subject could swap them), even beside an endpoint of its tenant on an overlapping
+    pattern, which keeps the lane bound; each reaches it once, in order. Its patterns changed, the new
+    one reaches its queue and the old one no more; no longer ordered, it is back on its lane, and every
+    event reaches it once."""
+    who = tenant()
+    ordered = system.add_endpoint(who, receiver.url("/straight"), ["o.*"], ordered=True)
+    system.add_endpoint(who, receiver.url("/beside"), ["#"])
+    handed_on = 'hookline_handed_on_total{reason="isolated"}'
+    unsubscribed = "hookline_unsubscribed_copies_total"
+    handed_on_before = await counted(system, handed_on)
+    ids = [f"evt_straight_{n}" for n in range(20)]
+    for event_id in ids:
+        body = {**event(who, "o.x", event_id), "subject": "s"}
+        await publish_event(system.amqp_url, body, f"{who}.o.x")
+    await receiver.wait_for_ids(set(ids), path="/beside", timeout_s=60)
+    await receiver.wait_for_ids(set(ids), path="/straight", timeout_s=60)
+    assert await counted(system, handed_on) == handed_on_before, "its events came through its lane"
+    straight = [r.headers["webhook-id"] for r in receiver.requests if r.path == "/straight"]
+    assert straight == ids
+
+    # Its patterns changed: an event of the pattern it dropped, then one of the new (last: the other,
+    # had its queue still been bound for it, came first and was counted).
+    with system.api() as api:
+        changed = api.patch(f"/v1/endpoints/{ordered['id']}", json={"event_types": ["p.*"]})
+        assert changed.status_code == 200, changed.text
+    unsubscribed_before = await counted(system, unsubscribed)
+    await publish(system, who, "o.x", ["evt_dropped"])
+    await publish(system, who, "p.x", ["evt_new_pattern"])
+    await receiver.wait_for_ids({"evt_new_pattern"}, path="/straight", timeout_s=30)
+    await receiver.wait_for_ids({"evt_dropped", "evt_new_pattern"}, path="/beside", timeout_s=30)
+    assert "evt_dropped" not in ids_at(receiver, "/straight")
+    assert await counted(system, unsubscribed) == unsubscribed_before, "still bound for the dropped pattern"
+
+    # No longer ordered: back on its lane, from the next event on, each once.
+    with system.api() as api:
+        changed = api.patch(f"/v1/endpoints/{ordered['id']}", json={"ordered": False})
+        assert changed.status_code == 200, changed.text
+    laned = await publish(system, who, "p.x", [f"evt_laned_{n}" for n in range(10)])
+    await receiver.wait_for_ids(set(laned), path="/straight", timeout_s=60)
+    sentinel = await publish(system, who, "p.x", ["evt_laned_sentinel"])
+    await receiver.wait_for_ids(set(sentinel), path="/straight", timeout_s=30)
+    counts = ids_at(receiver, "/straight")
+    assert {event_id: counts[event_id] for event_id in laned} == dict.fromkeys(laned, 1)

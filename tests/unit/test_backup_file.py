@@ -158,6 +158,12 @@ def test_a_restored_endpoint_keeps_its_secrets_status_and_queue_but_not_the_old_
     assert paused.status is EndpointStatus.PAUSED
 
 
+def test_a_restored_ordered_endpoint_takes_its_events_straight_and_the_others_through_their_lane() -> None:
+    ordered, other = (restored(stored_endpoint(A, ordered=True)), restored(stored_endpoint(B, laned=False)))
+    assert (ordered.laned, ordered.straight) == (False, True)
+    assert (other.laned, other.straight) == (True, False)
+
+
 def test_an_import_checks_the_key_opens_every_secret_before_it_writes() -> None:
     key, other = "k" * 32, "o" * 32
     sealed = SigningSecret(value=Sealer(key).seal("whsec_" + "B" * 44), created_at=CREATED)

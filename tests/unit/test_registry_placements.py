@@ -63,6 +63,20 @@ def test_endpoints_of_the_version_before_lanes_are_passed_over_until_moved_onto_
     assert [e.id for e in registry.matching("acme", "a.b")] == [EP1]
 
 
+def test_an_ordered_endpoint_is_subscribed_but_never_fanned_out_to() -> None:
+    """Its queue of its own is bound to ``events`` (straight): a lane copy handed on would come twice,
+    and could overtake an earlier event of its subject. The event's story still names it."""
+    registry = EndpointRegistry()
+    _upsert(registry, stored_endpoint(EP1, event_types=["a.*"], ordered=True, laned=False, straight=True))
+    _upsert(registry, stored_endpoint(EP2, event_types=["#"]))
+    assert [e.id for e in registry.matching("acme", "a.b")] == [EP2]
+    assert sorted(e.id for e in registry.subscribed("acme", "a.b")) == [EP1, EP2]
+    assert registry.patterns_needed("acme") == {"#"}
+    _upsert(registry, stored_endpoint(EP1, event_types=["a.*"]))  # no longer ordered: back on its lane
+    assert sorted(e.id for e in registry.matching("acme", "a.b")) == [EP1, EP2]
+    assert registry.patterns_needed("acme") == {"#", "a.*"}
+
+
 def test_a_placement_applies_on_the_generation_it_was_based_on() -> None:
     registry = EndpointRegistry()
     assert isinstance(_place(registry, EP1, 0, isolated=True), Stale)  # no such endpoint (yet)
