@@ -493,8 +493,7 @@ async def declare_own_queue(
     )
     await queue.bind(DELAY_DELIVERY, routing_key=delay_delivery_binding(name))
     if endpoint.straight and generation == endpoint.queue_generation:
-        for key in sorted(binding_keys(endpoint.tenant, endpoint.event_types)):
-            await queue.bind(EVENTS_EXCHANGE, routing_key=key)
+        await bind_direct(channel, name, endpoint.tenant, endpoint.event_types)
     return queue
 
 

@@ -619,12 +619,8 @@ async def _unbind_straight(state: IngestState, before: StoredEndpoint, after: St
     """Once ``after`` is written (and, back on its lane, its lane bound): the patterns ``before``'s queue
     was bound to ``events`` for that ``after`` does not have it bound for, unbound. An event published
     meanwhile may have come both ways (a duplicate), none neither way."""
-    kept = (
-        set(after.event_types)
-        if after.straight and after.queue_generation == before.queue_generation
-        else set()
-    )
-    dropped = set(before.event_types) - kept
+    # Straight it keeps its queue: a queue of the next generation comes only with ``ordered`` removed.
+    dropped = set(before.event_types) - (set(after.event_types) if after.straight else set())
     if dropped:
         async with state.broker.channel() as admin:
             await topology.unbind_direct(admin, topology.own_queue(before), before.tenant, dropped)
