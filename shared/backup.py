@@ -212,6 +212,8 @@ def restored(endpoint: StoredEndpoint) -> StoredEndpoint:
             "routed": True,
             "laned": not endpoint.ordered,
             "straight": endpoint.ordered,
+            "lane_fence": None,
+            "left_lane_at": None,
         }
     )
 

@@ -21,9 +21,15 @@ class Header(enum.StrEnum):
     # Set by the ingest API on an event sent with an Idempotency-Key: a digest of the request, so that
     # the key sent again with another request is refused.
     REQUEST_DIGEST = "x-hookline-request-digest"
-    # The fence an ingest puts in a deleted endpoint's lane (its value: the endpoint's id): every lane
-    # message before it was published before the deletion.
+    # The fence an ingest puts in the lane of an endpoint deleted or leaving it (its value: the endpoint's
+    # id): every lane message before it was published before the deletion, or the endpoint's binding.
     FENCE = "x-hookline-fence"
+    # On the fence of an endpoint leaving its lane (made ordered): the version that wrote it, so that a
+    # replica behind the change log can tell a fence too early from one a later change made stale.
+    FENCE_VERSION = "x-hookline-fence-version"
+    # A lane copy handed on to an ordered endpoint whose queue is bound to ``events`` too (it leaves, or
+    # left, its lane): most likely a second copy, skipped by the replica that settled the first.
+    SECOND_COPY = "x-hookline-second-copy"
     # A message forwarded after it came back unroutable: how many times (it stops past a few).
     FORWARDS = "x-hookline-forwards"
     ORIGIN = (

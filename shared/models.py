@@ -300,9 +300,17 @@ class StoredEndpoint(Endpoint):
     routed: bool = False
     laned: bool = False
     # An ``ordered`` endpoint's queue of its own is bound to ``events`` for its patterns from the moment
-    # it is ordered (``straight``; never laned): through a lane, two dispatchers each handing on one of
-    # two events of a subject could put them in its queue the other way round.
+    # it is ordered (``straight``; not laned, but while it leaves its lane): through a lane, two
+    # dispatchers each handing on one of two events of a subject could put them in its queue the other
+    # way round.
     straight: bool = False
+    # Made ordered while laned, it leaves its lane in two steps: its queue bound to ``events`` and this
+    # fence's id written (``straight`` and ``laned`` both: fanned out still, its lane copies handed on
+    # as duplicates); once the fence has come out of its lane, every lane message published before
+    # that binding has been given out, and ``laned`` goes (``left_lane_at``: a lane message given out
+    # a moment before still counts it, see ``dispatcher/fanout.py``).
+    lane_fence: str | None = None
+    left_lane_at: AwareDatetime | None = None
     # What the endpoint's requests carry, secrets sealed (header values, the auth's password, token,
     # client secret or key); ``headers`` and ``auth`` are what the API shows of them.
     sealed_headers: dict[str, str] = Field(default_factory=dict)
@@ -318,6 +326,8 @@ class StoredEndpoint(Endpoint):
                     "routed",
                     "laned",
                     "straight",
+                    "lane_fence",
+                    "left_lane_at",
                     "sealed_headers",
                     "sealed_auth",
                 }

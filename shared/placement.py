@@ -18,7 +18,8 @@ isolating it (a limit, a pause), it has a queue of its own whatever its placemen
 An isolated endpoint's queue of its own may also be bound to ``events`` for the endpoint's patterns,
 its lane no longer bound for them (:func:`direct_patterns`; the leading monitor switches it): its events
 then reach it without passing through its lane. An endpoint created ordered is bound so from the start
-(``StoredEndpoint.straight``), never laned.
+(``StoredEndpoint.straight``), never laned; one made ordered leaves its lane once a fence has passed it
+(:mod:`hookline.dispatcher.fences`).
 """
 
 from __future__ import annotations

@@ -67,13 +67,15 @@ LOOP = "endpoint-log"
 CAUGHT_UP_EVERY_S = 1.0
 #: (tenant, type) pairs whose matching endpoints are remembered; past it the memo starts over.
 _MATCHES_KEPT = 100_000
-#: Per tenant and event type: the endpoints subscribed, and the laned ones among them (the fan-out's).
-_Matches = tuple[tuple[StoredEndpoint, ...], tuple[StoredEndpoint, ...]]
+#: Per tenant and event type: the endpoints subscribed, the laned ones among them (the fan-out's), and
+#: those that have left their lane (:meth:`EndpointRegistry.left_lane`).
+_Matches = tuple[tuple[StoredEndpoint, ...], tuple[StoredEndpoint, ...], tuple[StoredEndpoint, ...]]
 #: Parsed endpoints kept by id, and by tenant (their sum): a few KiB each.
 CACHED_ENDPOINTS = 10_000
 CACHED_TENANT_ENDPOINTS = 20_000
-#: What the store's rows mean: a file of another version is built again from the log.
-_STORE_VERSION = 1
+#: What the store's rows mean: a file of another version is built again from the log (2: the ``laned``
+#: column says "on its lane for good", see :meth:`EndpointRegistry.every`).
+_STORE_VERSION = 2
 
 #: Called with (before, after) for every endpoint that changed; either side is None on create/delete.
 Listener = Callable[[StoredEndpoint | None, StoredEndpoint | None], None]
@@ -128,7 +130,7 @@ class EndpointRegistry:
         self._has_queue: set[str] = set()
         self._queued: set[str] = set()
         self._sets_changed = False
-        self._matches: dict[str, dict[str, _Matches]] = {}  # tenant -> type -> (subscribed, laned)
+        self._matches: dict[str, dict[str, _Matches]] = {}  # tenant -> type -> (subscribed, laned, left)
         self._matches_kept = 0
         self._listeners: list[Listener] = []
 
@@ -201,9 +203,10 @@ class EndpointRegistry:
         :meth:`every` or asks for what it needs."""
         return list(self.every())
 
-    def every(self, *, unlaned_only: bool = False) -> Iterator[StoredEndpoint]:
-        """Every endpoint in id order (or those not moved onto their lane yet), read a batch at a time."""
-        for body in self.store.every(unlaned_only=unlaned_only):
+    def every(self, *, to_settle_only: bool = False) -> Iterator[StoredEndpoint]:
+        """Every endpoint in id order, read a batch at a time; or only those whose route the ingest may
+        still have to settle at its start (:func:`_settled`): not on their lane yet, or ordered."""
+        for body in self.store.every(unsettled_only=to_settle_only):
             yield StoredEndpoint.model_validate_json(body)
 
     def page(self, *, tenant: str | None, after: str | None, limit: int) -> list[StoredEndpoint]:
@@ -257,6 +260,14 @@ class EndpointRegistry:
         whose lane has not passed the fence among them)."""
         return self._subscribed(tenant, event_type)[0]
 
+    def left_lane(self, tenant: str, event_type: str, *, since: datetime) -> tuple[StoredEndpoint, ...]:
+        """The tenant's endpoints one of whose patterns matches ``event_type`` that left their lane at or
+        after ``since`` (made ordered: ``StoredEndpoint.left_lane_at``)."""
+        left = self._subscribed(tenant, event_type)[2]
+        return (
+            tuple(e for e in left if e.left_lane_at is not None and e.left_lane_at >= since) if left else ()
+        )
+
     def _subscribed(self, tenant: str, event_type: str) -> _Matches:
         """Every endpoint subscribed, and the laned ones among them: remembered per tenant and type until
         one of the tenant's endpoints changes, or the tenant leaves the cache."""
@@ -269,7 +280,11 @@ class EndpointRegistry:
                 for endpoint in endpoints.values()
                 if any(topology.topic_matches(pattern, event_type) for pattern in endpoint.event_types)
             )
-            found = (every, tuple(endpoint for endpoint in every if endpoint.laned))
+            found = (
+                every,
+                tuple(endpoint for endpoint in every if endpoint.laned),
+                tuple(endpoint for endpoint in every if not endpoint.laned and endpoint.left_lane_at),
+            )
             if self._matches_kept >= _MATCHES_KEPT:
                 self._matches.clear()
                 self._matches_kept = 0
@@ -387,7 +402,7 @@ class EndpointRegistry:
             after.id,
             after.tenant,
             notifications.notifier_of(after),
-            after.laned,
+            _settled(after),
             after.model_dump_json().encode(),
         )
         self._count += before is None
@@ -517,6 +532,13 @@ async def kept_at(path: Path | None, *, vhost: str) -> AsyncIterator[EndpointReg
         yield kept
     finally:
         kept.close()
+
+
+def _settled(endpoint: StoredEndpoint) -> bool:
+    """On its lane for good: not of a version before lanes (the ingest moves it onto its lane at its
+    start), and not ordered (the ingest makes one laned ``straight``, and sends the fence of one that
+    leaves its lane again, in case it stopped before it had)."""
+    return endpoint.laned and not endpoint.ordered
 
 
 def _seconds(at: datetime) -> float:

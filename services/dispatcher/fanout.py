@@ -41,8 +41,12 @@ log = structlog.get_logger(__name__)
 
 #: Deliveries of one lane message after which it is dead-lettered per endpoint instead of fanned out.
 POISON_DELIVERIES = 20
-#: A lane message given out again counts the endpoints deleted this recently (see _targets).
+#: A lane message given out again counts the endpoints deleted, or that left their lane, this recently
+#: (see _targets).
 REDELIVERY_COUNTS_DELETED = timedelta(days=1)
+#: A lane message counts the endpoints that left their lane this recently (a replica reads a message
+#: it was given a moment after it was given it; a minute covers a loop stalled far longer than that).
+LEFT_LANE_COUNTS = timedelta(minutes=1)
 
 
 class Part:
@@ -174,19 +178,23 @@ async def _hand_on_alone(handler: Handler, endpoint_id: str, part: Part, *, reas
 
 
 def _targets(handler: Handler, message: Delivery, tenant: str, event_type: str) -> Sequence[StoredEndpoint]:
-    """The endpoints the lane message is fanned out to. Given out again (its dispatcher died before it
-    acked), it may have been published before an endpoint's deletion whose fence has passed since: such
-    endpoints count too, their copies kept as ``endpoint_gone`` dead letters (never lost; one published
-    after the deletion is kept so too, never sent)."""
-    targets = handler.registry.matching(tenant, event_type)
+    """The endpoints the lane message is fanned out to: the tenant's laned endpoints it matches, and those
+    that left their lane a moment ago (made ordered, their queue of their own now bound to ``events``):
+    the fence that let them leave proves every lane message before it was given out, not that the
+    replica it went to has read it yet; the copy is handed on (a duplicate at worst, never a loss).
+    Given out again (its dispatcher died before it acked), it may have been published long before: then
+    those that left within ``REDELIVERY_COUNTS_DELETED`` count, and the endpoints deleted as long ago
+    whose fence has passed since, their copies kept as ``endpoint_gone`` dead letters (never lost; one
+    published after the deletion is kept so too, never sent)."""
+    registry = handler.registry
+    targets = registry.matching(tenant, event_type)
+    since = datetime.now(UTC) - (REDELIVERY_COUNTS_DELETED if message.redelivered else LEFT_LANE_COUNTS)
+    left = registry.left_lane(tenant, event_type, since=since)
     if not message.redelivered:
-        return targets
-    since = datetime.now(UTC) - REDELIVERY_COUNTS_DELETED
+        return (*targets, *left) if left else targets
     known = {endpoint.id for endpoint in targets}
-    gone = [
-        e for e in handler.registry.deleted_matching(tenant, event_type, since=since) if e.id not in known
-    ]
-    return (*targets, *gone)
+    gone = [e for e in registry.deleted_matching(tenant, event_type, since=since) if e.id not in known]
+    return (*targets, *left, *gone)
 
 
 def _delivered_too_often(message: Delivery) -> bool:

@@ -24,12 +24,13 @@ from collections import Counter
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from functools import partial
 from typing import cast
 
 import structlog
 from opentelemetry.trace import SpanKind
 
-from hookline.dispatcher import inbound, metrics
+from hookline.dispatcher import fences, inbound, metrics
 from hookline.dispatcher.acks import Acks
 from hookline.dispatcher.admission import Admission, Ended, Ledger, Standing, Ticket
 from hookline.dispatcher.backoff import Jitter, RetryPolicy, honoured_retry_after_s
@@ -74,6 +75,9 @@ HELD_RECHECK_S = 5
 #: A copy forwarded this many times without reaching a queue (it keeps coming back unroutable) is kept
 #: as an ``unroutable`` dead letter instead.
 MAX_FORWARDS = 3
+#: A lane copy of an event that most likely reached its endpoint straight from ``events`` too waits this
+#: long, so that the replica delivering from the endpoint's queue has settled the other by then.
+SECOND_COPY_AFTER_S = 5
 #: Headers of an upstream's message that a copy for one endpoint keeps (the trace context); hookline's
 #: own are never taken from a message published to ``events``.
 _TRACE_HEADERS = ("traceparent", "tracestate")
@@ -255,8 +259,16 @@ class Handler:
             return False
         if lane and self._registry.isolated(endpoint):
             # Its events go to its queue of its own (a part of a lane message, or a message that came to
-            # the lane before the endpoint was isolated).
-            await self.hand_on(message, endpoint, reason="isolated")
+            # the lane before the endpoint was isolated). That queue bound to events (an ordered endpoint
+            # leaving its lane, or left a moment ago: fences.py), the event most likely reached it that
+            # way already: the copy says so, and comes once that one is settled (_settled_before).
+            if endpoint.straight:
+                second: dict[str, object] = {Header.SECOND_COPY: 1}
+                await self.hand_on(
+                    message, endpoint, reason="isolated", headers=second, delay_s=SECOND_COPY_AFTER_S
+                )
+            else:
+                await self.hand_on(message, endpoint, reason="isolated")
             return False
         if not probe and self._breakers.state(endpoint_id) is not None:
             # Delivered before the breaker opened reached us: back, not attempted. After a pause: until
@@ -471,9 +483,10 @@ class Handler:
     async def _settled_before(
         self, message: Incoming, endpoint: StoredEndpoint, parsed: inbound.Inbound
     ) -> bool:
-        """A redelivery of a message this replica settled, whose ack the broker never got: acked now,
-        not attempted again (settled.py)."""
-        if not message.redelivered or parsed.origin is not None:
+        """A redelivery of a message this replica settled, whose ack the broker never got, or a second
+        copy of one (come both ways to an endpoint leaving its lane): acked now, not attempted again
+        (settled.py)."""
+        if not (message.redelivered or parsed.second_copy) or parsed.origin is not None:
             return False
         event = parsed.event
         outcome = self._settled.outcome((endpoint.id, event.id, parsed.attempt), now_s=time.monotonic())
@@ -624,17 +637,19 @@ class Handler:
         reason: str,
         delay_s: int = 0,
         destination: str | None = None,
+        headers: Mapping[str, object] | None = None,
     ) -> None:
         """The message, unattempted, to the endpoint's address (its queue of its own, or its lane; or
         ``destination``) after ``delay_s``, confirmed, then acked here: what it carried of hookline's own
-        goes with it. ``reason``: what the count of hand-offs says (isolated: its usual way there)."""
+        goes with it, and ``headers``. ``reason``: what the count of hand-offs says (isolated: its usual
+        way there)."""
         copy = addressing.message(
             message.body,
             event_id=message.message_id or "",
             endpoint_id=endpoint.id,
             content_type=message.content_type,
             timestamp=message.timestamp,
-            headers=carried_headers(message),
+            headers={**carried_headers(message), **(headers or {})},
         )
         await addressing.send(
             self._publisher,
@@ -962,19 +977,35 @@ class Handler:
         )
 
     async def fence(self, message: Incoming, endpoint_id: str) -> None:
-        """The fence an ingest put in a deleted endpoint's lane has come out of it: every lane message
-        published before the deletion has been given out (each counted the endpoint, its copy a dead
-        letter); the fan-out stops counting it. Taken before this replica knows of the deletion (it
-        follows the change log a moment behind): put back in its lane for a second, never in the
-        endpoint's queue of its own (drained into dead letters once the deletion is known, so the fence
-        would never pass and the fan-out count the endpoint for ever)."""
-        if self._registry.deleting(endpoint_id):
+        """A fence an ingest put in an endpoint's lane has come out of it (:mod:`.fences`): every lane
+        message published before the endpoint's deletion, or before its queue of its own was bound to
+        ``events``, has been given out; the fan-out stops counting it. Taken before this replica knows
+        of the change (it follows the change log a moment behind): put back in its lane for a second,
+        never in the endpoint's queue of its own (a deleted one's is drained into dead letters once the
+        deletion is known, so the fence would never pass and the fan-out count the endpoint for ever)."""
+        endpoint = self._registry.get(endpoint_id)
+        fence_id = message.message_id
+        version = (message.headers or {}).get(Header.FENCE_VERSION)
+        verdict = fences.verdict(
+            endpoint,
+            deleting=self._registry.deleting(endpoint_id),
+            fence_id=fence_id,
+            fence_version=version if isinstance(version, int) else None,
+        )
+        if verdict is fences.Verdict.DRAINED:
             await self._change_log.drained(endpoint_id, timeout_s=self._settings.connect_timeout_s)
-            log.info("endpoint_fence_passed", endpoint_id=endpoint_id)
-        elif (endpoint := self._registry.get(endpoint_id)) is not None:
+        elif verdict is fences.Verdict.LEFT:
+            await self._change_log.update(
+                endpoint_id,
+                partial(fences.left, fence_id=fence_id, at=datetime.now(UTC)),
+                timeout_s=self._settings.connect_timeout_s,
+            )
+        elif verdict is fences.Verdict.EARLY:
+            assert endpoint is not None
             lane = topology.lane_of(endpoint.tenant)
             await self.hand_on(message, endpoint, delay_s=1, reason="fence_early", destination=lane)
             return
+        log.info("endpoint_fence_passed", endpoint_id=endpoint_id, verdict=verdict.value)
         await self.acks.ack(message)
 
     async def stray(self, message: Incoming) -> None:

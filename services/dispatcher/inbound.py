@@ -31,6 +31,7 @@ class Inbound:
     sequence: int | None = None  # ordered endpoints: the event's place in its subject
     origin: Origin | None = None  # put back by hand (replay, redrive): the delivery log tells them apart
     trace: TraceContext | None = None  # the publisher's W3C trace context, sent on with every attempt
+    second_copy: bool = False  # handed on from a lane, most likely come straight from events too
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,6 +82,7 @@ def parse(
         sequence=_positive_int(headers.get(Header.SEQUENCE), default=0) or None,
         origin=_origin(headers.get(Header.ORIGIN)),
         trace=tracing.from_headers(headers),
+        second_copy=headers.get(Header.SECOND_COPY) == 1,
     )
 
 

@@ -271,11 +271,11 @@ def _problems(app: FastAPI) -> list[str]:
 
 
 async def _upgrade_endpoints(state: IngestState, loop: Loop) -> None:
-    """Endpoints registered before lanes are moved onto their lane, once (any ingest replica may do it:
-    binding is idempotent and the record is conditional)."""
+    """Endpoints not settled on their lane are settled, once (``endpoints.settle``; any ingest replica
+    may do it: binding is idempotent, the records are conditional, a fence sent twice is dropped)."""
     loop.mark_up()
-    for endpoint in list(state.registry.every(unlaned_only=True)):
-        await endpoints.upgrade(state, endpoint.id)
+    for endpoint in list(state.registry.every(to_settle_only=True)):
+        await endpoints.settle(state, endpoint.id)
         await asyncio.sleep(0)
     await asyncio.Event().wait()  # done; stays "up" so that the supervisor does not run it again
 

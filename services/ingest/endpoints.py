@@ -81,6 +81,8 @@ IfMatch = Annotated[
 
 #: Endpoints of one batch prepared at once (each its checks and handshake); all then written in one record.
 BATCH_CONCURRENCY = 64
+#: How long a PATCH that makes a laned endpoint ordered waits for its lane to pass the fence.
+LEAVE_LANE_WAIT_S = 2.0
 #: How far back the delete check looks for dispatcher heartbeats (they come every 5 s).
 _HEARTBEAT_LOOKBACK = timedelta(seconds=12)
 
@@ -535,7 +537,11 @@ async def update_endpoint(
     if after.url != before.url and change.verify:
         after = await _handshake(state, after)
     if before.straight and not after.ordered:
-        after = after.model_copy(update={"straight": False, "laned": True})  # back on its lane
+        back = {"straight": False, "laned": True, "lane_fence": None, "left_lane_at": None}
+        after = after.model_copy(update=back)  # back on its lane
+    elif after.ordered and not before.ordered and before.laned:
+        # Leaving its lane: its queue bound to events as it is declared (below), its lane's fence after.
+        after = after.model_copy(update={"straight": True, "lane_fence": new_id("fence")})
     moving = after.single_consumer != before.single_consumer
     after = await _queues_for(state, before, after, moving=moving)
     try:
@@ -558,6 +564,8 @@ async def update_endpoint(
         await _activate(state, written, patterns=new_patterns)
     if before.straight:
         await _unbind_straight(state, before, written)
+    if written.lane_fence is not None and written.lane_fence != before.lane_fence:
+        written = await _leave_lane(state, written)
     log.info("endpoint_updated", endpoint_id=endpoint_id, tenant=written.tenant, fields=sorted(changes))
     await _audit(state.trail, caller, "endpoint.updated", before, written)
     _etag(response, written)
@@ -615,6 +623,37 @@ async def _undo(broker: Broker, before: StoredEndpoint, after: StoredEndpoint, *
             await topology.unbind_direct(admin, topology.own_queue(after), after.tenant, added)
 
 
+async def _leave_lane(state: IngestState, endpoint: StoredEndpoint) -> StoredEndpoint:
+    """An endpoint written leaving its lane (made ordered: ``StoredEndpoint.lane_fence``): its fence put
+    in its lane, behind every lane message published before its queue was bound to ``events``; the
+    dispatcher that takes it writes it off its lane. Answered with that record when it comes within
+    ``LEAVE_LANE_WAIT_S`` (a lane that holds a backlog takes longer: its version then moves once more
+    a while after the answer)."""
+    await _fence(state, endpoint, fence_id=endpoint.lane_fence, version=endpoint.version)
+    deadline_s = time.monotonic() + LEAVE_LANE_WAIT_S
+    while time.monotonic() < deadline_s:
+        current = state.registry.get(endpoint.id)
+        if current is None or current.version != endpoint.version:
+            return current or endpoint
+        await asyncio.sleep(0.02)
+    log.info("endpoint_leaving_lane", endpoint_id=endpoint.id, waited_s=LEAVE_LANE_WAIT_S)
+    return endpoint
+
+
+async def _fence(
+    state: IngestState, endpoint: StoredEndpoint, *, fence_id: str | None = None, version: int | None = None
+) -> None:
+    """A fence in the endpoint's lane (``dispatcher/fences.py``), for its deletion or, with the version
+    that wrote it, for its leaving the lane."""
+    headers: dict[str, object] = {Headers.FENCE: endpoint.id}
+    if version is not None:
+        headers[Headers.FENCE_VERSION] = version
+    fence = addressing.message(
+        b"", event_id=fence_id or new_id("fence"), endpoint_id=endpoint.id, headers=headers
+    )
+    await addressing.send(state.publisher, fence, destination=topology.lane_of(endpoint.tenant))
+
+
 async def _unbind_straight(state: IngestState, before: StoredEndpoint, after: StoredEndpoint) -> None:
     """Once ``after`` is written (and, back on its lane, its lane bound): the patterns ``before``'s queue
     was bound to ``events`` for that ``after`` does not have it bound for, unbound. An event published
@@ -667,15 +706,56 @@ async def _live_queues(broker: Broker, queues: list[str]) -> list[str]:
         return [name for name in queues if await probe.find(name) is not None]
 
 
-async def upgrade(state: IngestState, endpoint_id: str) -> None:
-    """Move an endpoint of a version before lanes onto its lane (at start, once): its patterns bound on
-    the lane first (the fan-out passes it over until its record says it is laned: no event reaches it
-    twice, but for the moment between that record and its route exchanges' removal), then the record,
-    its old queue among those to drain; then its route exchanges go. Retries still addressed to them
-    come back unroutable and are forwarded to its address."""
+async def settle(state: IngestState, endpoint_id: str) -> None:
+    """At start, once, for an endpoint not settled on its lane (``registry._settled``): one of a version
+    before lanes is moved onto its lane (:func:`_upgrade`); an ordered one still laned (of the version
+    before straight endpoints) leaves it (:func:`_straighten`); one leaving its lane gets its fence again
+    (an ingest may have stopped before it sent it; a fence that comes twice is dropped the second time)."""
     endpoint = state.registry.get(endpoint_id)
-    if endpoint is None or endpoint.laned or endpoint.straight:
+    if endpoint is None:
         return
+    if endpoint.straight and endpoint.laned:
+        await _fence(state, endpoint, fence_id=endpoint.lane_fence, version=endpoint.version)
+    elif endpoint.ordered and endpoint.laned and not endpoint.straight:
+        await _straighten(state, endpoint)
+    elif not endpoint.laned and not endpoint.straight:
+        await _upgrade(state, endpoint)
+
+
+async def _straighten(state: IngestState, endpoint: StoredEndpoint) -> None:
+    """An ordered endpoint on its lane (a queue of its own, its lane copies handed on to it) leaves it as
+    a PATCH that sets ``ordered`` makes it: its queue bound to ``events``, then the record, then the
+    fence. A change written meanwhile wins; the binding is then taken back."""
+    fence_id = new_id("fence")
+    update = {"straight": True, "lane_fence": fence_id}
+    async with state.broker.channel() as admin:
+        await topology.declare_own_queue(admin, endpoint.model_copy(update=update))
+
+    def leaving(current: StoredEndpoint) -> StoredEndpoint | None:
+        unchanged = current.version == endpoint.version
+        return current.model_copy(update=update) if unchanged else None
+
+    written = await state.change_log.update(endpoint.id, leaving, timeout_s=state.settings.registry_wait_s)
+    if written is None:
+        current = state.registry.get(endpoint.id)
+        if current is not None and current.straight and current.queue_generation == endpoint.queue_generation:
+            return  # another ingest straightened it first: the binding is its
+        async with state.broker.channel() as admin:
+            await topology.unbind_direct(
+                admin, topology.own_queue(endpoint), endpoint.tenant, endpoint.event_types
+            )
+        return
+    await _fence(state, written, fence_id=fence_id, version=written.version)
+    log.info("endpoint_upgraded", endpoint_id=endpoint.id, to="straight")
+
+
+async def _upgrade(state: IngestState, endpoint: StoredEndpoint) -> None:
+    """Move an endpoint of a version before lanes onto its lane: its patterns bound on the lane first
+    (the fan-out passes it over until its record says it is laned: no event reaches it twice, but for
+    the moment between that record and its route exchanges' removal), then the record, its old queue
+    among those to drain; then its route exchanges go. Retries still addressed to them come back
+    unroutable and are forwarded to its address."""
+    endpoint_id = endpoint.id
     async with state.broker.channel() as admin:
         await topology.bind_patterns(admin, endpoint.tenant, endpoint.event_types)
 
@@ -824,17 +904,15 @@ async def delete_endpoint(
         async with state.broker.channel() as admin:
             await topology.unbind_direct(admin, route.queue, endpoint.tenant, route.patterns)
     if endpoint.straight:
-        # Its queue of its own bound to events from the start: no longer (nothing of it is in its lane).
+        # Its queue of its own bound to events: no longer (nothing of it is in its lane, unless it was
+        # leaving it: then the fence too).
         async with state.broker.channel() as admin:
             await topology.unbind_direct(
                 admin, topology.own_queue(endpoint), endpoint.tenant, endpoint.event_types
             )
-    elif endpoint.laned:
-        fence = addressing.message(
-            b"", event_id=new_id("fence"), endpoint_id=endpoint_id, headers={Headers.FENCE: endpoint_id}
-        )
-        await addressing.send(state.publisher, fence, destination=topology.lane_of(endpoint.tenant))
-    else:
+    if endpoint.laned:
+        await _fence(state, endpoint)
+    elif not endpoint.straight:
         async with state.broker.channel() as admin:
             await topology.unroute_legacy(admin, endpoint)
     log.info(

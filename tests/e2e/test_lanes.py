@@ -349,3 +349,45 @@ async def test_an_ordered_endpoint_takes_its_events_straight_from_events(
     await receiver.wait_for_ids(set(sentinel), path="/straight", timeout_s=30)
     counts = ids_at(receiver, "/straight")
     assert {event_id: counts[event_id] for event_id in laned} == dict.fromkeys(laned, 1)
+
+
+async def test_an_endpoint_made_ordered_leaves_its_lane_and_loses_nothing(
+    system: System, receiver: Receiver
+) -> None:
+    """A laned endpoint made ordered while events of one subject flow: its queue is bound to ``events``,
+    then a fence goes through its lane, and the dispatcher that takes it writes it off its lane (the
+    answer waits for that). Every event published before, during and after reaches it; those published
+    after the answer first reach it in the order they were published (a lane copy from the switch may
+    come again later: at least once)."""
+    who = tenant()
+    endpoint = system.add_endpoint(who, receiver.url("/made-ordered"), ["o.*"])
+    system.add_endpoint(who, receiver.url("/beside"), ["#"])  # keeps the lane bound for its events
+
+    async def flow(ids: list[str]) -> None:
+        for event_id in ids:
+            await publish_event(
+                system.amqp_url, {**event(who, "o.x", event_id), "subject": "s"}, f"{who}.o.x"
+            )
+
+    during = [f"evt_switch_{n}" for n in range(60)]
+    publishing = asyncio.create_task(flow(during))
+    await receiver.wait_for_ids(set(during[:5]), path="/made-ordered", timeout_s=60)
+    with system.api() as api:
+        made = await asyncio.to_thread(api.patch, f"/v1/endpoints/{endpoint['id']}", json={"ordered": True})
+    assert made.status_code == 200, made.text
+    assert made.json()["ordered"] is True
+    await publishing
+    after = [f"evt_ordered_{n}" for n in range(20)]
+    await flow(after)
+    await receiver.wait_for_ids({*during, *after}, path="/made-ordered", timeout_s=90)
+    first_seen = list(
+        dict.fromkeys(r.headers["webhook-id"] for r in receiver.requests if r.path == "/made-ordered")
+    )
+    assert [event_id for event_id in first_seen if event_id in after] == after
+
+    left = logged(system.dispatchers, "endpoint_fence_passed", endpoint_id=endpoint["id"], verdict="left")
+    assert len(left) == 1, "its lane's fence passed once, and it left its lane"
+    with system.api() as api:
+        current = api.get(f"/v1/endpoints/{endpoint['id']}")
+    # The answer waited for the record that took it off its lane: no write came after it.
+    assert current.headers["etag"] == made.headers["etag"]

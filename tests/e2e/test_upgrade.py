@@ -11,6 +11,7 @@ twice: at least once; the test publishes after the move.)
 from __future__ import annotations
 
 import asyncio
+import json
 import subprocess
 import uuid
 from collections import Counter
@@ -157,3 +158,73 @@ async def bindings(amqp_url: str) -> set[tuple[str, ...]]:
         capture_output=True, text=True, check=True, timeout=60,
     )  # fmt: skip
     return {tuple(line.split("\t")) for line in listed.stdout.splitlines()}
+
+
+async def test_an_ordered_endpoint_on_its_lane_leaves_it_at_start(
+    legacy: tuple[str, dict[str, str]], receiver: Receiver, tmp_path: Path
+) -> None:
+    """An ordered endpoint of the version before straight endpoints: a queue of its own its lane copies
+    were handed on to. At start the ingest binds that queue to ``events``, writes it leaving its lane and
+    sends the fence; the dispatcher that takes it writes it off its lane. Events of one subject then
+    reach it, each once, in the order published."""
+    amqp_url, env = legacy
+    tenant = f"t{uuid.uuid4().hex[:10]}"
+    now = datetime.now(UTC)
+    endpoint = StoredEndpoint(
+        id=f"ep_01ORD{uuid.uuid4().hex[:21].upper()}", tenant=tenant, url=receiver.url("/ordered"),
+        event_types=["o.*"], created_at=now, updated_at=now, ordered=True, routed=True, laned=True,
+        secrets=[SigningSecret(value=generate_secret(), created_at=now)],
+    )  # fmt: skip
+    async with Broker(amqp_url, name="old-ingest", connect_timeout_s=10) as broker:
+        await topology.declare(broker, topology.Retention())
+        async with broker.channel(confirms=True) as channel:
+            await topology.provision(channel, endpoint, isolated=True)
+            record = EndpointUpserted(change_id=f"chg_{uuid.uuid4().hex}", at=now, endpoint=endpoint)
+            body = record.model_dump_json(
+                exclude={"endpoint": {"straight", "lane_fence", "left_lane_at"}}
+            )  # as the version before wrote it
+            await channel.default_exchange.publish(
+                aio_pika.Message(body.encode(), content_type="application/json", message_id=record.change_id),
+                routing_key=topology.ENDPOINT_LOG,
+            )
+    running = [services.start(name, env, tmp_path) for name in ("ingest", "dispatcher")]
+    try:
+        for service in running:
+            service.wait_ready()
+        ingest, dispatcher = running
+
+        async def left_its_lane() -> bool:
+            return any(
+                r.get("event") == "endpoint_fence_passed" and r.get("verdict") == "left"
+                for r in _records(dispatcher)
+            )
+
+        await eventually(left_its_lane, timeout_s=30)
+        assert ("events", topology.own_queue(endpoint)) in await bindings(amqp_url)
+        assert [r.get("to") for r in _records(ingest) if r.get("event") == "endpoint_upgraded"] == [
+            "straight"
+        ]
+        ids = [f"evt_ordered_{n}" for n in range(20)]
+        for event_id in ids:
+            await publish_event(amqp_url, {**event(tenant, "o.x", event_id), "subject": "s"}, f"{tenant}.o.x")
+        await receiver.wait_for_ids(set(ids), path="/ordered", timeout_s=60)
+
+        # Its lane is still bound for them (no monitor here to unbind it), and it left a moment ago:
+        # each event's lane copy is handed on too, a while later, and skipped as a second copy.
+        async def second_copies_skipped() -> bool:
+            skipped = {
+                r.get("event_id")
+                for r in _records(dispatcher)
+                if r.get("event") == "redelivery_already_settled"
+            }
+            return skipped >= set(ids)
+
+        await eventually(second_copies_skipped, timeout_s=60)
+        assert [r.headers["webhook-id"] for r in receiver.requests if r.path == "/ordered"] == ids
+    finally:
+        codes = [service.stop() for service in running]
+    assert codes == [0, 0]
+
+
+def _records(service: services.Service) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in service.log().splitlines() if line.startswith("{")]

@@ -77,6 +77,35 @@ def test_an_ordered_endpoint_is_subscribed_but_never_fanned_out_to() -> None:
     assert registry.patterns_needed("acme") == {"#", "a.*"}
 
 
+def test_an_endpoint_leaving_its_lane_is_fanned_out_to_until_it_has_left_then_for_a_moment() -> None:
+    """Made ordered while laned: bound straight and fanned out to still (its lane copies duplicates)
+    until its lane has passed the fence; then passed over, but for the lane messages read a moment
+    after it left (``left_lane``: the fan-out counts them for a while, so none is lost)."""
+    registry = EndpointRegistry()
+    leaving = {"event_types": ["a.*"], "ordered": True, "straight": True, "lane_fence": "fence_1"}
+    _upsert(registry, stored_endpoint(EP1, **leaving))
+    _upsert(registry, stored_endpoint(EP2, event_types=["#"]))
+    assert sorted(e.id for e in registry.matching("acme", "a.b")) == [EP1, EP2]
+    assert registry.patterns_needed("acme") == {"#", "a.*"}
+    assert registry.left_lane("acme", "a.b", since=NOW - timedelta(days=1)) == ()
+    left_at = NOW + timedelta(seconds=5)
+    _upsert(registry, stored_endpoint(EP1, **leaving, laned=False, left_lane_at=left_at))
+    assert [e.id for e in registry.matching("acme", "a.b")] == [EP2]
+    assert registry.patterns_needed("acme") == {"#"}
+    assert [e.id for e in registry.left_lane("acme", "a.b", since=left_at)] == [EP1]
+    assert registry.left_lane("acme", "a.b", since=left_at + timedelta(seconds=1)) == ()
+    assert registry.left_lane("acme", "c.d", since=left_at) == ()  # not one of its patterns
+
+
+def test_the_endpoints_the_ingest_settles_at_start_are_those_not_on_their_lane_for_good() -> None:
+    registry = EndpointRegistry()
+    _upsert(registry, stored_endpoint(EP1))  # on its lane
+    _upsert(registry, stored_endpoint(EP2, ordered=True))  # ordered on its lane: to leave it
+    _upsert(registry, stored_endpoint(EP3, laned=False))  # of the version before lanes
+    assert [e.id for e in registry.every(to_settle_only=True)] == [EP2, EP3]
+    assert [e.id for e in registry.every()] == [EP1, EP2, EP3]
+
+
 def test_a_placement_applies_on_the_generation_it_was_based_on() -> None:
     registry = EndpointRegistry()
     assert isinstance(_place(registry, EP1, 0, isolated=True), Stale)  # no such endpoint (yet)
