@@ -73,9 +73,8 @@ _Matches = tuple[tuple[StoredEndpoint, ...], tuple[StoredEndpoint, ...], tuple[S
 #: Parsed endpoints kept by id, and by tenant (their sum): a few KiB each.
 CACHED_ENDPOINTS = 10_000
 CACHED_TENANT_ENDPOINTS = 20_000
-#: What the store's rows mean: a file of another version is built again from the log (2: the ``laned``
-#: column says "on its lane for good", see :meth:`EndpointRegistry.every`).
-_STORE_VERSION = 2
+#: What the store's rows mean: a file of another version is built again from the log.
+_STORE_VERSION = 1
 
 #: Called with (before, after) for every endpoint that changed; either side is None on create/delete.
 Listener = Callable[[StoredEndpoint | None, StoredEndpoint | None], None]
@@ -203,10 +202,9 @@ class EndpointRegistry:
         :meth:`every` or asks for what it needs."""
         return list(self.every())
 
-    def every(self, *, to_settle_only: bool = False) -> Iterator[StoredEndpoint]:
-        """Every endpoint in id order, read a batch at a time; or only those whose route the ingest may
-        still have to settle at its start (:func:`_settled`): not on their lane yet, or ordered."""
-        for body in self.store.every(unsettled_only=to_settle_only):
+    def every(self, *, unlaned_only: bool = False) -> Iterator[StoredEndpoint]:
+        """Every endpoint in id order (or those not moved onto their lane yet), read a batch at a time."""
+        for body in self.store.every(unlaned_only=unlaned_only):
             yield StoredEndpoint.model_validate_json(body)
 
     def page(self, *, tenant: str | None, after: str | None, limit: int) -> list[StoredEndpoint]:
@@ -328,6 +326,13 @@ class EndpointRegistry:
         """Live endpoints with a queue of their own, or queues left to drain."""
         return [e for endpoint_id in sorted(self._queued) if (e := self.get(endpoint_id)) is not None]
 
+    def to_settle(self) -> list[StoredEndpoint]:
+        """The endpoints whose route the ingest may still have to settle at its start: those not moved
+        onto their lane yet, and the ordered ones on it (to leave it, or leaving it: an ordered endpoint
+        always has a queue of its own, so they are among the few that have one)."""
+        ordered = [endpoint for endpoint in self.with_queues() if endpoint.ordered and endpoint.laned]
+        return sorted([*self.every(unlaned_only=True), *ordered], key=lambda endpoint: endpoint.id)
+
     def deleted_since(self, since: datetime) -> list[StoredEndpoint]:
         """Endpoints deleted at or after ``since``."""
         return [StoredEndpoint.model_validate_json(b) for b, _ in self.store.deleted_since(_seconds(since))]
@@ -402,7 +407,7 @@ class EndpointRegistry:
             after.id,
             after.tenant,
             notifications.notifier_of(after),
-            _settled(after),
+            after.laned,
             after.model_dump_json().encode(),
         )
         self._count += before is None
@@ -532,13 +537,6 @@ async def kept_at(path: Path | None, *, vhost: str) -> AsyncIterator[EndpointReg
         yield kept
     finally:
         kept.close()
-
-
-def _settled(endpoint: StoredEndpoint) -> bool:
-    """On its lane for good: not of a version before lanes (the ingest moves it onto its lane at its
-    start), and not ordered (the ingest makes one laned ``straight``, and sends the fence of one that
-    leaves its lane again, in case it stopped before it had)."""
-    return endpoint.laned and not endpoint.ordered
 
 
 def _seconds(at: datetime) -> float:

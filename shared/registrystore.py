@@ -143,10 +143,10 @@ class RegistryStore:
         sql = f"SELECT body FROM endpoints WHERE {' AND '.join(where)} ORDER BY id LIMIT ?"  # noqa: S608
         return [r[0] for r in self._all(sql, (*args, limit))]
 
-    def every(self, *, unsettled_only: bool = False, batch: int = 1_000) -> Iterator[bytes]:
-        """Every endpoint (or those not settled on their lane: ``laned`` 0), in id order, a batch at a time."""
+    def every(self, *, unlaned_only: bool = False, batch: int = 1_000) -> Iterator[bytes]:
+        """Every endpoint (or those not on a lane yet), in id order, a batch at a time."""
         after = ""
-        laned = "AND laned = 0" if unsettled_only else ""
+        laned = "AND laned = 0" if unlaned_only else ""
         sql = f"SELECT id, body FROM endpoints WHERE id > ? {laned} ORDER BY id LIMIT ?"  # noqa: S608
         while rows := self._all(sql, (after, batch)):
             yield from (body for _, body in rows)
@@ -182,11 +182,10 @@ class RegistryStore:
 
     # --- writes (in the open transaction; committed with the offset) ---
 
-    def put(self, endpoint_id: str, tenant: str, notifier: str | None, settled: bool, body: bytes) -> None:
-        """``settled``: on its lane for good (the ``laned`` column; the ingest looks at the others at start)."""
+    def put(self, endpoint_id: str, tenant: str, notifier: str | None, laned: bool, body: bytes) -> None:
         self._write(
             "INSERT OR REPLACE INTO endpoints VALUES (?, ?, ?, ?, ?)",
-            (endpoint_id, tenant, notifier, int(settled), body),
+            (endpoint_id, tenant, notifier, int(laned), body),
         )
         self._write("DELETE FROM deleted WHERE id = ?", (endpoint_id,))
 

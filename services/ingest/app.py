@@ -274,7 +274,7 @@ async def _upgrade_endpoints(state: IngestState, loop: Loop) -> None:
     """Endpoints not settled on their lane are settled, once (``endpoints.settle``; any ingest replica
     may do it: binding is idempotent, the records are conditional, a fence sent twice is dropped)."""
     loop.mark_up()
-    for endpoint in list(state.registry.every(to_settle_only=True)):
+    for endpoint in state.registry.to_settle():
         await endpoints.settle(state, endpoint.id)
         await asyncio.sleep(0)
     await asyncio.Event().wait()  # done; stays "up" so that the supervisor does not run it again

@@ -102,8 +102,7 @@ def test_the_endpoints_the_ingest_settles_at_start_are_those_not_on_their_lane_f
     _upsert(registry, stored_endpoint(EP1))  # on its lane
     _upsert(registry, stored_endpoint(EP2, ordered=True))  # ordered on its lane: to leave it
     _upsert(registry, stored_endpoint(EP3, laned=False))  # of the version before lanes
-    assert [e.id for e in registry.every(to_settle_only=True)] == [EP2, EP3]
-    assert [e.id for e in registry.every()] == [EP1, EP2, EP3]
+    assert [e.id for e in registry.to_settle()] == [EP2, EP3]
 
 
 def test_a_placement_applies_on_the_generation_it_was_based_on() -> None:
