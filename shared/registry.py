@@ -21,7 +21,7 @@ from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import aio_pika
@@ -258,13 +258,14 @@ class EndpointRegistry:
         whose lane has not passed the fence among them)."""
         return self._subscribed(tenant, event_type)[0]
 
-    def left_lane(self, tenant: str, event_type: str, *, since: datetime) -> tuple[StoredEndpoint, ...]:
-        """The tenant's endpoints one of whose patterns matches ``event_type`` that left their lane at or
-        after ``since`` (made ordered: ``StoredEndpoint.left_lane_at``)."""
+    def left_lane(self, tenant: str, event_type: str, *, within: timedelta) -> tuple[StoredEndpoint, ...]:
+        """The tenant's endpoints one of whose patterns matches ``event_type`` that left their lane at most
+        ``within`` ago (made ordered: ``StoredEndpoint.left_lane_at``)."""
         left = self._subscribed(tenant, event_type)[2]
-        return (
-            tuple(e for e in left if e.left_lane_at is not None and e.left_lane_at >= since) if left else ()
-        )
+        if not left:
+            return ()  # nearly always: no clock read
+        since = datetime.now(UTC) - within
+        return tuple(e for e in left if e.left_lane_at is not None and e.left_lane_at >= since)
 
     def _subscribed(self, tenant: str, event_type: str) -> _Matches:
         """Every endpoint subscribed, and the laned ones among them: remembered per tenant and type until

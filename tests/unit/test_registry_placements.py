@@ -87,14 +87,14 @@ def test_an_endpoint_leaving_its_lane_is_fanned_out_to_until_it_has_left_then_fo
     _upsert(registry, stored_endpoint(EP2, event_types=["#"]))
     assert sorted(e.id for e in registry.matching("acme", "a.b")) == [EP1, EP2]
     assert registry.patterns_needed("acme") == {"#", "a.*"}
-    assert registry.left_lane("acme", "a.b", since=NOW - timedelta(days=1)) == ()
-    left_at = NOW + timedelta(seconds=5)
+    assert registry.left_lane("acme", "a.b", within=timedelta(days=1)) == ()
+    left_at = datetime.now(UTC) - timedelta(seconds=30)
     _upsert(registry, stored_endpoint(EP1, **leaving, laned=False, left_lane_at=left_at))
     assert [e.id for e in registry.matching("acme", "a.b")] == [EP2]
     assert registry.patterns_needed("acme") == {"#"}
-    assert [e.id for e in registry.left_lane("acme", "a.b", since=left_at)] == [EP1]
-    assert registry.left_lane("acme", "a.b", since=left_at + timedelta(seconds=1)) == ()
-    assert registry.left_lane("acme", "c.d", since=left_at) == ()  # not one of its patterns
+    assert [e.id for e in registry.left_lane("acme", "a.b", within=timedelta(minutes=1))] == [EP1]
+    assert registry.left_lane("acme", "a.b", within=timedelta(seconds=10)) == ()
+    assert registry.left_lane("acme", "c.d", within=timedelta(minutes=1)) == ()  # not one of its patterns
 
 
 def test_the_endpoints_the_ingest_settles_at_start_are_those_not_on_their_lane_for_good() -> None:
