@@ -26,7 +26,6 @@ from pathlib import Path
 
 import aio_pika
 import structlog
-from aio_pika.abc import AbstractIncomingMessage
 from pydantic import TypeAdapter, ValidationError
 
 from hookline.shared import catalog, notifications, permissions, placement, topology
@@ -53,7 +52,7 @@ from hookline.shared.models import (
     error_summary,
 )
 from hookline.shared.registrystore import RegistryStore
-from hookline.shared.streams import StreamFollower, follow_synced, offset_of
+from hookline.shared.streams import Record, StreamFollower, follow_synced, offset_of
 from hookline.shared.supervision import Supervisor
 from hookline.shared.tenants import Tenants
 
@@ -782,7 +781,7 @@ class ChangeLog:
             self._caught_up_at_s = time.monotonic()
             self._caught_up_to = covering
 
-    def _on_record(self, message: AbstractIncomingMessage) -> object:
+    def _on_record(self, message: Record) -> object:
         result = self._apply(message)
         offset = offset_of(message)
         if offset is not None:
@@ -797,7 +796,7 @@ class ChangeLog:
             self.registry.store.keep("token", kept.id, kept.model_dump_json().encode())
         return kept
 
-    def _apply(self, message: AbstractIncomingMessage) -> object:
+    def _apply(self, message: Record) -> object:
         if message.body.startswith(_LEGACY_SYNC):
             return None  # read-back markers of versions that wrote them as records
         try:

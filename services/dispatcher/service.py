@@ -23,7 +23,6 @@ from datetime import UTC, datetime
 from functools import partial
 
 import structlog
-from aio_pika.abc import AbstractIncomingMessage
 from pydantic import ValidationError
 
 from hookline.dispatcher import incoming, metrics
@@ -43,7 +42,7 @@ from hookline.shared.probes import probe_server
 from hookline.shared.registry import ChangeLog, EndpointRegistry
 from hookline.shared.sealing import SealedSecretError, Sealer
 from hookline.shared.settings import DispatcherSettings, load
-from hookline.shared.streams import StreamFollower, follow_synced
+from hookline.shared.streams import Record, StreamFollower, follow_synced
 from hookline.shared.supervision import Loop, Supervisor
 from hookline.shared.tracing import Tracing
 
@@ -64,7 +63,7 @@ def _check_secrets_open(endpoint_registry: EndpointRegistry, sealer: Sealer) -> 
             raise SystemExit(1) from None
 
 
-def _apply_control(breakers: BreakerView, consumers: Consumers, message: AbstractIncomingMessage) -> None:
+def _apply_control(breakers: BreakerView, consumers: Consumers, message: Record) -> None:
     try:
         record = control_record.validate_json(message.body)
     except ValidationError as exc:

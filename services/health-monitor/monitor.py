@@ -31,7 +31,6 @@ import aiormq
 import orjson
 import prometheus_client
 import structlog
-from aio_pika.abc import AbstractIncomingMessage
 from pydantic import ValidationError
 
 from hookline.health_monitor import checkpoint, series
@@ -55,7 +54,7 @@ from hookline.shared.isolation import Isolation
 from hookline.shared.models import EndpointDeleted, EndpointStatus, Event, StoredEndpoint, error_summary
 from hookline.shared.registry import ChangeLog, StaleWriteError
 from hookline.shared.settings import MonitorSettings
-from hookline.shared.streams import StreamFollower, follow_synced, offset_of
+from hookline.shared.streams import Record, StreamFollower, follow_synced, offset_of
 from hookline.shared.supervision import Loop, Supervisor
 from hookline.shared.telemetry import AttemptRecord, batch
 from hookline.shared.views import follow_view
@@ -221,7 +220,7 @@ class Monitor:
 
     # --- what the streams say --------------------------------------------------------------------
 
-    def on_telemetry(self, message: AbstractIncomingMessage) -> None:
+    def on_telemetry(self, message: Record) -> None:
         try:
             records = batch.validate_json(message.body)
         except ValidationError as exc:
@@ -235,7 +234,7 @@ class Monitor:
             if isinstance(record, AttemptRecord):
                 self.canaries.on_attempt(record)
 
-    def on_breaker_log(self, message: AbstractIncomingMessage) -> None:
+    def on_breaker_log(self, message: Record) -> None:
         try:
             record = control_record.validate_json(message.body)
         except ValidationError as exc:

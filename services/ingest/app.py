@@ -12,7 +12,6 @@ from datetime import UTC, datetime
 from functools import partial
 
 import structlog
-from aio_pika.abc import AbstractIncomingMessage
 from fastapi import Depends, FastAPI
 from pydantic import ValidationError
 
@@ -50,7 +49,7 @@ from hookline.shared.isolation import Isolation
 from hookline.shared.models import error_summary
 from hookline.shared.sealing import Sealer
 from hookline.shared.settings import IngestSettings, load, metrics_tokens
-from hookline.shared.streams import StreamFollower, follow_synced
+from hookline.shared.streams import Record, StreamFollower, follow_synced
 from hookline.shared.supervision import Loop, Supervisor
 from hookline.shared.tracing import Tracing
 from hookline.shared.views import RowView, follow_view
@@ -245,7 +244,7 @@ def _follow_delivery_log(
     supervisor.spawn("delivery-log-expiry", partial(_expire, delivery_log, audit_view), required=False)
 
 
-def _apply_breakers(breakers: BreakerView, message: AbstractIncomingMessage) -> None:
+def _apply_breakers(breakers: BreakerView, message: Record) -> None:
     try:
         breakers.apply(control_record.validate_json(message.body))
     except ValidationError as exc:

@@ -12,7 +12,6 @@ from typing import Annotated, Self
 import aio_pika
 import orjson
 import structlog
-from aio_pika.abc import AbstractIncomingMessage
 from fastapi import APIRouter, Query
 from pydantic import Field, model_validator
 
@@ -24,7 +23,7 @@ from hookline.shared.deadletters import REDRIVEN_HEADER, DeadLetterItem, item_id
 from hookline.shared.ids import new_id
 from hookline.shared.models import DeadLetterReason, Model
 from hookline.shared.registry import EndpointRegistry
-from hookline.shared.streams import read_until_now
+from hookline.shared.streams import Record, read_until_now
 
 log = structlog.get_logger(__name__)
 router = APIRouter(prefix="/v1/dead-letters", tags=["dead letters"])
@@ -72,7 +71,7 @@ async def _bodies(state: IngestState, wanted: set[str]) -> dict[str, bytes]:
     """The messages of the dead letters ``wanted`` (by id), read from the stream that keeps them."""
     bodies: dict[str, bytes] = {}
 
-    def collect(message: AbstractIncomingMessage) -> None:
+    def collect(message: Record) -> None:
         offset = (message.headers or {}).get("x-stream-offset")
         if isinstance(offset, int) and item_id(offset) in wanted:
             bodies[item_id(offset)] = message.body

@@ -21,7 +21,6 @@ from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Annotated, Any
 
-import aio_pika
 import orjson
 import structlog
 from fastapi import APIRouter, Header, Query, Response
@@ -64,7 +63,7 @@ from hookline.shared.models import (
 from hookline.shared.registry import EndpointRegistry, Stale, StaleWriteError
 from hookline.shared.settings import IngestSettings
 from hookline.shared.signing import generate_secret
-from hookline.shared.streams import read_until_now
+from hookline.shared.streams import Record, read_until_now
 from hookline.shared.targets import registration_refusal
 from hookline.shared.telemetry import Heartbeat, batch
 
@@ -941,7 +940,7 @@ async def _held_by_dispatchers(state: IngestState, endpoint_id: str) -> int:
     not counted."""
     latest: dict[str, Heartbeat] = {}
 
-    def collect(message: aio_pika.abc.AbstractIncomingMessage) -> None:
+    def collect(message: Record) -> None:
         with contextlib.suppress(ValidationError, orjson.JSONDecodeError):
             for record in batch.validate_json(message.body):
                 if isinstance(record, Heartbeat):

@@ -13,7 +13,6 @@ from datetime import UTC, datetime, timedelta
 
 import orjson
 import structlog
-from aio_pika.abc import AbstractIncomingMessage
 from fastapi import APIRouter
 from pydantic import AwareDatetime
 
@@ -24,7 +23,7 @@ from hookline.shared import topology
 from hookline.shared.api import ApiError
 from hookline.shared.headers import Header
 from hookline.shared.models import Model, StoredEndpoint
-from hookline.shared.streams import read_until_now
+from hookline.shared.streams import Record, read_until_now
 
 log = structlog.get_logger(__name__)
 router = APIRouter(prefix="/v1/endpoints", tags=["endpoints"])
@@ -60,7 +59,7 @@ def selects(
     return any(topology.topic_matches(pattern, event_type) for pattern in endpoint.event_types)
 
 
-def accepted_time(message: AbstractIncomingMessage, event: object) -> datetime | None:
+def accepted_time(message: Record, event: object) -> datetime | None:
     accepted_ms = (message.headers or {}).get(Header.ACCEPTED_AT_MS)
     if isinstance(accepted_ms, int):
         return datetime.fromtimestamp(accepted_ms / 1000, UTC)
@@ -84,7 +83,7 @@ async def replay(endpoint_id: str, request: ReplayRequest, state: State, caller:
         raise ApiError(422, "invalid_fields", "invalid value for: until", [])
     found: dict[str, bytes] = {}
 
-    def collect(message: AbstractIncomingMessage) -> None:
+    def collect(message: Record) -> None:
         try:
             event = orjson.loads(message.body)
         except orjson.JSONDecodeError:
