@@ -28,14 +28,14 @@ def verdict(
     endpoint: StoredEndpoint | None, *, deleting: bool, fence_id: str | None, fence_version: int | None
 ) -> Verdict:
     """``endpoint`` as this replica knows it (None: not a live endpoint), ``deleting`` whether it is
-    deleted with its fence still to pass; ``fence_version`` the version a leaving fence was written for
-    (None on a deletion's fence)."""
-    if deleting:
-        return Verdict.DRAINED
+    deleted with its deletion's fence still to pass; ``fence_version`` the version a leaving fence was
+    written for (None on a deletion's fence)."""
+    if fence_version is None:  # a deletion's
+        if deleting:
+            return Verdict.DRAINED
+        return Verdict.STALE if endpoint is None else Verdict.EARLY  # passed already / not read yet
     if endpoint is None:
-        return Verdict.STALE  # its deletion's fence has passed already
-    if fence_version is None:
-        return Verdict.EARLY  # a deletion's fence, the deletion not read yet
+        return Verdict.STALE  # deleted while leaving its lane: the deletion has a fence of its own
     if leaving(endpoint, fence_id):
         return Verdict.LEFT
     if endpoint.version < fence_version:

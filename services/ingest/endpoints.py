@@ -706,10 +706,11 @@ async def _live_queues(broker: Broker, queues: list[str]) -> list[str]:
 
 
 async def settle(state: IngestState, endpoint_id: str) -> None:
-    """At start, once, for an endpoint not settled on its lane (``registry._settled``): one of a version
-    before lanes is moved onto its lane (:func:`_upgrade`); an ordered one still laned (of the version
-    before straight endpoints) leaves it (:func:`_straighten`); one leaving its lane gets its fence again
-    (an ingest may have stopped before it sent it; a fence that comes twice is dropped the second time)."""
+    """At start, once, for an endpoint not settled on its lane (``EndpointRegistry.to_settle``): one of
+    a version before lanes is moved onto its lane (:func:`_upgrade`); an ordered one still laned (of the
+    version before straight endpoints) leaves it (:func:`_straighten`); one leaving its lane gets its
+    fence again (an ingest may have stopped before it sent it; a fence that comes twice is dropped the
+    second time)."""
     endpoint = state.registry.get(endpoint_id)
     if endpoint is None:
         return

@@ -23,6 +23,8 @@ LANED = stored_endpoint(version=3)
         (None, True, "fence_d", None, Verdict.DRAINED),  # a deletion's fence: the deletion known
         (None, False, "fence_d", None, Verdict.STALE),  # drained already
         (LANED, False, "fence_d", None, Verdict.EARLY),  # the deletion not read yet
+        (None, True, "fence_a", 4, Verdict.STALE),  # deleted while leaving: its deletion's fence drains it
+        (None, False, "fence_a", 4, Verdict.STALE),
         (LEAVING, False, "fence_a", 4, Verdict.LEFT),
         (LEAVING.model_copy(update={"version": 6}), False, "fence_a", 4, Verdict.LEFT),  # edited since
         (LANED, False, "fence_a", 4, Verdict.EARLY),  # made ordered: not read yet
