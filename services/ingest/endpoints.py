@@ -261,6 +261,11 @@ async def _own_queue_if_isolated(
         or before.queue_generation != after.queue_generation
     ):
         await _check_capacity(state)
+    if after.straight and after.laned and not (before is not None and before.straight):
+        # Starting to leave its lane: bound to events only once every dispatcher knows (_leave_lane), so
+        # that no replica still delivers its lane copies inline while the broker puts the same events in
+        # its queue.
+        after = after.model_copy(update={"straight": False})
     async with state.broker.channel() as admin:
         await topology.declare_own_queue(admin, after)
 
@@ -622,20 +627,27 @@ async def _undo(broker: Broker, before: StoredEndpoint, after: StoredEndpoint, *
             await topology.unbind_direct(admin, topology.own_queue(after), after.tenant, added)
 
 
-async def _leave_lane(state: IngestState, endpoint: StoredEndpoint) -> StoredEndpoint:
-    """An endpoint written leaving its lane (made ordered: ``StoredEndpoint.lane_fence``): its fence put
-    in its lane, behind every lane message published before its queue was bound to ``events``; the
-    dispatcher that takes it writes it off its lane. Answered with that record when it comes within
-    ``LEAVE_LANE_WAIT_S`` (a lane that holds a backlog takes longer: its version then moves once more
-    a while after the answer)."""
+async def _leave_lane(
+    state: IngestState, endpoint: StoredEndpoint, *, wait_s: float = LEAVE_LANE_WAIT_S
+) -> StoredEndpoint:
+    """An endpoint written leaving its lane (made ordered: ``StoredEndpoint.lane_fence``). Once every
+    live dispatcher has applied that record (each then hands its lane copies on to its queue as second
+    copies, skipped where the event came straight too), its queue is bound to ``events``; then its
+    fence goes in its lane, behind every lane message published before that binding, and the
+    dispatcher that takes it writes it off its lane. The endpoint as it then is, if that comes within
+    ``wait_s`` (a lane that holds a backlog takes longer: its version moves once more a while later)."""
+    await _applied_everywhere(state, [endpoint.id])
+    async with state.broker.channel() as admin:
+        await topology.declare_own_queue(admin, endpoint)
     await _fence(state, endpoint, fence_id=endpoint.lane_fence, version=endpoint.version)
-    deadline_s = time.monotonic() + LEAVE_LANE_WAIT_S
+    deadline_s = time.monotonic() + wait_s
     while time.monotonic() < deadline_s:
         current = state.registry.get(endpoint.id)
         if current is None or current.version != endpoint.version:
             return current or endpoint
         await asyncio.sleep(0.02)
-    log.info("endpoint_leaving_lane", endpoint_id=endpoint.id, waited_s=LEAVE_LANE_WAIT_S)
+    if wait_s:
+        log.info("endpoint_leaving_lane", endpoint_id=endpoint.id, waited_s=wait_s)
     return endpoint
 
 
@@ -709,13 +721,13 @@ async def settle(state: IngestState, endpoint_id: str) -> None:
     """At start, once, for an endpoint not settled on its lane (``EndpointRegistry.to_settle``): one of
     a version before lanes is moved onto its lane (:func:`_upgrade`); an ordered one still laned (of the
     version before straight endpoints) leaves it (:func:`_straighten`); one leaving its lane gets its
-    fence again (an ingest may have stopped before it sent it; a fence that comes twice is dropped the
-    second time)."""
+    binding and its fence again (an ingest may have stopped before it had made them; a fence that comes
+    twice is dropped the second time)."""
     endpoint = state.registry.get(endpoint_id)
     if endpoint is None:
         return
     if endpoint.straight and endpoint.laned:
-        await _fence(state, endpoint, fence_id=endpoint.lane_fence, version=endpoint.version)
+        await _leave_lane(state, endpoint, wait_s=0)
     elif endpoint.ordered and endpoint.laned and not endpoint.straight:
         await _straighten(state, endpoint)
     elif not endpoint.laned and not endpoint.straight:
@@ -724,29 +736,17 @@ async def settle(state: IngestState, endpoint_id: str) -> None:
 
 async def _straighten(state: IngestState, endpoint: StoredEndpoint) -> None:
     """An ordered endpoint on its lane (a queue of its own, its lane copies handed on to it) leaves it as
-    a PATCH that sets ``ordered`` makes it: its queue bound to ``events``, then the record, then the
-    fence. A change written meanwhile wins; the binding is then taken back."""
-    fence_id = new_id("fence")
-    update = {"straight": True, "lane_fence": fence_id}
-    async with state.broker.channel() as admin:
-        await topology.declare_own_queue(admin, endpoint.model_copy(update=update))
+    a PATCH that sets ``ordered`` makes it (:func:`_leave_lane`); a change written meanwhile wins."""
+    update = {"straight": True, "lane_fence": new_id("fence")}
 
     def leaving(current: StoredEndpoint) -> StoredEndpoint | None:
         unchanged = current.version == endpoint.version
         return current.model_copy(update=update) if unchanged else None
 
     written = await state.change_log.update(endpoint.id, leaving, timeout_s=state.settings.registry_wait_s)
-    if written is None:
-        current = state.registry.get(endpoint.id)
-        if current is not None and current.straight and current.queue_generation == endpoint.queue_generation:
-            return  # another ingest straightened it first: the binding is its
-        async with state.broker.channel() as admin:
-            await topology.unbind_direct(
-                admin, topology.own_queue(endpoint), endpoint.tenant, endpoint.event_types
-            )
-        return
-    await _fence(state, written, fence_id=fence_id, version=written.version)
-    log.info("endpoint_upgraded", endpoint_id=endpoint.id, to="straight")
+    if written is not None:
+        await _leave_lane(state, written, wait_s=0)
+        log.info("endpoint_upgraded", endpoint_id=endpoint.id, to="straight")
 
 
 async def _upgrade(state: IngestState, endpoint: StoredEndpoint) -> None:
