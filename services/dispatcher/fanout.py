@@ -31,7 +31,7 @@ from typing import Any
 import aiormq
 import structlog
 
-from hookline.dispatcher import inbound
+from hookline.dispatcher import fences, inbound
 from hookline.dispatcher.handler import Handler, handle_safely
 from hookline.dispatcher.incoming import Delivery
 from hookline.shared import topology
@@ -42,8 +42,8 @@ log = structlog.get_logger(__name__)
 #: Deliveries of one lane message after which it is dead-lettered per endpoint instead of fanned out.
 POISON_DELIVERIES = 20
 #: A lane message given out again counts the endpoints deleted, or that left their lane, this recently
-#: (see _targets).
-REDELIVERY_COUNTS_DELETED = timedelta(days=1)
+#: (see _targets; a left one's queue consumer knows its straight copies from its second ones as long).
+REDELIVERY_COUNTS_DELETED = fences.SECOND_COPIES_FOR
 #: A lane message counts the endpoints that left their lane this recently (a replica reads a message
 #: it was given a moment after it was given it; a minute covers a loop stalled far longer than that).
 LEFT_LANE_COUNTS = timedelta(minutes=1)

@@ -12,9 +12,13 @@ the change that put it there puts it back in the lane for a second.
 from __future__ import annotations
 
 import enum
-from datetime import datetime
+from datetime import datetime, timedelta
 
 from hookline.shared.models import StoredEndpoint
+
+#: A lane message given out again may be fanned out this long after its endpoint left the lane
+#: (fanout.REDELIVERY_COUNTS_DELETED counts those endpoints as long), so second copies may come as late.
+SECOND_COPIES_FOR = timedelta(days=1)
 
 
 class Verdict(enum.Enum):
@@ -54,3 +58,13 @@ def left(endpoint: StoredEndpoint, *, fence_id: str | None, at: datetime) -> Sto
     if not leaving(endpoint, fence_id):
         return None
     return endpoint.model_copy(update={"laned": False, "lane_fence": None, "left_lane_at": at})
+
+
+def second_copies_may_come(endpoint: StoredEndpoint, *, now: datetime) -> bool:
+    """Whether a lane may still hand this endpoint's events on as second copies: it is leaving its lane,
+    or left it lately. Its queue's consumer then remembers the events that came to it straight."""
+    if not endpoint.straight:
+        return False
+    if endpoint.laned:
+        return True
+    return endpoint.left_lane_at is not None and now - endpoint.left_lane_at < SECOND_COPIES_FOR

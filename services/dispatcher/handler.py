@@ -405,6 +405,10 @@ class Handler:
         event = parsed.event
         if await self._settled_before(message, endpoint, parsed):
             return False
+        if message.exchange == topology.EVENTS_EXCHANGE and fences.second_copies_may_come(
+            endpoint, now=datetime.now(UTC)
+        ):
+            self._settled.took_straight(endpoint.id, event.id, now_s=time.monotonic())
         sequence = _order_key(event, parsed) if endpoint.ordered and event.subject else None
         deferred = await self._gate(endpoint, parsed, sequence, probe=probe, lane=lane)
         if deferred is not None:
@@ -484,12 +488,17 @@ class Handler:
         self, message: Incoming, endpoint: StoredEndpoint, parsed: inbound.Inbound
     ) -> bool:
         """A redelivery of a message this replica settled, whose ack the broker never got, or a second
-        copy of one (come both ways to an endpoint leaving its lane): acked now, not attempted again
-        (settled.py)."""
+        copy of an event that came to it straight (both ways to an endpoint leaving its lane): acked
+        now, not attempted again (settled.py)."""
         if not (message.redelivered or parsed.second_copy) or parsed.origin is not None:
             return False
         event = parsed.event
-        outcome = self._settled.outcome((endpoint.id, event.id, parsed.attempt), now_s=time.monotonic())
+        key = (endpoint.id, event.id, parsed.attempt)
+        now_s = time.monotonic()
+        if parsed.second_copy:
+            outcome = self._settled.second_copy(key, now_s=now_s)
+        else:
+            outcome = self._settled.outcome(key, now_s=now_s)
         if outcome is None:
             return False
         await self.acks.ack(message)

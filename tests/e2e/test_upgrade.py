@@ -221,6 +221,28 @@ async def test_an_ordered_endpoint_on_its_lane_leaves_it_at_start(
 
         await eventually(second_copies_skipped, timeout_s=60)
         assert [r.headers["webhook-id"] for r in receiver.requests if r.path == "/ordered"] == ids
+
+        # Answered slowly, each straight copy is still being attempted when its second copy comes (5 s
+        # on): that one is skipped too, not put behind it in its subject and sent once more.
+        receiver.responder = lambda _: Reply(delay_s=8)
+        slow = [f"evt_slow_{n}" for n in range(3)]
+        for n, event_id in enumerate(slow):
+            await publish_event(
+                amqp_url, {**event(tenant, "o.x", event_id), "subject": f"s{n}"}, f"{tenant}.o.x"
+            )
+
+        async def slow_second_copies_skipped() -> bool:
+            skipped = {
+                r.get("event_id")
+                for r in _records(dispatcher)
+                if r.get("event") == "redelivery_already_settled" and r.get("outcome") == "taken_straight"
+            }
+            return skipped >= set(slow)
+
+        await eventually(slow_second_copies_skipped, timeout_s=60)
+        await receiver.wait_for_ids(set(slow), path="/ordered", timeout_s=60)
+        sent = Counter(r.headers["webhook-id"] for r in receiver.requests if r.path == "/ordered")
+        assert {event_id: sent[event_id] for event_id in slow} == dict.fromkeys(slow, 1)
     finally:
         codes = [service.stop() for service in running]
     assert codes == [0, 0]

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 
 import pytest
 from support.factories import stored_endpoint
@@ -66,3 +66,22 @@ def test_an_endpoint_leaves_its_lane_only_for_its_own_fence() -> None:
     assert fences.left(LEAVING, fence_id="fence_b", at=AT) is None
     assert fences.left(left, fence_id="fence_a", at=AT) is None
     assert fences.left(LANED, fence_id="fence_a", at=AT) is None
+
+
+STRAIGHT_FROM_THE_START = stored_endpoint(ordered=True, straight=True, laned=False, version=1)
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "now", "expected"),
+    [
+        (LEAVING, AT, True),  # bound to events while its lane still fans it out
+        (LEFT, AT + timedelta(hours=23), True),  # a lane message given out again may still copy it
+        (LEFT, AT + fences.SECOND_COPIES_FOR, False),
+        (STRAIGHT_FROM_THE_START, AT, False),  # never on a lane: no copy comes that way
+        (LANED, AT, False),  # on its lane only: nothing comes straight
+    ],
+)
+def test_second_copies_come_while_an_endpoint_leaves_its_lane_and_a_day_after(
+    endpoint: StoredEndpoint, now: datetime, expected: bool
+) -> None:
+    assert fences.second_copies_may_come(endpoint, now=now) is expected
