@@ -65,6 +65,9 @@ class Receiver:
 
     async def __aexit__(self, *_: object) -> None:
         assert self._runner is not None
+        async with self._crowded:  # the test is over: a request still held need not wait for others
+            self._crowds += 1
+            self._crowded.notify_all()
         await self._runner.cleanup()
 
     async def _handle(self, request: web.Request) -> web.StreamResponse:

@@ -72,6 +72,7 @@ class Service:
         self.name = name
         self.log_path = log_dir / f"{name}.log"
         self.killed = False
+        self._terminated = False
         self._log = self.log_path.open("wb")
         self.process = subprocess.Popen(
             [HOOKLINE, command], env=dict(env), stdout=self._log, stderr=subprocess.STDOUT
@@ -101,10 +102,17 @@ class Service:
             self._log.flush()
         return self.log_path.read_text(errors="replace")
 
+    def terminate(self) -> None:
+        """SIGTERM, not waited for (:meth:`stop` waits): services stopped together shut down at once."""
+        # Once only: a second SIGTERM that comes after the service restored the default handler kills it.
+        if self.process.poll() is None and not self._terminated:
+            self._terminated = True
+            self.process.send_signal(signal.SIGTERM)
+
     def stop(self, timeout_s: float = 30.0) -> int:
         """SIGTERM, wait; returns the exit code (SIGKILL after the timeout is a failure for the caller)."""
         if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
+            self.terminate()
             try:
                 self.process.wait(timeout_s)
             except subprocess.TimeoutExpired:
