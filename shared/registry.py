@@ -15,6 +15,8 @@ meanwhile) changes nothing: the API answers 409, internal writers re-read and tr
 from __future__ import annotations
 
 import asyncio
+import functools
+import hashlib
 import json
 import time
 from collections import OrderedDict
@@ -532,11 +534,20 @@ async def kept_at(path: Path | None, *, vhost: str) -> AsyncIterator[EndpointReg
     """A registry whose store is the file at ``path`` (None: in memory, built from the log at every
     start), for the change log of ``vhost``; closed (what it had not committed, committed) on the way
     out, after whatever follows the log into it has stopped."""
-    kept = EndpointRegistry(RegistryStore(path, identity=f"{vhost}/{topology.ENDPOINT_LOG}/{_STORE_VERSION}"))
+    identity = f"{vhost}/{topology.ENDPOINT_LOG}/{_STORE_VERSION}"
+    kept = EndpointRegistry(RegistryStore(path, identity=identity, reads=readable_records()))
     try:
         yield kept
     finally:
         kept.close()
+
+
+@functools.cache
+def readable_records() -> str:
+    """A fingerprint of the change-log records this version reads: it differs in a version that reads
+    records this one cannot (a new kind, a new field)."""
+    schema = json.dumps(_records.json_schema(), sort_keys=True).encode()
+    return hashlib.sha256(schema).hexdigest()[:16]
 
 
 def _seconds(at: datetime) -> float:
@@ -804,6 +815,7 @@ class ChangeLog:
         except ValidationError as exc:
             # A record this version cannot read is skipped loudly rather than stopping the service.
             log.error("endpoint_log_record_unreadable", offset=offset_of(message), error=error_summary(exc))
+            self.registry.store.skipped()  # a later version reads the log again (registrystore.py)
             return None
         if isinstance(record, TokenUpserted | QuotaSet):
             if not permissions.trusted_writer(message.user_id):

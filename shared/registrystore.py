@@ -70,10 +70,12 @@ class RegistryStore:
         path: str | Path | None,
         *,
         identity: str,
+        reads: str = "",
         on_damaged: Callable[[Path | None], None] = _exit_damaged,
     ) -> None:
         self._file: StateFile[None] = StateFile(path, prepare=_prepare)
         self._identity = identity
+        self._reads = reads  # a fingerprint of the records this version can read
         self._on_damaged = on_damaged
         self._opened = False
         self._in_transaction = 0  # records written since the transaction began
@@ -93,6 +95,13 @@ class RegistryStore:
             self._file.open()
             self._opened = True
         if self.state("identity") != self._identity:
+            self._reset()
+            return None
+        skipped_by = self.state("skipped_by")
+        if skipped_by is not None and skipped_by != self._reads:
+            # A version that could not read some records built these rows (a follower upgraded after
+            # an ingest wrote what it did not know): this one may read them, so it reads the log again.
+            log.warning("registry_rebuilt_for_skipped_records", path=str(self.path))
             self._reset()
             return None
         offset = self.state("offset")
@@ -198,6 +207,10 @@ class RegistryStore:
             self._write("DELETE FROM kept WHERE kind = ? AND key = ?", (kind, key))
         else:
             self._write("INSERT OR REPLACE INTO kept VALUES (?, ?, ?)", (kind, key, body))
+
+    def skipped(self) -> None:
+        """A record this version cannot read was passed over: a version that reads others rebuilds."""
+        self.set_state("skipped_by", self._reads)
 
     def set_state(self, key: str, value: str) -> None:
         self._write("INSERT OR REPLACE INTO state VALUES (?, ?)", (key, value))

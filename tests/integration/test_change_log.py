@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -181,6 +182,41 @@ async def test_an_unreadable_record_is_skipped_and_the_rest_applied(amqp_url: st
     async with follow(amqp_url, state) as log:
         await log.write(_upsert(_endpoint(3)), timeout_s=10)
         assert [e.id for e in state.all()] == [_endpoint(3).id]
+
+
+async def test_a_registry_file_built_past_a_newer_record_is_built_again_once_upgraded(
+    amqp_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A dispatcher not yet upgraded skips what a newer ingest wrote; its file then says so, and the
+    upgraded dispatcher reads the whole log again instead of resuming past that record for good."""
+    vhost = unquote(urlsplit(amqp_url).path.lstrip("/"))
+    path = tmp_path / "dispatcher.registry.sqlite"
+    newer = _upsert(_endpoint(2)).model_dump(mode="json")
+    newer["endpoint"]["a_field_of_a_newer_version"] = True
+    async with registry.kept_at(path, vhost=vhost) as kept, follow(amqp_url, kept, name="older") as log:
+        await log.write(_upsert(_endpoint(1)), timeout_s=10)
+        async with (
+            Broker(amqp_url, name="newer", connect_timeout_s=10) as broker,
+            broker.channel() as channel,
+        ):
+            await channel.default_exchange.publish(
+                aio_pika.Message(json.dumps(newer).encode()), topology.ENDPOINT_LOG
+            )
+        await log.write(_upsert(_endpoint(3)), timeout_s=10)
+        assert [e.id for e in kept.all()] == [_endpoint(1).id, _endpoint(3).id], "the newer one skipped"
+
+    async def read_at_start() -> list[str]:
+        seen: list[str] = []
+        async with registry.kept_at(path, vhost=vhost) as kept:
+            kept.subscribe(lambda _, after: seen.extend([after.id] if after else []))
+            async with follow(amqp_url, kept, name="restarted") as log:
+                await log.sync(timeout_s=10)
+        return seen
+
+    assert await read_at_start() == [], "the same version resumes: it would skip that record again"
+    monkeypatch.setattr(registry, "readable_records", lambda: "a newer version's")
+    assert await read_at_start() == [_endpoint(1).id, _endpoint(3).id], "read again from the first"
+    assert await read_at_start() == [], "once"
 
 
 async def test_a_follower_resumes_after_a_lost_connection_without_replaying(

@@ -107,6 +107,30 @@ def test_a_file_of_another_vhost_is_built_again(tmp_path: Path) -> None:
     assert other.get(endpoint(1).id) is None
 
 
+@pytest.mark.parametrize(
+    ("skipped_by", "reads", "rebuilt"),
+    [
+        (None, "v2", False),  # nothing was skipped: kept whatever reads it next
+        ("v2", "v2", False),  # skipped by this very version: reading again would skip it again
+        ("v1", "v2", True),  # skipped by the version before: this one may read it
+    ],
+)
+def test_a_file_built_past_records_it_could_not_read_is_built_again_by_another_version(
+    tmp_path: Path, skipped_by: str | None, reads: str, rebuilt: bool
+) -> None:
+    path = tmp_path / "r.sqlite"
+    registry, _ = on_disk(path, reads=skipped_by or "v1")
+    registry.apply(upsert(endpoint(1)))
+    if skipped_by is not None:
+        registry.store.skipped()
+    registry.store.applied(1)
+    registry.close()
+
+    again, offset = on_disk(path, reads=reads)
+    assert (offset is None) is rebuilt
+    assert (again.get(endpoint(1).id) is None) is rebuilt
+
+
 def test_pages_in_id_order_by_tenant_and_every_notifier_named(tmp_path: Path) -> None:
     registry, _ = on_disk(tmp_path / "r.sqlite")
     for n in range(10):
