@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import Counter
+from typing import Any
 from urllib.parse import unquote, urlsplit
 
 import aio_pika
@@ -106,7 +107,13 @@ async def test_an_open_breaker_holds_events_in_a_queue_of_its_own_then_back_to_t
         return health is not None and health["breaker_state"] == state
 
     await eventually(lambda: breaker("open"), timeout_s=30)
-    [isolated] = logged([system.monitor], "endpoint_isolated", endpoint_id=endpoint["id"])
+
+    async def isolated_by_the_monitor() -> list[dict[str, Any]] | None:
+        # The health view says open once the monitor decided it; it isolates the endpoint just after,
+        # before it publishes the command (monitor.publish_commands), and that takes a queue declare.
+        return logged([system.monitor], "endpoint_isolated", endpoint_id=endpoint["id"]) or None
+
+    [isolated] = await eventually(isolated_by_the_monitor, timeout_s=30)
     assert isolated["reason"] == "breaker_open"
     queue = topology.endpoint_queue(endpoint["id"])
     assert await queue_exists(system.amqp_url, queue)
