@@ -12,7 +12,6 @@ import signal
 from collections.abc import Callable, Coroutine
 from typing import Any
 
-
 #: Allocations (less deallocations) of tracked objects between two collections of the youngest generation,
 #: and collections of each generation between two of the next: CPython's defaults are 700, 10 and 10.
 #: A delivery allocates hundreds of short-lived objects (a message, its futures and the HTTP exchange),

@@ -21,7 +21,7 @@ import math
 import random
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from functools import partial
@@ -32,7 +32,7 @@ from opentelemetry.trace import SpanKind
 
 from hookline.dispatcher import fences, inbound, metrics
 from hookline.dispatcher.acks import Acks
-from hookline.dispatcher.admission import Admission, Ended, Ledger, Standing, Ticket
+from hookline.dispatcher.admission import CROWDED_IN_FLIGHT, Admission, Ended, Ledger, Standing, Ticket
 from hookline.dispatcher.backoff import Jitter, RetryPolicy, honoured_retry_after_s
 from hookline.dispatcher.delays import Delays
 from hookline.dispatcher.incoming import Incoming
@@ -41,6 +41,7 @@ from hookline.dispatcher.outcome import Ack, DeadLetter, Retry, Settlement, clas
 from hookline.dispatcher.pacing import Pacer
 from hookline.dispatcher.settled import Settled
 from hookline.dispatcher.telemetry import Telemetry
+from hookline.dispatcher.turns import Turns
 from hookline.shared import __version__, addressing, signing, topology
 from hookline.shared.amqp import BROKER_ERRORS, CALL_TIMEOUT_S, Publisher
 from hookline.shared.control import BreakerCommand, BreakerState, BreakerView
@@ -136,41 +137,6 @@ def holds_its_lane(waiting: int, lane_waiting: int, *, per_endpoint: int) -> boo
     return waiting >= per_endpoint and 2 * waiting > lane_waiting
 
 
-class _LaneGate:
-    """An endpoint's turns for deliveries from lanes: ``limit`` at once, the others waiting in order."""
-
-    __slots__ = ("_lanes_waiting", "_turns", "lane", "users", "waiting")
-
-    def __init__(self, limit: int, lane: str, lanes_waiting: Counter[str]) -> None:
-        self._turns = asyncio.Semaphore(limit)
-        self.lane = lane
-        self.users = 0  # under way: waiting for a turn, or delivering
-        self.waiting = 0  # waiting for a turn
-        self._lanes_waiting = lanes_waiting  # the same, summed per lane over every endpoint's gate
-
-    async def enter(self, *, timeout_s: float | None) -> bool:
-        """Whether a turn was had within ``timeout_s``."""
-        if not self._turns.locked():  # a turn free: had at once (most deliveries), no timer set up
-            await self._turns.acquire()
-            return True
-        self.waiting += 1
-        self._lanes_waiting[self.lane] += 1
-        try:
-            async with asyncio.timeout(timeout_s):
-                await self._turns.acquire()
-        except TimeoutError:
-            return False
-        finally:
-            self.waiting -= 1
-            self._lanes_waiting[self.lane] -= 1
-            if not self._lanes_waiting[self.lane]:
-                del self._lanes_waiting[self.lane]
-        return True
-
-    def leave(self) -> None:
-        self._turns.release()
-
-
 @dataclass(frozen=True, slots=True)
 class _Keys:
     version: datetime  # the endpoint's updated_at they were made from
@@ -206,7 +172,7 @@ class Handler:
         self._change_log = change_log
         self._isolation = isolation
         # Deliveries from lanes under way per endpoint, and their turns (see _from_lane).
-        self._lane_gates: dict[str, _LaneGate] = {}
+        self._lane_turns: dict[str, Turns] = {}
         self._lanes_waiting: Counter[str] = Counter()
         self._credentials = Credentials(sealer, client)
         self._tracing = tracing or Tracing("dispatcher", None)
@@ -228,7 +194,7 @@ class Handler:
 
     def from_lanes(self) -> dict[str, int]:
         """Deliveries from lanes under way, per endpoint (for heartbeats: what a delete waits for)."""
-        return {endpoint_id: gate.users for endpoint_id, gate in self._lane_gates.items()}
+        return {endpoint_id: turns.users for endpoint_id, turns in self._lane_turns.items()}
 
     async def handle(
         self,
@@ -294,39 +260,50 @@ class Handler:
         whose waiting copies hold its lane (:func:`holds_its_lane`), means the endpoint is backlogged:
         it is isolated, so that a burst to it is moved off the lane at the rate of queue writes rather
         than of its answers."""
-        with self._lane_turns(endpoint.id, topology.lane_of(endpoint.tenant)) as gate:
-            if not await gate.enter(timeout_s=self._settings.slow_attempt_s * BACKLOG_WAIT_SHARE):
-                if self._holds_its_lane(gate) and await self._isolate(endpoint, "backlogged"):
+        turns = self._turns_of(endpoint.id, topology.lane_of(endpoint.tenant))
+        try:
+            if not await turns.enter(
+                self._lane_limit(), timeout_s=self._settings.slow_attempt_s * BACKLOG_WAIT_SHARE
+            ):
+                if self._holds_its_lane(turns) and await self._isolate(endpoint, "backlogged"):
                     await self.hand_on(message, endpoint, reason="backlogged")
                     return False
-                await gate.enter(timeout_s=None)  # its lane's fair share, or no queue to be had
+                await turns.enter(
+                    self._lane_limit(), timeout_s=None
+                )  # its lane's fair share, or no queue to be had
             try:
                 return await self._handle(endpoint, message, parsed, probe=False, lane=True)
             finally:
-                gate.leave()
-
-    @contextlib.contextmanager
-    def _lane_turns(self, endpoint_id: str, lane: str) -> Iterator[_LaneGate]:
-        """The endpoint's turns for deliveries from ``lane`` (its lane, or its holding lane), shared by
-        its deliveries under way here and dropped with the last of them."""
-        gate = self._lane_gates.get(endpoint_id)
-        if gate is None:
-            gate = self._lane_gates[endpoint_id] = _LaneGate(
-                self._settings.prefetch_per_endpoint, lane, self._lanes_waiting
-            )
-        gate.users += 1
-        try:
-            yield gate
+                turns.leave(self._lane_limit())
         finally:
-            gate.users -= 1
-            if not gate.users:
-                del self._lane_gates[endpoint_id]
+            self._done_with(endpoint.id, turns)
 
-    def _holds_its_lane(self, gate: _LaneGate) -> bool:
+    def _lane_limit(self) -> int:
+        """An endpoint's deliveries from its lane under way at once: fewer while the event loop runs late,
+        as the admission would start no more of them (admission.py)."""
+        per_endpoint = self._settings.prefetch_per_endpoint
+        return min(per_endpoint, CROWDED_IN_FLIGHT) if self.admission.ledger.crowded else per_endpoint
+
+    def _turns_of(self, endpoint_id: str, lane: str) -> Turns:
+        """The endpoint's turns for deliveries from ``lane`` (its lane, or its holding lane), shared by
+        its deliveries under way here (each gives them back with :meth:`_done_with`)."""
+        turns = self._lane_turns.get(endpoint_id)
+        if turns is None:
+            turns = self._lane_turns[endpoint_id] = Turns(lane, self._lanes_waiting)
+        turns.users += 1
+        return turns
+
+    def _done_with(self, endpoint_id: str, turns: Turns) -> None:
+        turns.users -= 1
+        if not turns.users:  # dropped with the last of them
+            turns.close()
+            del self._lane_turns[endpoint_id]
+
+    def _holds_its_lane(self, turns: Turns) -> bool:
         # This copy waits no more, yet it is one of the endpoint's: counted on both sides.
         return holds_its_lane(
-            gate.waiting + 1,
-            self._lanes_waiting[gate.lane] + 1,
+            turns.waiting + 1,
+            self._lanes_waiting[turns.lane] + 1,
             per_endpoint=self._settings.prefetch_per_endpoint,
         )
 
@@ -343,15 +320,19 @@ class Handler:
             wait_s = held_wait_s(breaker, now_s=time.time())
             await self.hand_on(message, endpoint, delay_s=wait_s, reason="breaker_open")
             return False
-        with self._lane_turns(endpoint.id, topology.holding_of(endpoint.id)) as gate:
-            if not await gate.enter(timeout_s=MAX_SLOT_WAIT_S):
+        turns = self._turns_of(endpoint.id, topology.holding_of(endpoint.id))
+        limit = self._settings.prefetch_per_endpoint
+        try:
+            if not await turns.enter(limit, timeout_s=MAX_SLOT_WAIT_S):
                 # Far from the broker's consumer_timeout: put off, its turn not had within a minute.
                 await self.hand_on(message, endpoint, delay_s=int(SLOW_SHARE_DEFER_S), reason="held_busy")
                 return False
             try:
                 return await self._handle(endpoint, message, None, probe=probe, lane=False)
             finally:
-                gate.leave()
+                turns.leave(limit)
+        finally:
+            self._done_with(endpoint.id, turns)
 
     async def parse_event(self, message: Incoming, *, tenant: str) -> inbound.Inbound | inbound.Invalid:
         """The event in a message for one of ``tenant``'s endpoints, checked (the catalog's schema too,
