@@ -22,7 +22,8 @@ answering endpoint has at most ``CROWDED_IN_FLIGHT`` (8) attempts under way here
 it faster — the loop is the limit — but each step of every other delivery would wait behind them. A
 burst of 10,000 to one fast endpoint on this 2-core machine, 16 of its deliveries held by each of two
 dispatchers: another lane's trickle p99 202-299 ms with all 16 under way, 101-163 ms with 8, the burst
-delivered as fast. Its other deliveries wait in a line of its own, woken as its attempts end.
+delivered as fast. Its other deliveries wait in a line of its own, woken as its attempts end (those from
+lanes wait for their endpoint's turn before they come here, fewer turns while the loop runs late: turns.py).
 
 An attempt that has waited ``slow_attempt_s`` counts against the slow share from then on, and frees its
 answering slot: the answering share is never held longer than that by anything slow, and the slow share
