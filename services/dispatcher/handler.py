@@ -268,9 +268,8 @@ class Handler:
                 if self._holds_its_lane(turns) and await self._isolate(endpoint, "backlogged"):
                     await self.hand_on(message, endpoint, reason="backlogged")
                     return False
-                await turns.enter(
-                    self._lane_limit(), timeout_s=None
-                )  # its lane's fair share, or no queue to be had
+                # Its lane's fair share, or no queue to be had: it waits for its turn.
+                await turns.enter(self._lane_limit(), timeout_s=None)
             try:
                 return await self._handle(endpoint, message, parsed, probe=False, lane=True)
             finally:
