@@ -8,6 +8,10 @@ last change-log record they add up to. Everything a record changes is written in
 records its offset, so the file is always the state of the log up to that offset: a service resumes
 from the next record. Writes are batched (one transaction per ``COMMIT_RECORDS`` records or
 ``COMMIT_AFTER_S``), and reads go through the same connection, so they see what is not committed yet.
+They run on the owner's event loop; what would hold it longest does not: the copy of the write-ahead
+log into the file (a checkpoint, with its two fsyncs) runs after each commit on a thread of the store's
+own, through a connection of its own. Left to SQLite, the commit that passed 1,000 pages did it in
+place, two fsyncs on the event loop: beside a million endpoints, dispatchers held 0.4-0.5 s at a time while endpoints were registered (docs/decisions.md).
 
 Like every local file it is derived from a stream (:mod:`hookline.shared.statefiles`): a file found
 damaged at open is set aside and rebuilt from the first record; one found damaged in use stops the
@@ -21,6 +25,7 @@ import os
 import sqlite3
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +38,8 @@ log = structlog.get_logger(__name__)
 #: A transaction is committed after this many records, or this long after its first.
 COMMIT_RECORDS = 2_000
 COMMIT_AFTER_S = 0.5
+#: The write-ahead log's size past which a commit checkpoints and truncates it itself (_checkpoint_soon).
+WAL_LIMIT_BYTES = 64 * 1024 * 1024
 #: What a process does when its file is damaged in use (a test replaces it).
 EXIT_DAMAGED = 70
 
@@ -55,6 +62,27 @@ CREATE TABLE IF NOT EXISTS state (key TEXT PRIMARY KEY, value TEXT NOT NULL) WIT
 
 def _prepare(connection: sqlite3.Connection) -> None:
     connection.executescript(_SCHEMA)
+    connection.execute("PRAGMA wal_autocheckpoint=0")  # checkpoints run on the store's thread instead
+
+
+def _wal_bytes(path: Path) -> int:
+    try:
+        return path.with_name(f"{path.name}-wal").stat().st_size
+    except FileNotFoundError:
+        return 0
+
+
+def _checkpoint(path: Path) -> None:
+    """The write-ahead log copied into the file as far as no reader needs it (PASSIVE: never waits for
+    the owner's connection, which goes on writing meanwhile)."""
+    try:
+        connection = sqlite3.connect(path, timeout=0)
+        try:
+            connection.execute("PRAGMA wal_checkpoint(PASSIVE)")
+        finally:
+            connection.close()
+    except sqlite3.Error as exc:  # busy, or damaged: the owner's own reads and writes find out which
+        log.warning("registry_checkpoint_failed", path=str(path), error=str(exc))
 
 
 def _exit_damaged(path: Path | None) -> None:
@@ -81,6 +109,8 @@ class RegistryStore:
         self._in_transaction = 0  # records written since the transaction began
         self._began_s = 0.0
         self._commit_timer: asyncio.TimerHandle | None = None
+        self._checkpointer: ThreadPoolExecutor | None = None
+        self._checkpointing: Future[None] | None = None
         self.before_commit: Callable[[], None] = lambda: None  # writes the small state of the moment
 
     @property
@@ -112,6 +142,9 @@ class RegistryStore:
             self._commit_timer.cancel()
         if self._opened and self._file.connection.in_transaction:
             self.commit()
+        if self._checkpointer is not None:
+            self._checkpointer.shutdown(wait=True)  # the checkpoint under way, if any, ends first
+            self._checkpointer = self._checkpointing = None
         self._file.close()
         self._opened = False
 
@@ -238,6 +271,27 @@ class RegistryStore:
         self.before_commit()
         self._run(lambda c: c.execute("COMMIT"))
         self._in_transaction = 0
+        self._checkpoint_soon()
+
+    def _checkpoint_soon(self) -> None:
+        """A checkpoint on the store's thread, unless one is under way (the next commit asks again).
+        The log is only restarted from its beginning once a checkpoint has copied all of it before a
+        transaction begins: a writer that never pauses (a first start reading the whole change log)
+        would grow it without end (844 MiB in 50,000 records), so past ``WAL_LIMIT_BYTES`` it is
+        checkpointed and truncated here, at the cost of holding the loop that once."""
+        path = self._file.path
+        if path is None:
+            return
+        if _wal_bytes(path) >= WAL_LIMIT_BYTES:
+            if self._checkpointing is not None:
+                self._checkpointing.result()  # a checkpoint on the thread ends first (never raises)
+            self._run(lambda c: c.execute("PRAGMA wal_checkpoint(TRUNCATE)"))
+            return
+        if self._checkpointing is not None and not self._checkpointing.done():
+            return
+        if self._checkpointer is None:
+            self._checkpointer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="registry-checkpoint")
+        self._checkpointing = self._checkpointer.submit(_checkpoint, path)
 
     def _begin(self) -> None:
         if not self._file.connection.in_transaction:

@@ -8,6 +8,7 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
+from support.waiting import eventually
 
 from hookline.shared import registry as registry_module
 from hookline.shared.models import (
@@ -217,3 +218,54 @@ def test_a_file_damaged_at_start_is_set_aside_and_one_damaged_in_use_stops_the_p
     with pytest.raises(sqlite3.DatabaseError):
         damaged.all()  # every page read
     assert stopped == [tmp_path / "d.sqlite"]
+
+
+def in_the_file_alone(path: Path) -> int:
+    """Endpoints the main file holds without its write-ahead log: what checkpoints have copied there."""
+    connection = sqlite3.connect(f"file:{path}?immutable=1", uri=True)
+    try:
+        return int(connection.execute("SELECT count(*) FROM endpoints").fetchone()[0])
+    except sqlite3.OperationalError:  # its tables, too, are still in the log alone
+        return 0
+    finally:
+        connection.close()
+
+
+async def test_the_log_is_copied_into_the_file_off_the_event_loop(tmp_path: Path) -> None:
+    path = tmp_path / "r.sqlite"
+    registry, _ = on_disk(path)
+    # SQLite's own checkpoint would run in the commit that passes 1,000 pages, on the loop.
+    assert registry.store._file.connection.execute("PRAGMA wal_autocheckpoint").fetchone()[0] == 0
+    for n in range(10):
+        registry.apply(upsert(endpoint(n)))
+    registry.store.applied(10)
+    registry.store.commit()
+
+    async def copied() -> bool:
+        return in_the_file_alone(path) == 10
+
+    await eventually(copied, timeout_s=10, explain=lambda: f"{in_the_file_alone(path)} of 10 in the file")
+    registry.close()
+
+
+def test_a_writer_that_outruns_its_checkpoints_keeps_the_log_bounded(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from hookline.shared import registrystore
+
+    monkeypatch.setattr(registrystore, "WAL_LIMIT_BYTES", 256 * 1024)
+    monkeypatch.setattr(registrystore, "_checkpoint", lambda path: None)  # never done in time
+    path = tmp_path / "r.sqlite"
+    wal = path.with_name(path.name + "-wal")
+    registry, _ = on_disk(path)
+    largest = 0
+    for n in range(2_000):
+        registry.apply(upsert(endpoint(n, description="x" * 400)))
+        registry.store.applied(n)  # no event loop: committed at once
+        largest = max(largest, wal.stat().st_size)
+    assert largest < 2 * 256 * 1024, f"the log grew to {largest} bytes"
+    assert in_the_file_alone(path) > 1_500, "the commits past the limit copied the log into the file"
+    registry.close()
+    again, offset = on_disk(path)
+    assert (offset, len(again)) == (1_999, 2_000)
+    again.close()
