@@ -11,7 +11,8 @@ from the next record. Writes are batched (one transaction per ``COMMIT_RECORDS``
 They run on the owner's event loop; what would hold it longest does not: the copy of the write-ahead
 log into the file (a checkpoint, with its two fsyncs) runs after each commit on a thread of the store's
 own, through a connection of its own. Left to SQLite, the commit that passed 1,000 pages did it in
-place, two fsyncs on the event loop: beside a million endpoints, dispatchers held 0.4-0.5 s at a time while endpoints were registered (docs/decisions.md).
+place, on the loop: beside a million endpoints, dispatchers were held 0.4-0.5 s at a time while
+endpoints were registered (docs/decisions.md).
 
 Like every local file it is derived from a stream (:mod:`hookline.shared.statefiles`): a file found
 damaged at open is set aside and rebuilt from the first record; one found damaged in use stops the
@@ -277,8 +278,9 @@ class RegistryStore:
         """A checkpoint on the store's thread, unless one is under way (the next commit asks again).
         The log is only restarted from its beginning once a checkpoint has copied all of it before a
         transaction begins: a writer that never pauses (a first start reading the whole change log)
-        would grow it without end (844 MiB in 50,000 records), so past ``WAL_LIMIT_BYTES`` it is
-        checkpointed and truncated here, at the cost of holding the loop that once."""
+        would grow it without end (844 MiB after 50,000 endpoints in an experiment), so past
+        ``WAL_LIMIT_BYTES`` it is checkpointed and truncated here, at the cost of holding the loop
+        that once."""
         path = self._file.path
         if path is None:
             return

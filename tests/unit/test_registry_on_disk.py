@@ -11,6 +11,7 @@ import pytest
 from support.waiting import eventually
 
 from hookline.shared import registry as registry_module
+from hookline.shared import registrystore
 from hookline.shared.models import (
     EndpointDeleted,
     EndpointDrained,
@@ -208,8 +209,8 @@ def test_a_file_damaged_at_start_is_set_aside_and_one_damaged_in_use_stops_the_p
     damaged.store.commit()
     # Into the file itself, past its first page (the schema), read afresh: a disk that went bad.
     state_file = damaged.store._file
-    state_file.connection.execute("PRAGMA wal_checkpoint(TRUNCATE)")
-    state_file.close()
+    # Closed once its own checkpoints have ended: the last connection copies the log into the file.
+    damaged.store.close()
     with (tmp_path / "d.sqlite").open("r+b") as file:
         file.seek(4096)
         file.write(b"\xff" * 40_000)
@@ -251,8 +252,6 @@ async def test_the_log_is_copied_into_the_file_off_the_event_loop(tmp_path: Path
 def test_a_writer_that_outruns_its_checkpoints_keeps_the_log_bounded(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from hookline.shared import registrystore
-
     monkeypatch.setattr(registrystore, "WAL_LIMIT_BYTES", 256 * 1024)
     monkeypatch.setattr(registrystore, "_checkpoint", lambda path: None)  # never done in time
     path = tmp_path / "r.sqlite"
