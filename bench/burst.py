@@ -130,11 +130,12 @@ async def isolated(amqp_url: str, endpoint_id: str) -> None:
             await publisher.close()
 
 
-async def burst_elsewhere(amqp_url: str, count: int, *, own_session: bool) -> dict[str, float]:
+async def burst_elsewhere(amqp_url: str, count: int, *, own_session: bool, nice: int = 0) -> dict[str, float]:
     """:func:`burst` from a process of its own: 500 publishes in flight in this one would hold the
-    trickle's publishes back (their confirms behind the burst's), and count that as hookline's latency."""
+    trickle's publishes back (their confirms behind the burst's), and count that as hookline's latency.
+    ``nice``: the publisher yields the CPU (an upstream on a machine of its own would not take any)."""
     process = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "bench.burst", "--publish-only", "--amqp-url", amqp_url, "--burst", str(count),
+        "nice", "-n", str(nice), sys.executable, "-m", "bench.burst", "--publish-only", "--amqp-url", amqp_url, "--burst", str(count),
         stdout=asyncio.subprocess.PIPE, start_new_session=own_session,
     )  # fmt: skip
     out, _ = await process.communicate()
@@ -188,6 +189,7 @@ async def run(
     settings: dict[str, str],
     direct: bool = False,
     nice_others: int = 0,
+    publisher_nice: int = 0,
     one_session: bool = False,
 ) -> dict[str, Any]:
     work = Path(tempfile.mkdtemp(prefix="hookline-burst-"))
@@ -232,7 +234,9 @@ async def run(
             await asyncio.sleep(3)  # the trickle's own latency before the burst
             published = asyncio.Event()
             emptied = asyncio.create_task(lane_emptied(amqp_url, topology.lane_of("burst"), published))
-            burst_sent = await burst_elsewhere(amqp_url, count, own_session=not one_session)
+            burst_sent = await burst_elsewhere(
+                amqp_url, count, own_session=not one_session, nice=publisher_nice
+            )
             # From its first publish: the publisher's process takes about half a second to start, which
             # the times after the burst began (routed directly, off the lane) once counted.
             burst_started = min(burst_sent.values())
@@ -258,7 +262,7 @@ async def run(
 
     result: dict[str, Any] = {
         "burst": count, "trickle_per_s": trickle_per_s, "lanes": topology.LANES, "direct": direct,
-        "ingest_and_monitor_nice": nice_others,
+        "ingest_and_monitor_nice": nice_others, "publisher_nice": publisher_nice,
         "sessions": "one" if one_session else "one per process",
     }  # fmt: skip
     for path in ("/neighbour", "/elsewhere"):
@@ -348,6 +352,13 @@ def main() -> None:
         help="HOOKLINE_NICE for the ingest and the monitor: they yield the CPU to the dispatchers",
     )
     parser.add_argument(
+        "--publisher-nice",
+        type=int,
+        default=0,
+        metavar="N",
+        help="the burst's publisher at this niceness: it stands for an upstream on a machine of its own",
+    )
+    parser.add_argument(
         "--one-session",
         action="store_true",
         help="every process in the bench's session (with autogroup, one CPU share for them all), not each "
@@ -368,6 +379,7 @@ def main() -> None:
                 settings=dict(setting.split("=", 1) for setting in arguments.setting),
                 direct=arguments.direct,
                 nice_others=arguments.nice_others,
+                publisher_nice=arguments.publisher_nice,
                 one_session=arguments.one_session,
             )
         )
