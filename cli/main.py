@@ -314,6 +314,13 @@ def _endpoint_commands(commands: argparse._SubParsersAction[argparse.ArgumentPar
     attempts.add_argument("--since", help="RFC 3339 time")
     attempts.add_argument("--limit", type=int)
     attempts.add_argument("--after", help="next_after of the previous page")
+    test = endpoints.add_parser(
+        "test", help="send it a test event now and show the attempt (status, timings, the answer's start)"
+    )
+    test.add_argument("id")
+    test.add_argument("--type", required=True, help="the event type")
+    test.add_argument("--data", help="the event's data as JSON (default: the catalog's first example)")
+    test.add_argument("--subject")
     update = endpoints.add_parser(
         "update",
         help="change url, patterns, description, timeout, limits or ordering (a limit or ordering "

@@ -31,11 +31,13 @@ class Outcome(enum.StrEnum):
 
 
 #: Why an attempt was made: the first delivery of an event, a retry, a half-open breaker's probe, one
-#: asked for by hand, an event replayed or redriven (a fresh budget), or an endpoint's verification.
-AttemptKind = Literal["delivery", "retry", "probe", "manual", "replay", "redrive", "verification"]
-#: Attempts made beside an event's course (by hand, or an endpoint's verification, both by the ingest):
-#: in the delivery log, but they neither settle the event nor count for the breaker or the statistics.
-ASIDE_KINDS: frozenset[str] = frozenset({"manual", "verification"})
+#: asked for by hand, an event replayed or redriven (a fresh budget), an endpoint's verification, or a
+#: test event sent to one endpoint.
+AttemptKind = Literal["delivery", "retry", "probe", "manual", "replay", "redrive", "verification", "test"]
+#: Attempts made beside an event's course (by hand, an endpoint's verification or a test event, all by
+#: the ingest): in the delivery log, but they neither settle an event nor count for the breaker or the
+#: statistics.
+ASIDE_KINDS: frozenset[str] = frozenset({"manual", "verification", "test"})
 
 
 class AttemptRecord(Model):

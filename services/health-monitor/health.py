@@ -136,7 +136,7 @@ class Health:
             self.dispatchers[record.dispatcher_id] = record
             return []
         if isinstance(record, Deferral) or record.attempt_kind in ASIDE_KINDS:
-            return []  # a manual attempt or a verification: not the endpoint's delivery traffic
+            return []  # by hand, a verification or a test: not the endpoint's delivery traffic
         health = self.endpoint(record.endpoint_id)
         health.day.add(record, now_s=now_s)
         health.hour.add(record, now_s=now_s)

@@ -24,6 +24,7 @@ from hookline.ingest import (
     eventtypes,
     quotas,
     replay,
+    testevents,
     tokens,
     tracking,
 )
@@ -91,6 +92,7 @@ def create_app(settings: IngestSettings) -> FastAPI:
     guard = Depends(principal)
     app.include_router(events.router, dependencies=[guard])
     app.include_router(endpoints.router, dependencies=[guard])
+    app.include_router(testevents.router, dependencies=[guard])
     app.include_router(eventtypes.router, dependencies=[guard])
     app.include_router(replay.router, dependencies=[guard])
     app.include_router(deadletters.router, dependencies=[guard])

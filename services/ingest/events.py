@@ -23,7 +23,7 @@ from hookline.shared.api import ApiError, broker_unavailable, invalid_input
 from hookline.shared.catalog import Catalog
 from hookline.shared.envelope import event_message
 from hookline.shared.ids import new_id
-from hookline.shared.models import ErrorDetail, Event
+from hookline.shared.models import ErrorDetail, Event, EventFields
 from hookline.shared.notifications import OPERATOR_TENANT
 from hookline.shared.tracing import TraceContext
 
@@ -126,7 +126,7 @@ async def _accept(
         raise ApiError(
             422, "invalid_fields", f"tenant {OPERATOR_TENANT!r} is reserved for hookline's own notifications"
         )
-    warnings = _catalog_warnings(state.change_log.catalog, event_in)
+    warnings = catalog_warnings(state.change_log.catalog, event_in)
     digest = _key_digest(idempotency_key, event_in)
     event_id = event_in.id or (
         event_id_for_key(event_in.tenant, idempotency_key) if idempotency_key else new_id("evt")
@@ -203,7 +203,7 @@ def _duplicate(previous: Acceptance, event_id: str, tenant: str, digest: str | N
     )
 
 
-def _catalog_warnings(catalog: Catalog, event_in: EventIn) -> list[str]:
+def catalog_warnings(catalog: Catalog, event_in: EventFields) -> list[str]:
     """What the event-type catalog says of this event: a 422 when its type enforces its schema, else
     warnings for the answer (and the log, which names places in the data, never the data)."""
     violation = catalog.check(event_in.type, event_in.schema_version, event_in.data)

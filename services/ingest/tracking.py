@@ -148,7 +148,7 @@ async def endpoint_attempts(
     return AttemptPage(
         data=[
             EndpointAttempt(
-                event_id=r.event_id, endpoint_id=r.endpoint_id, **_view(state.sealer, r).model_dump()
+                event_id=r.event_id, endpoint_id=r.endpoint_id, **attempt_view(state.sealer, r).model_dump()
             )
             for _, r in page
         ],
@@ -194,7 +194,7 @@ async def resend_event(
         changes={"endpoint_id": endpoint.id, "status": record.status},
     )  # fmt: skip
     return EndpointAttempt(
-        event_id=event_id, endpoint_id=endpoint.id, **_view(state.sealer, record).model_dump()
+        event_id=event_id, endpoint_id=endpoint.id, **attempt_view(state.sealer, record).model_dump()
     )
 
 
@@ -232,7 +232,7 @@ async def _story(state: IngestState, logged: LoggedEvent, *, with_attempts: bool
         courses.append(
             EndpointCourse(
                 endpoint_id=endpoint_id,
-                attempts=[_view(state.sealer, a) for a in mine] if with_attempts else [],
+                attempts=[attempt_view(state.sealer, a) for a in mine] if with_attempts else [],
                 **where.model_dump(),
             )
         )
@@ -246,7 +246,8 @@ async def _story(state: IngestState, logged: LoggedEvent, *, with_attempts: bool
     )
 
 
-def _view(sealer: Sealer, record: AttemptRecord) -> AttemptView:
+def attempt_view(sealer: Sealer, record: AttemptRecord) -> AttemptView:
+    """An attempt as the API shows it, the start of the receiver's answer opened (sealed at rest)."""
     body = record.response_body
     if body is not None:
         try:

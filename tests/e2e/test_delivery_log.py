@@ -15,6 +15,7 @@ from typing import Any
 
 import httpx
 import pytest
+from standardwebhooks.webhooks import Webhook
 from support import services
 from support.amqp import read_stream
 from support.monitoring import set_status
@@ -194,6 +195,109 @@ async def test_an_events_story_at_every_endpoint(system: System, receiver: Recei
     )
     assert shown.returncode == 0, shown.stderr
     assert course(json.loads(shown.stdout), flaky["id"])["state"] == "delivered"
+
+
+async def test_a_test_event_is_sent_to_one_endpoint_and_its_attempt_shown_at_once(
+    system: System, receiver: Receiver
+) -> None:
+    api = Ingest(system)
+    acme = tenant()
+    answers = {"/tested": Reply(status=200, headers={"content-type": "text/plain"}, body=b"got it")}
+    receiver.responder = lambda request: answers.get(request.path, Reply(status=500, body=b"down"))
+    schema = {"type": "object", "properties": {"amount": {"type": "integer", "minimum": 1}}}
+    described = await api(
+        "POST", "/v1/event-types",
+        json={"name": "invoice.paid", "schemas": {"1": schema}, "validation": "enforce",
+              "examples": [{"invoice_id": "in_1", "amount": 4200}]},
+    )  # fmt: skip
+    assert described.status_code == 201, described.text
+    endpoint = system.add_endpoint(acme, receiver.url("/tested"), ["order.*"])  # not even subscribed
+    failing = system.add_endpoint(acme, receiver.url("/failing"), ["order.*"])
+    await set_status(system, endpoint["id"], "pause")  # a paused endpoint can be tested too
+
+    def arrived(path: str) -> list[dict[str, Any]]:
+        return [json.loads(r.body) for r in receiver.requests if r.path == path]
+
+    # The catalog's example, signed as every delivery; the attempt in the answer.
+    tested = await api("POST", f"/v1/endpoints/{endpoint['id']}/test", json={"type": "invoice.paid"})
+    assert tested.status_code == 200, tested.text
+    attempt = tested.json()
+    assert (attempt["kind"], attempt["status"], attempt["outcome"], attempt["attempt"]) == (
+        "test",
+        200,
+        "success",
+        1,
+    )
+    assert (attempt["type"], attempt["response_body"], attempt["warnings"]) == ("invoice.paid", "got it", [])
+    assert attempt["duration_ms"] > 0
+    [request] = [r for r in receiver.requests if r.path == "/tested"]
+    sent = Webhook(endpoint["secret"]).verify(request.body, request.headers)
+    assert (sent["id"], sent["tenant"], sent["data"]) == (
+        attempt["event_id"],
+        acme,
+        {"invoice_id": "in_1", "amount": 4200},
+    )
+
+    # Data typed in; the type's enforced schema refuses bad data before anything is sent.
+    typed = await api(
+        "POST", f"/v1/endpoints/{endpoint['id']}/test",
+        json={"type": "invoice.paid", "data": {"amount": 7}, "subject": "in_2"},
+    )  # fmt: skip
+    assert typed.status_code == 200, typed.text
+    refused = await api(
+        "POST", f"/v1/endpoints/{endpoint['id']}/test", json={"type": "invoice.paid", "data": {"amount": 0}}
+    )
+    assert (refused.status_code, refused.json()["error"]) == (422, "invalid_event"), refused.text
+    assert [d["field"] for d in refused.json()["details"]] == ["/data/amount"]
+    no_example = await api("POST", f"/v1/endpoints/{endpoint['id']}/test", json={"type": "order.created"})
+    assert (no_example.status_code, no_example.json()["error"]) == (422, "no_example"), no_example.text
+    assert [(e["data"], e.get("subject")) for e in arrived("/tested")] == [
+        ({"invoice_id": "in_1", "amount": 4200}, None),
+        ({"amount": 7}, "in_2"),
+    ]
+
+    # A failing answer is shown as it is; nothing was published, so nothing retries it.
+    down = await api("POST", f"/v1/endpoints/{failing['id']}/test", json={"type": "invoice.paid"})
+    assert (down.json()["status"], down.json()["outcome"], down.json()["response_body"]) == (
+        500,
+        "failed",
+        "down",
+    )
+    assert (await api("GET", f"/v1/events/{down.json()['event_id']}")).status_code == 404
+
+    # Another tenant's token finds no such endpoint.
+    other = await api(
+        "POST", f"/v1/endpoints/{endpoint['id']}/test", token=OTHER_TOKEN, json={"type": "invoice.paid"}
+    )
+    assert other.status_code == 404, other.text
+
+    # The delivery log keeps the attempts; the audit trail says who tested what.
+    async def tests_logged() -> list[dict[str, Any]] | None:
+        page = (await api("GET", f"/v1/endpoints/{endpoint['id']}/attempts")).json()["data"]
+        return page if len(page) == 2 else None
+
+    logged = await eventually(tests_logged)
+    assert [(a["kind"], a["event_id"]) for a in logged] == [
+        ("test", typed.json()["event_id"]),
+        ("test", attempt["event_id"]),
+    ]
+
+    async def audited() -> list[dict[str, Any]] | None:
+        records = (await api("GET", "/v1/audit", params={"tenant": acme})).json()["data"]
+        found = [r for r in records if r["action"] == "endpoint.tested"]
+        return found if len(found) == 3 else None
+
+    assert {r["target"] for r in await eventually(audited)} == {endpoint["id"], failing["id"]}
+
+    # The same from the command line.
+    env = {**system.env, "HOOKLINE_INGEST_URL": system.ingest.base_url}
+    shown = await asyncio.to_thread(
+        subprocess.run,
+        [services.HOOKLINE, "endpoints", "test", endpoint["id"], "--type", "invoice.paid", "--data", '{"amount": 9}'],
+        env=env, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert shown.returncode == 0, shown.stderr
+    assert (json.loads(shown.stdout)["status"], arrived("/tested")[-1]["data"]) == (200, {"amount": 9})
 
 
 async def test_an_event_held_back_by_ordering_says_behind_which(system: System, receiver: Receiver) -> None:
