@@ -8,6 +8,7 @@ the pages drawn from local state keep to the session's tenant the same way.
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
@@ -34,7 +35,7 @@ router = APIRouter(prefix="/ui", include_in_schema=False)
 
 MAX_FORM_BYTES = 64 * 1024
 MAX_ROWS = 200  # endpoints on the overview, degrading first; the rest are counted
-ENDPOINT_ACTIONS = ("pause", "resume", "verify", "replay")
+ENDPOINT_ACTIONS = ("pause", "resume", "verify", "replay", "test")
 EVENT_STATES = get_args(EventState)
 # No script at all, and nothing framed or cached: the pages hold tenants' data.
 SECURITY_HEADERS = {
@@ -434,13 +435,10 @@ async def endpoint_action(
     fields = await _form(request, session)
     if action not in ENDPOINT_ACTIONS:
         raise ApiError(404, "not_found", f"no endpoint action {action!r}")
-    body: dict[str, Any] | None = None
-    if action == "replay":
-        try:
-            since = datetime.fromisoformat(fields.get("since", ""))
-        except ValueError:
-            return _back(fields, "/ui/", problem="replay needs a start time (since)")
-        body = {"since": (since if since.tzinfo else since.replace(tzinfo=UTC)).isoformat()}
+    try:
+        body = _action_body(action, fields)
+    except ValueError as exc:
+        return _back(fields, "/ui/", problem=str(exc))
     try:
         result = await ingest.call(
             session.token, "POST", f"/v1/endpoints/{quote(endpoint_id, safe='')}/{action}", json=body
@@ -453,6 +451,32 @@ async def endpoint_action(
             notice = f"{action.capitalize()}d {endpoint_id}."
         case "verify":
             notice = f"{endpoint_id} {'is verified' if result['verified'] else 'did not pass verification'}."
+        case "test":
+            answer = f"HTTP {result['status']}" if result["status"] is not None else result["error"]
+            notice = (
+                f"Test event {result['event_id']} to {endpoint_id}: {answer} in {_ms(result['duration_ms'])}."
+            )
         case _:
             notice = f"Replaying {result['replayed']} events to {endpoint_id}."
     return _back(fields, "/ui/", notice=notice)
+
+
+def _action_body(action: str, fields: dict[str, str]) -> dict[str, Any] | None:
+    """The ingest request's body for an endpoint action's form (ValueError: what the form lacks)."""
+    if action == "replay":
+        try:
+            since = datetime.fromisoformat(fields.get("since", ""))
+        except ValueError:
+            raise ValueError("replay needs a start time (since)") from None
+        return {"since": (since if since.tzinfo else since.replace(tzinfo=UTC)).isoformat()}
+    if action == "test":
+        test: dict[str, Any] = {"type": fields.get("type", "").strip()}
+        if fields.get("data", "").strip():
+            try:
+                test["data"] = json.loads(fields["data"])
+            except json.JSONDecodeError:
+                raise ValueError(
+                    "a test event's data must be JSON (or empty: the catalog's example)"
+                ) from None
+        return test
+    return None

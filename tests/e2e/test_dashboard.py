@@ -152,8 +152,27 @@ async def test_support_engineer_finds_redrives_and_pauses(
             "/orders"
         ) == 2
 
-        # Pause an endpoint from the overview; the ingest says it is paused.
+        # Send an endpoint a test event from the overview, and read its answer at once.
         await page.click("header a:has-text('Overview')")
+        testing = page.locator(f"#endpoints tr[data-endpoint={ok['id']}] form[action$='/test']")
+        await testing.locator("input[name=type]").fill("order.created")
+        await testing.locator("input[name=data]").fill('{"tried": true}')
+        await testing.locator("button:has-text('Send test event')").click()
+        await expect(page.get_by_role("status")).to_contain_text(f"to {ok['id']}: HTTP 200 in")
+        [tried] = [
+            json.loads(r.body) for r in receiver.requests if json.loads(r.body).get("data") == {"tried": True}
+        ]
+        assert (tried["type"], tried["tenant"], receiver.requests[-1].path) == (
+            "order.created",
+            "acme",
+            "/ok",
+        )
+        await testing.locator("input[name=type]").fill("order.created")
+        await testing.locator("input[name=data]").fill("{not json")
+        await testing.locator("button:has-text('Send test event')").click()
+        await expect(page.get_by_role("alert")).to_contain_text("must be JSON")
+
+        # Pause an endpoint from the overview; the ingest says it is paused.
         await page.locator(f"#endpoints tr[data-endpoint={ok['id']}] button:has-text('Pause')").click()
         await expect(page.get_by_role("status")).to_contain_text(f"Paused {ok['id']}")
 
