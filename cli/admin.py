@@ -88,6 +88,7 @@ def endpoints(args: argparse.Namespace) -> Any:
         case "add":
             body = {
                 "tenant": args.tenant,
+                "kind": "polling" if args.polling else "push",
                 **_endpoint_fields(args),
                 "ordered": args.ordered,
                 "verify": args.verify,
@@ -115,6 +116,12 @@ def endpoints(args: argparse.Namespace) -> Any:
             return api.call("POST", f"/v1/endpoints/{args.id}/rotate-secret", json=body)
         case "test":
             return api.call("POST", f"/v1/endpoints/{args.id}/test", json=_test_event(args))
+        case "poll":
+            page = {
+                name: getattr(args, name) for name in ("iterator", "limit") if getattr(args, name) is not None
+            }
+            headers = {"authorization": f"Bearer {args.poll_token}"}
+            return api.call("GET", f"/v1/endpoints/{args.id}/poll", params=page, headers=headers)
         case "attempts":
             filters = {name: getattr(args, name) for name in ("outcome", "since", "limit", "after")}
             return api.call(

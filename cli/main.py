@@ -167,7 +167,9 @@ def _synthetic(args: argparse.Namespace) -> int:
 
 
 def _add_endpoint_options(parser: argparse.ArgumentParser, *, creating: bool) -> None:
-    parser.add_argument("--url", required=creating, help="where the webhooks are POSTed")
+    parser.add_argument(
+        "--url", help="where the webhooks are POSTed" + (" (not with --polling)" if creating else "")
+    )
     parser.add_argument(
         "--event-type",
         dest="event_types",
@@ -288,6 +290,11 @@ def _endpoint_commands(commands: argparse._SubParsersAction[argparse.ArgumentPar
     _add_endpoint_options(add, creating=True)
     add.add_argument("--ordered", action="store_true", help="deliver each subject's events in order")
     add.add_argument(
+        "--polling",
+        action="store_true",
+        help="no url: its events are fetched (endpoints poll; prints a poll_token)",
+    )
+    add.add_argument(
         "--no-verify",
         dest="verify",
         action="store_false",
@@ -314,6 +321,11 @@ def _endpoint_commands(commands: argparse._SubParsersAction[argparse.ArgumentPar
     attempts.add_argument("--since", help="RFC 3339 time")
     attempts.add_argument("--limit", type=int)
     attempts.add_argument("--after", help="next_after of the previous page")
+    poll = endpoints.add_parser("poll", help="fetch a polling endpoint's next events (with its poll_token)")
+    poll.add_argument("id")
+    poll.add_argument("--poll-token", required=True, help="the hlpt_ token its creation printed")
+    poll.add_argument("--iterator", help="next_iterator of the last poll (none: from the start)")
+    poll.add_argument("--limit", type=int)
     test = endpoints.add_parser(
         "test", help="send it a test event now and show the attempt (status, timings, the answer's start)"
     )

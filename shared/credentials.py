@@ -113,9 +113,12 @@ class Credentials:
 
     async def post(self, endpoint: StoredEndpoint, body: bytes, signed: dict[str, str]) -> AttemptResult:
         """One attempt: ``body`` with hookline's signature headers and the endpoint's own."""
+        url = endpoint.url
+        if url is None:  # a polling endpoint: the API refuses to push to it, so only a race gets here
+            return AttemptResult.failed(ErrorKind.INVALID_URL, "a polling endpoint has no url to push to")
         opened = self._open(endpoint)
         if opened.oauth is None and not opened.headers and opened.ssl is None:
-            return await self._client.post(endpoint.url, body, signed, timeout_s=endpoint.timeout_s)
+            return await self._client.post(url, body, signed, timeout_s=endpoint.timeout_s)
         for fresh in (False, True):
             headers = {**opened.headers, **signed}
             if opened.oauth is not None:
@@ -125,7 +128,7 @@ class Credentials:
                     return AttemptResult.failed(ErrorKind.AUTH, f"no OAuth2 token: {exc}")
                 headers["authorization"] = f"Bearer {token}"
             result = await self._client.post(
-                endpoint.url, body, headers, timeout_s=endpoint.timeout_s, ssl_context=opened.ssl
+                url, body, headers, timeout_s=endpoint.timeout_s, ssl_context=opened.ssl
             )
             if result.status != 401 or opened.oauth is None or fresh:
                 return result

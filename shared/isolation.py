@@ -52,6 +52,8 @@ class Isolation:
     async def isolate(self, endpoint: StoredEndpoint, reason: str) -> bool:
         """Whether the endpoint is isolated now (it may have been already): in a queue of its own, or
         held in a holding lane past the bound."""
+        if endpoint.polling:
+            return False  # nothing is delivered to it, so nothing of it can hold a lane
         registry = self._change_log.registry
         if registry.isolated(endpoint):
             return True

@@ -223,6 +223,11 @@ class AuthSummary(Model):
     audience: str | None = None
 
 
+#: How an endpoint gets its events: pushed to its URL, or fetched by the customer (``GET
+#: /v1/endpoints/{id}/poll``): a polling endpoint has no URL, no lane membership and no queue.
+EndpointKind = Literal["push", "polling"]
+
+
 class EndpointStatus(enum.StrEnum):
     ACTIVE = "active"
     PAUSED = "paused"
@@ -243,7 +248,8 @@ class Endpoint(Model):
 
     id: EndpointId
     tenant: Tenant
-    url: Url
+    kind: EndpointKind = "push"
+    url: Url | None = None  # None: a polling endpoint
     event_types: Patterns
     description: str = ""
     rate_limit_per_s: float | None = None
@@ -315,6 +321,13 @@ class StoredEndpoint(Endpoint):
     # client secret or key); ``headers`` and ``auth`` are what the API shows of them.
     sealed_headers: dict[str, str] = Field(default_factory=dict)
     sealed_auth: EndpointAuth | None = None
+    # A polling endpoint's poll token, as a SHA-256 hex digest (the token is shown once, at creation).
+    poll_token_hash: str | None = Field(None, pattern=r"^[0-9a-f]{64}$")
+
+    @property
+    def polling(self) -> bool:
+        """Fetched by the customer: never fanned out to, bound for, queued or delivered to."""
+        return self.kind == "polling"
 
     def public(self) -> Endpoint:
         return Endpoint.model_validate(
@@ -330,6 +343,7 @@ class StoredEndpoint(Endpoint):
                     "left_lane_at",
                     "sealed_headers",
                     "sealed_auth",
+                    "poll_token_hash",
                 }
             )
         )

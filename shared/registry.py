@@ -278,7 +278,8 @@ class EndpointRegistry:
                 endpoint
                 for endpoints in (self._tenant(tenant), self._deleting.get(tenant, {}))
                 for endpoint in endpoints.values()
-                if any(topology.topic_matches(pattern, event_type) for pattern in endpoint.event_types)
+                if not endpoint.polling  # fetched by its customer: never fanned out to (ingest/polling.py)
+                and any(topology.topic_matches(pattern, event_type) for pattern in endpoint.event_types)
             )
             found = (
                 every,
@@ -351,6 +352,7 @@ class EndpointRegistry:
             endpoint
             for endpoint in deleted
             if endpoint.laned
+            and not endpoint.polling
             and any(topology.topic_matches(pattern, event_type) for pattern in endpoint.event_types)
         ]
 
@@ -443,8 +445,18 @@ class EndpointRegistry:
         """The patterns the tenant's lane must stay bound for: those of its endpoints (but those an
         endpoint's queue of its own is bound to ``events`` for: :meth:`lane_patterns`), and of those
         deleted whose lane has not passed the fence yet (their events still become dead letters)."""
-        live = (p for e in self._tenant(tenant).values() if e.laned for p in self.lane_patterns(e))
-        deleting = (p for e in self._deleting.get(tenant, {}).values() if e.laned for p in e.event_types)
+        live = (
+            p
+            for e in self._tenant(tenant).values()
+            if e.laned and not e.polling
+            for p in self.lane_patterns(e)
+        )
+        deleting = (
+            p
+            for e in self._deleting.get(tenant, {}).values()
+            if e.laned and not e.polling
+            for p in e.event_types
+        )
         return {*live, *deleting}
 
     def lane_patterns(self, endpoint: StoredEndpoint) -> list[str]:

@@ -31,9 +31,11 @@ class Outcome(enum.StrEnum):
 
 
 #: Why an attempt was made: the first delivery of an event, a retry, a half-open breaker's probe, one
-#: asked for by hand, an event replayed or redriven (a fresh budget), an endpoint's verification, or a
-#: test event sent to one endpoint.
-AttemptKind = Literal["delivery", "retry", "probe", "manual", "replay", "redrive", "verification", "test"]
+#: asked for by hand, an event replayed or redriven (a fresh budget), an endpoint's verification, a
+#: test event sent to one endpoint, or an event fetched by a polling endpoint.
+AttemptKind = Literal[
+    "delivery", "retry", "probe", "manual", "replay", "redrive", "verification", "test", "poll"
+]
 #: Attempts made beside an event's course (by hand, an endpoint's verification or a test event, all by
 #: the ingest): in the delivery log, but they neither settle an event nor count for the breaker or the
 #: statistics.

@@ -259,7 +259,9 @@ async def overview(request: Request, session: Current, monitor: LocalState) -> H
         for endpoint in monitor.endpoints_listed(tenant)
         if session.may_see(endpoint.tenant)
     ]
-    rows = ranked([EndpointRow(health=view, url=endpoint.url, sparkline="") for endpoint, view in views])
+    rows = ranked(
+        [EndpointRow(health=view, url=endpoint.url or "polling", sparkline="") for endpoint, view in views]
+    )
     shown = [
         replace(row, sparkline=_sparkline(monitor, row.health.endpoint_id, now_s)) for row in rows[:MAX_ROWS]
     ]

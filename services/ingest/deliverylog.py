@@ -274,6 +274,13 @@ class DeliveryLog:
         rows = await self.events.read(lambda db: db.execute(sql, (*parameters, limit)).fetchall())
         return [_logged_event(row) for row in rows]
 
+    async def events_after(self, tenant: str, *, after_offset: int, limit: int) -> list[LoggedEvent]:
+        """The tenant's events after ``after_offset`` in the event log, oldest first (a polling
+        endpoint's next page)."""
+        sql = "SELECT * FROM events WHERE tenant = ? AND offset > ? ORDER BY offset LIMIT ?"
+        rows = await self.events.read(lambda db: db.execute(sql, (tenant, after_offset, limit)).fetchall())
+        return [_logged_event(row) for row in rows]
+
     async def attempts_of_event(self, event_id: str) -> list[AttemptRecord]:
         sql = "SELECT record FROM attempts WHERE event_id = ? AND outcome != ? ORDER BY id"
         rows = await self.attempts.read(lambda db: db.execute(sql, (event_id, DEFERRED)).fetchall())

@@ -26,10 +26,11 @@ import structlog
 from fastapi import APIRouter, Header, Query, Response
 from pydantic import ValidationError
 
-from hookline.ingest import audit
+from hookline.ingest import audit, polling
 from hookline.ingest.audit import AuditTarget, AuditTrail
 from hookline.ingest.auth import Caller
 from hookline.ingest.schemas import (
+    POLLING_FIELDS,
     EndpointBatch,
     EndpointBatchCreated,
     EndpointBatchItem,
@@ -275,7 +276,7 @@ async def _activate(state: IngestState, endpoint: StoredEndpoint, *, patterns: l
     its lane for ``patterns`` (those this ingest has not bound: binding is idempotent), if it is laned
     (a ``straight`` endpoint's queue was bound for them as it was declared)."""
     await _applied_everywhere(state, [endpoint.id])
-    if endpoint.laned:
+    if endpoint.laned and not endpoint.polling:
         await _bind(state, {endpoint.tenant: patterns})
 
 
@@ -283,7 +284,7 @@ async def _activate_all(state: IngestState, endpoints: list[StoredEndpoint]) -> 
     """``_activate`` for a batch: one wait for the last record, each tenant's patterns bound once."""
     await _applied_everywhere(state, [endpoint.id for endpoint in endpoints])
     patterns: dict[str, list[str]] = {}
-    for endpoint in filter(lambda endpoint: endpoint.laned, endpoints):
+    for endpoint in filter(lambda endpoint: endpoint.laned and not endpoint.polling, endpoints):
         patterns.setdefault(endpoint.tenant, []).extend(endpoint.event_types)
     await _bind(state, {tenant: sorted(set(named)) for tenant, named in patterns.items()})
 
@@ -404,6 +405,7 @@ class _Prepared:
     endpoint: StoredEndpoint
     secret: str
     notifier: StoredEndpoint | None
+    poll_token: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -422,12 +424,15 @@ async def _prepare(state: IngestState, caller: Caller, spec: EndpointCreate) -> 
     """An endpoint checked, handshaken (unless skipped), with its notifier registered and its queue of
     its own if it needs one; not written yet."""
     caller.require(spec.tenant)
-    _may_skip_verification(caller, verify=spec.verify)
+    polls = spec.kind == "polling"  # nothing is sent to it: no target to check, no handshake
+    _may_skip_verification(caller, verify=spec.verify or polls)
     _reserved(spec.tenant)
     state.quotas.check_endpoints(spec.tenant)
-    await _check_target(spec.url, state.settings)
+    if spec.url is not None:
+        await _check_target(spec.url, state.settings)
     now = datetime.now(UTC)
     secret = generate_secret()
+    poll_token = polling.new_token() if polls else None
     sealed = await _credentials(state, {"headers": None, "auth": None}, spec)
     endpoint = StoredEndpoint(
         id=new_id("ep"),
@@ -439,14 +444,16 @@ async def _prepare(state: IngestState, caller: Caller, spec: EndpointCreate) -> 
         secrets=[SigningSecret(value=state.sealer.seal(secret), created_at=now)],
         routed=True,
         # Ordered: its queue of its own bound to events as it is declared, before the record (models.py).
+        # Polling: laned as a new endpoint is (nothing to move at start), passed over by the fan-out.
         laned=not spec.ordered,
         straight=spec.ordered,
+        poll_token_hash=polling.token_hash(poll_token) if poll_token else None,
     )
     notifier = await _notifier(state, endpoint)
-    if spec.verify:
+    if spec.verify and not polls:
         endpoint = await _handshake(state, endpoint)
     await _own_queue_if_isolated(state, None, endpoint)
-    return _Prepared(endpoint, secret, notifier)
+    return _Prepared(endpoint, secret, notifier, poll_token)
 
 
 def _answer(state: IngestState, prepared: _Prepared, endpoint: StoredEndpoint) -> _Created:
@@ -455,6 +462,7 @@ def _answer(state: IngestState, prepared: _Prepared, endpoint: StoredEndpoint) -
     answer = EndpointCreated(
         **endpoint.public().model_dump(),
         secret=prepared.secret,
+        poll_token=prepared.poll_token,
         notify_secret=state.sealer.open(notifier.secrets[0].value) if notifier else None,
         warnings=_pattern_warnings(state.change_log.catalog, endpoint),
     )
@@ -585,6 +593,8 @@ async def _changed_to(
     """The endpoint as the fields the request set leave it, checked, its credentials sealed, its
     notifier registered (not written yet); and those fields, as stored."""
     changes = change.model_dump(exclude_unset=True, exclude={"verify"})
+    if before.polling and (pushing := sorted(set(changes) - POLLING_FIELDS)):
+        raise _invalid(pushing[0], "a polling endpoint takes none: nothing is pushed to it")
     for field in ("url", "event_types", "ordered", "body_format", "notify_format"):
         if field in changes and changes[field] is None:
             raise _invalid(field, "must not be null")
@@ -784,6 +794,7 @@ async def _upgrade(state: IngestState, endpoint: StoredEndpoint) -> None:
 async def verify_endpoint(endpoint_id: str, state: State, caller: Caller) -> Endpoint:
     """Run the verification handshake again (after fixing the receiver)."""
     before = _stored(state.registry, endpoint_id, caller)
+    polling.refuse_if_polling(before, "the verification handshake")
     if state.broker.blocked:
         # Its result could not be written: refused before the receiver is called, as every write is.
         raise broker_unavailable("the broker refuses writes for now (a memory or disk alarm)")
@@ -832,6 +843,7 @@ async def _set_status(
     state: IngestState, endpoint_id: str, caller: Caller, status: EndpointStatus, if_match: str | None
 ) -> Endpoint:
     before = _stored(state.registry, endpoint_id, caller)
+    polling.refuse_if_polling(before, "pausing and resuming deliveries")
     base_version = _base_version(before, if_match)
     after = before.model_copy(update={"status": status, "updated_at": datetime.now(UTC)})
     await _own_queue_if_isolated(state, before, after)  # paused: its events wait there
@@ -920,7 +932,7 @@ async def delete_endpoint(
     )
     await state.trail.record(
         caller, "endpoint.deleted", tenant=endpoint.tenant, target=endpoint_id,
-        changes={"url": audit.redact_url(endpoint.url), "force": force, "events_dead_lettered": ready + unacked if force else 0},
+        changes={"url": audit.redact_url(endpoint.url) if endpoint.url else None, "force": force, "events_dead_lettered": ready + unacked if force else 0},
     )  # fmt: skip
     return Response(status_code=204)
 

@@ -16,6 +16,7 @@ import structlog
 from fastapi import APIRouter
 from pydantic import AwareDatetime
 
+from hookline.ingest import polling
 from hookline.ingest.auth import Caller
 from hookline.ingest.resend import Resend, resend
 from hookline.ingest.state import State
@@ -78,6 +79,7 @@ async def replay(endpoint_id: str, request: ReplayRequest, state: State, caller:
     endpoint = state.registry.get(endpoint_id)
     if endpoint is None or not caller.may_see(endpoint.tenant):
         raise ApiError(404, "not_found", f"no endpoint {endpoint_id}")
+    polling.refuse_if_polling(endpoint, "replay (poll from an earlier iterator instead)")
     until = request.until or datetime.now(UTC)
     if until < request.since:
         raise ApiError(422, "invalid_fields", "invalid value for: until", [])

@@ -6,7 +6,7 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Annotated, Any, Self
 
-from pydantic import AwareDatetime, Field, StringConstraints
+from pydantic import AwareDatetime, Field, StringConstraints, model_validator
 
 from hookline.shared.api import ApiError
 from hookline.shared.models import (
@@ -14,6 +14,7 @@ from hookline.shared.models import (
     CustomHeaders,
     Endpoint,
     EndpointAuth,
+    EndpointKind,
     ErrorDetail,
     Event,
     EventFields,
@@ -98,9 +99,15 @@ class BatchAccepted(Model):
     results: list[BatchItem]
 
 
+#: What a polling endpoint may be given besides ``kind``, its tenant and patterns: the rest shapes pushes.
+POLLING_FIELDS = frozenset({"kind", "tenant", "event_types", "description", "retention_s", "notify_url",
+                            "notify_format", "verify"})  # fmt: skip
+
+
 class EndpointCreate(Model):
     tenant: Tenant
-    url: Url
+    kind: EndpointKind = "push"
+    url: Url | None = Field(None, description="required for a push endpoint; a polling one has none")
     event_types: Patterns
     description: str = Field("", max_length=1000)
     rate_limit_per_s: float | None = Field(None, gt=0, le=100_000)
@@ -119,6 +126,21 @@ class EndpointCreate(Model):
     auth: EndpointAuth | None = None
     gzip_over_bytes: GzipOverBytes | None = None
     verify: bool = Field(True, description="run the verification handshake (false: for development only)")
+
+    @model_validator(mode="after")
+    def _shaped_for_its_kind(self) -> Self:
+        if self.kind == "push" and self.url is None:
+            raise ValueError('url: a push endpoint needs one (or "kind": "polling")')
+        if self.kind == "polling":
+            fields = type(self).model_fields
+            pushing = sorted(
+                name
+                for name in self.model_fields_set - POLLING_FIELDS
+                if getattr(self, name) != fields[name].default  # "ordered": false says nothing
+            )
+            if pushing:
+                raise ValueError(f"a polling endpoint takes no {', '.join(pushing)}: nothing is pushed to it")
+        return self
 
 
 class EndpointUpdate(Model):
@@ -148,6 +170,7 @@ class EndpointCreated(Endpoint):
     """The answer to ``POST /v1/endpoints``: the only time the secret is shown unasked."""
 
     secret: str
+    poll_token: str | None = None  # a polling endpoint's credential for its poll route: shown only here
     notify_secret: str | None = None  # signs what notify_url receives
     warnings: list[str] = Field(
         default_factory=list, description="patterns the event-type catalog does not know"

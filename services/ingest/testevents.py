@@ -15,6 +15,7 @@ import structlog
 from fastapi import APIRouter
 from pydantic import Field
 
+from hookline.ingest import polling
 from hookline.ingest.auth import Caller
 from hookline.ingest.events import catalog_warnings
 from hookline.ingest.state import State
@@ -47,6 +48,7 @@ async def send_test_event(
     endpoint = state.registry.get(endpoint_id)
     if endpoint is None or not caller.may_see(endpoint.tenant):
         raise ApiError(404, "not_found", f"no endpoint {endpoint_id}")
+    polling.refuse_if_polling(endpoint, "a test event")
     catalog = state.change_log.catalog
     data = request.data
     if data is None:

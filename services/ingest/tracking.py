@@ -11,6 +11,7 @@ import structlog
 from fastapi import APIRouter, Query
 from pydantic import BaseModel, ValidationError
 
+from hookline.ingest import polling
 from hookline.ingest.auth import Caller
 from hookline.ingest.deliverylog import LoggedEvent
 from hookline.ingest.state import IngestState, State
@@ -169,6 +170,7 @@ async def resend_event(
     endpoint = state.registry.get(request.endpoint_id)
     if endpoint is None or endpoint.tenant != logged.tenant:
         raise ApiError(404, "not_found", f"no endpoint {request.endpoint_id} of tenant {logged.tenant}")
+    polling.refuse_if_polling(endpoint, "a resend")
     body = await read_at(state.broker, topology.EVENT_LOG, logged.offset, timeout_s=READ_TIMEOUT_S)
     if body is None:
         raise ApiError(

@@ -300,6 +300,109 @@ async def test_a_test_event_is_sent_to_one_endpoint_and_its_attempt_shown_at_onc
     assert (json.loads(shown.stdout)["status"], arrived("/tested")[-1]["data"]) == (200, {"amount": 9})
 
 
+async def test_a_polling_endpoint_fetches_its_events_in_order_signed_and_is_never_pushed_to(
+    system: System, receiver: Receiver
+) -> None:
+    api = Ingest(system)
+    acme = tenant()
+    receiver.responder = lambda request: Reply(status=204)
+    created = await api(
+        "POST", "/v1/endpoints", json={"tenant": acme, "kind": "polling", "event_types": ["order.*"]}
+    )
+    assert created.status_code == 201, created.text
+    polling = created.json()
+    assert (polling["kind"], polling["url"], polling["poll_token"][:5]) == ("polling", None, "hlpt_")
+    assert "poll_token" not in (await api("GET", f"/v1/endpoints/{polling['id']}")).json()
+    pushed = system.add_endpoint(acme, receiver.url("/pushed"), ["order.*"])  # beside it, as ever
+    for refused in (
+        {"tenant": acme, "event_types": ["order.*"]},  # a push endpoint needs a url
+        {"tenant": acme, "kind": "polling", "event_types": ["#"], "url": receiver.url("/x")},
+        {"tenant": acme, "kind": "polling", "event_types": ["#"], "ordered": True},
+    ):
+        answer = await api("POST", "/v1/endpoints", json=refused)
+        assert answer.status_code == 422, (refused, answer.text)
+
+    published = []
+    for event_type in ("order.created", "invoice.paid", "order.updated", "order.created", "order.paid"):
+        response = await api(
+            "POST", "/v1/events", json={"tenant": acme, "type": event_type, "data": {"t": event_type}}
+        )
+        assert response.status_code == 202, response.text
+        published.append((response.json()["id"], event_type))
+    orders = [event_id for event_id, event_type in published if event_type.startswith("order.")]
+
+    async def poll(token: str = polling["poll_token"], **params: Any) -> httpx.Response:
+        return await api("GET", f"/v1/endpoints/{polling['id']}/poll", token=token, params=params)
+
+    for wrong in ("hlpt_not-the-token", services.TOKEN, pushed["secret"]):
+        assert (await poll(wrong)).status_code == 401
+    assert (
+        await api("GET", "/v1/endpoints/ep_01NOSUCHENDPOINT000000000/poll", token=polling["poll_token"])
+    ).status_code == 401
+
+    async def all_four() -> dict[str, Any] | None:  # the ingest's delivery log follows the event log
+        page = (await poll(limit=10)).json()
+        return page if len(page["data"]) == 4 else None
+
+    await eventually(all_four)
+    first = (await poll(limit=3)).json()
+    assert ([e["id"] for e in first["data"]], first["done"], first["expired"]) == (orders[:3], False, 0)
+    rest = (await poll(limit=3, iterator=first["next_iterator"])).json()
+    assert ([e["id"] for e in rest["data"]], rest["done"]) == (orders[3:], True)
+    after = (await poll(iterator=rest["next_iterator"])).json()
+    assert (after["data"], after["done"], after["next_iterator"]) == ([], True, rest["next_iterator"])
+    for polled in [*first["data"], *rest["data"]]:
+        event = Webhook(polling["secret"]).verify(polled["body"], polled["headers"])
+        assert (event["id"], event["tenant"], event["data"]) == (polled["id"], acme, {"t": polled["type"]})
+
+    # Fetched is delivered, in the delivery log; the push endpoint got its copies; nothing was pushed to
+    # the polling one (no dispatcher attempted it).
+    async def delivered_by_poll() -> dict[str, Any] | None:
+        found = await api.story(orders[0])
+        mine = [c for c in found["endpoints"] if c["endpoint_id"] == polling["id"]] if found else []
+        return mine[0] if mine and mine[0]["state"] == "delivered" and len(mine[0]["attempts"]) == 2 else None
+
+    # Fetched twice (by the first poll of ten and the poll of three): each fetch is an attempt.
+    assert [a["kind"] for a in (await eventually(delivered_by_poll))["attempts"]] == ["poll", "poll"]
+    await receiver.wait_for(4, path="/pushed", timeout_s=30)
+    attempted = [json.loads(line) for line in system.logs().splitlines() if '"delivery_attempt"' in line]
+    assert polling["id"] not in {line.get("endpoint_id") for line in attempted}
+    assert pushed["id"] in {line.get("endpoint_id") for line in attempted}
+
+    # What only a push endpoint can do is refused, naming why.
+    for method, path, body in (
+        ("POST", "pause", None), ("POST", "verify", None), ("POST", "test", {"type": "order.created", "data": {}}),
+        ("POST", "replay", {"since": "2026-01-01T00:00:00Z"}), ("PATCH", "", {"url": receiver.url("/y")}),
+    ):  # fmt: skip
+        refused = await api(method, f"/v1/endpoints/{polling['id']}/{path}".rstrip("/"), json=body)
+        assert (refused.status_code, path) == (422, path), refused.text
+    patched = await api("PATCH", f"/v1/endpoints/{polling['id']}", json={"event_types": ["order.created"]})
+    assert patched.status_code == 200, patched.text
+    again = (await poll(limit=10)).json()
+    assert [e["id"] for e in again["data"]] == [orders[0], orders[2]]  # from the start, as now subscribed
+
+    # From the command line: one added after those events gets none of them; a deleted one's token is void.
+    env = {**system.env, "HOOKLINE_INGEST_URL": system.ingest.base_url}
+
+    def hookline(*arguments: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [services.HOOKLINE, *arguments], env=env, capture_output=True, text=True, timeout=60
+        )
+
+    added = await asyncio.to_thread(
+        hookline, "endpoints", "add", "--tenant", acme, "--polling", "--event-type", "order.*"
+    )
+    assert added.returncode == 0, added.stderr
+    later = json.loads(added.stdout)
+    fetched = await asyncio.to_thread(
+        hookline, "endpoints", "poll", later["id"], "--poll-token", later["poll_token"]
+    )
+    assert fetched.returncode == 0, fetched.stderr
+    assert (json.loads(fetched.stdout)["data"], json.loads(fetched.stdout)["done"]) == ([], True)
+    assert (await api("DELETE", f"/v1/endpoints/{polling['id']}")).status_code == 204
+    assert (await poll()).status_code == 401
+
+
 async def test_an_event_held_back_by_ordering_says_behind_which(system: System, receiver: Receiver) -> None:
     api = Ingest(system)
     acme = tenant()
