@@ -137,6 +137,38 @@ def test_endpoint_create_accepts_topic_patterns(patterns: list[str]) -> None:
     assert EndpointCreate.model_validate({**ENDPOINT, "event_types": patterns}).event_types == patterns
 
 
+POLLING = {"tenant": "acme", "kind": "polling", "event_types": ["order.*"]}
+
+
+@pytest.mark.parametrize(
+    ("given", "refused"),
+    [
+        ({**POLLING, "kind": "push"}, "a push endpoint needs one"),
+        ({**POLLING, "url": "https://example.com/hook"}, "takes no url"),
+        ({**POLLING, "ordered": True}, "takes no ordered"),
+        ({**POLLING, "rate_limit_per_s": 5, "max_in_flight": 2}, "takes no max_in_flight, rate_limit_per_s"),
+        ({**POLLING, "body_format": "slack"}, "takes no body_format"),
+        ({**POLLING, "headers": {"x-a": "b"}}, "takes no headers"),
+    ],
+)
+def test_an_endpoint_is_shaped_for_its_kind(given: dict[str, Any], refused: str) -> None:
+    with pytest.raises(ValidationError, match=refused):
+        EndpointCreate.model_validate(given)
+
+
+@pytest.mark.parametrize(
+    "given",
+    [
+        POLLING,
+        {**POLLING, "ordered": False, "verify": True, "retention_s": 3600, "description": "our batch job"},
+        {**POLLING, "notify_url": "https://example.com/ops"},
+        ENDPOINT,
+    ],
+)
+def test_what_an_endpoint_of_each_kind_accepts(given: dict[str, Any]) -> None:
+    assert EndpointCreate.model_validate(given).kind == given.get("kind", "push")
+
+
 def test_endpoint_update_cannot_change_the_tenant() -> None:
     for field, value in (("tenant", "other"), ("id", "ep_" + "1" * 26), ("version", 3)):
         with pytest.raises(ValidationError):

@@ -177,3 +177,22 @@ def test_an_endpoint_created_again_under_a_deleted_id_is_no_longer_deleted() -> 
     assert again.version == 1
     assert registry.deleted_since(NOW) == []
     assert registry.last_known(EP1) == again
+
+
+def test_a_polling_endpoint_is_never_fanned_out_to_nor_bound_for() -> None:
+    registry = EndpointRegistry()
+    pushed = _endpoint(EP1).model_copy(update={"laned": True, "event_types": ["order.*"]})
+    polled = _endpoint(EP2).model_copy(
+        update={"laned": True, "kind": "polling", "url": None, "event_types": ["invoice.*"]}
+    )
+    registry.apply(EndpointUpserted(change_id="c1", at=NOW, endpoint=pushed))
+    registry.apply(EndpointUpserted(change_id="c2", at=NOW, endpoint=polled))
+
+    assert [e.id for e in registry.matching("acme", "order.created")] == [EP1]
+    assert registry.matching("acme", "invoice.paid") == ()
+    assert registry.subscribed("acme", "invoice.paid") == ()
+    assert registry.patterns_needed("acme") == {"order.*"}
+    kept = registry.get(EP2)  # kept, listed and counted as any endpoint
+    assert kept is not None
+    assert kept.kind == "polling"
+    assert registry.count_of_tenant("acme") == 2
