@@ -39,7 +39,7 @@ from hookline.shared.views import RowView, StreamMessage, ViewSchema
 log = structlog.get_logger(__name__)
 
 #: Fields of an endpoint whose values are never shown in the trail (their names are).
-SECRET_FIELDS = frozenset({"secrets", "sealed_headers", "sealed_auth", "headers", "auth"})
+SECRET_FIELDS = frozenset({"secrets", "sealed_headers", "sealed_auth", "headers", "auth", "poll_token_hash"})
 _URL_FIELDS = frozenset({"url", "notify_url"})
 # Fields that change with every write: not a change anyone made.
 _BOOKKEEPING = frozenset(
