@@ -313,6 +313,13 @@ async def test_a_polling_endpoint_fetches_its_events_in_order_signed_and_is_neve
     polling = created.json()
     assert (polling["kind"], polling["url"], polling["poll_token"][:5]) == ("polling", None, "hlpt_")
     assert "poll_token" not in (await api("GET", f"/v1/endpoints/{polling['id']}")).json()
+
+    async def creation_audited() -> dict[str, Any] | None:
+        records = (await api("GET", "/v1/audit", params={"tenant": acme})).json()["data"]
+        return next((r for r in records if r["target"] == polling["id"]), None)
+
+    audited = await eventually(creation_audited)  # the token's digest is said to be set, not shown
+    assert (audited["action"], audited["changes"]["poll_token_hash"]) == ("endpoint.created", "changed")
     pushed = system.add_endpoint(acme, receiver.url("/pushed"), ["order.*"])  # beside it, as ever
     for refused in (
         {"tenant": acme, "event_types": ["order.*"]},  # a push endpoint needs a url
