@@ -33,7 +33,8 @@ from hookline.ingest.attempts import signing_keys
 from hookline.ingest.deliverylog import LoggedEvent
 from hookline.ingest.state import IngestState, State
 from hookline.shared import topology
-from hookline.shared.api import ApiError
+from hookline.shared.amqp import BROKER_ERRORS
+from hookline.shared.api import ApiError, broker_unavailable
 from hookline.shared.models import Model, StoredEndpoint
 from hookline.shared.streams import read_at
 from hookline.shared.telemetry import AttemptRecord, Deferral, Heartbeat, Outcome, batch
@@ -127,7 +128,12 @@ async def poll(
             expired += 1
             continue
         chosen.append(row)
-    bodies = await _bodies(state, [row.offset for row in chosen])
+    try:
+        bodies = await _bodies(state, [row.offset for row in chosen])
+    except BROKER_ERRORS:  # TimeoutError among them
+        raise broker_unavailable(
+            "the event log cannot be read now; poll again with the same iterator"
+        ) from None
     keys = signing_keys(state.sealer, endpoint, datetime.now(UTC))
     polled = []
     for row, body in zip(chosen, bodies, strict=True):
