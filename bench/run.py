@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import importlib
 import json
 import os
 import signal
@@ -785,6 +786,13 @@ async def main(arguments: argparse.Namespace) -> dict[str, Any]:
         report["burst"] = await burst.run(
             burst_url, count=arguments.burst, trickle_per_s=20.0, dispatchers=2, settings={}
         )
+    from bench import polling
+
+    print(f"a polling endpoint fetching {arguments.polling_events:,} events…", flush=True)
+    with vhost(arguments.amqp_url) as polling_url:
+        report["polling"] = await polling.run(
+            polling_url, count=arguments.polling_events, limit=250, other_types=0
+        )
     from bench import monitor_restart
 
     print(f"monitor restart with {arguments.monitor_records:,} telemetry records…", flush=True)
@@ -944,11 +952,11 @@ def markdown(report: dict[str, Any]) -> str:
             f"{alone['healthy_p50_ms']:.0f} ms, p99 {alone['healthy_p99_ms']:.0f} ms); failed attempts "
             f"{beside['healthy_failed_attempts']}, breakers moved {beside['healthy_breakers_changed']} | |"
         )
-    burst_result = report.get("burst")
-    if burst_result:
-        from bench import burst
-
-        lines += burst.markdown(burst_result)
+    # The cases whose module writes its own row.
+    cases = [case for case in ("burst", "polling") if report.get(case)]
+    lines += [
+        row for case in cases for row in importlib.import_module(f"bench.{case}").markdown(report[case])
+    ]
     restart = report.get("monitor_restart")
     if restart:
         lines.append(
@@ -1027,6 +1035,12 @@ if __name__ == "__main__":
     )
     parser.add_argument(
         "--burst", type=int, default=10_000, help="events published at once to one endpoint (bench/burst.py)"
+    )
+    parser.add_argument(
+        "--polling-events",
+        type=int,
+        default=10_000,
+        help="events a polling endpoint fetches (bench/polling.py)",
     )
     parser.add_argument(
         "--before",

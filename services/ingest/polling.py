@@ -16,7 +16,6 @@ has not read yet comes with a later poll."""
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import hmac
 import os
@@ -36,7 +35,7 @@ from hookline.shared import topology
 from hookline.shared.amqp import BROKER_ERRORS
 from hookline.shared.api import ApiError, broker_unavailable
 from hookline.shared.models import Model, StoredEndpoint
-from hookline.shared.streams import read_at
+from hookline.shared.streams import read_many
 from hookline.shared.telemetry import AttemptRecord, Deferral, Heartbeat, Outcome, batch
 from hookline.shared.webhook import webhook_request
 
@@ -51,7 +50,6 @@ SCAN_ROWS = 2_000
 #: How long an unfetched event waits when the endpoint sets no ``retention_s`` (as a push endpoint's
 #: retries: HOOKLINE_RETENTION_S's default).
 DEFAULT_RETENTION_S = 259_200.0
-READS_AT_ONCE = 8
 READ_TIMEOUT_S = 10.0
 UNAUTHORIZED = "this route takes a polling endpoint's poll_token: Authorization: Bearer hlpt_…"
 
@@ -157,13 +155,8 @@ async def poll(
 
 
 async def _bodies(state: IngestState, offsets: list[int]) -> list[bytes | None]:
-    slots = asyncio.Semaphore(READS_AT_ONCE)
-
-    async def one(offset: int) -> bytes | None:
-        async with slots:
-            return await read_at(state.broker, topology.EVENT_LOG, offset, timeout_s=READ_TIMEOUT_S)
-
-    return list(await asyncio.gather(*(one(offset) for offset in offsets)))
+    found = await read_many(state.broker, topology.EVENT_LOG, offsets, timeout_s=READ_TIMEOUT_S)
+    return [found.get(offset) for offset in offsets]
 
 
 async def _record(
