@@ -251,12 +251,12 @@ class EndpointRegistry:
         message. An endpoint deleted a moment ago is among them until its lane has passed the deletion's
         fence (its copy is then kept as a dead letter: nothing published before a deletion is lost); an
         endpoint not laned is passed over (its queue of its own is bound to ``events``: ordered, or of
-        the version before lanes until the ingest moves it onto its lane)."""
+        the version before lanes until the ingest moves it onto its lane), and so is a polling one."""
         return self._subscribed(tenant, event_type)[1]
 
     def subscribed(self, tenant: str, event_type: str) -> tuple[StoredEndpoint, ...]:
-        """The tenant's endpoints one of whose patterns matches ``event_type``, laned or not (those deleted
-        whose lane has not passed the fence among them)."""
+        """The tenant's endpoints one of whose patterns matches ``event_type``, laned or not, polling ones
+        too (those deleted whose lane has not passed the fence among them): the delivery log's."""
         return self._subscribed(tenant, event_type)[0]
 
     def left_lane(self, tenant: str, event_type: str, *, within: timedelta) -> tuple[StoredEndpoint, ...]:
@@ -278,12 +278,12 @@ class EndpointRegistry:
                 endpoint
                 for endpoints in (self._tenant(tenant), self._deleting.get(tenant, {}))
                 for endpoint in endpoints.values()
-                if not endpoint.polling  # fetched by its customer: never fanned out to (ingest/polling.py)
-                and any(topology.topic_matches(pattern, event_type) for pattern in endpoint.event_types)
+                if any(topology.topic_matches(pattern, event_type) for pattern in endpoint.event_types)
             )
             found = (
                 every,
-                tuple(endpoint for endpoint in every if endpoint.laned),
+                # A polling endpoint is fetched by its customer: never fanned out to (ingest/polling.py).
+                tuple(endpoint for endpoint in every if endpoint.laned and not endpoint.polling),
                 tuple(endpoint for endpoint in every if not endpoint.laned and endpoint.left_lane_at),
             )
             if self._matches_kept >= _MATCHES_KEPT:

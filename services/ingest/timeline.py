@@ -37,6 +37,11 @@ def standing(
     without an attempt (not its turn yet)."""
     if any(attempt.outcome == Outcome.SUCCESS for attempt in attempts):
         return Standing(state="delivered", next_attempt_at=None, waiting_reason=None)
+    if endpoint is not None and endpoint.polling:
+        return Standing(
+            state="pending", next_attempt_at=None,
+            waiting_reason="not fetched yet: a polling endpoint's events wait until its customer polls for them",
+        )  # fmt: skip
     course = [attempt for attempt in attempts if attempt.attempt_kind not in ASIDE_KINDS]
     last = course[-1] if course else None
     dead = last is not None and last.dead_letter_reason is not None

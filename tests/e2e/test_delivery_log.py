@@ -347,6 +347,15 @@ async def test_a_polling_endpoint_fetches_its_events_in_order_signed_and_is_neve
         await api("GET", "/v1/endpoints/ep_01NOSUCHENDPOINT000000000/poll", token=polling["poll_token"])
     ).status_code == 401
 
+    async def waiting_to_be_fetched() -> dict[str, Any] | None:
+        found = await api.story(orders[0])
+        mine = [c for c in found["endpoints"] if c["endpoint_id"] == polling["id"]] if found else []
+        return mine[0] if mine else None
+
+    waiting = await eventually(waiting_to_be_fetched)
+    assert (waiting["state"], waiting["attempts"]) == ("pending", [])
+    assert "not fetched yet" in waiting["waiting_reason"]
+
     async def all_four() -> dict[str, Any] | None:  # the ingest's delivery log follows the event log
         page = (await poll(limit=10)).json()
         return page if len(page["data"]) == 4 else None
