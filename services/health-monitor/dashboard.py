@@ -192,7 +192,7 @@ async def logout(request: Request, session: Current) -> Response:
 @dataclass(frozen=True)
 class EndpointRow:
     health: EndpointHealthView
-    url: str
+    url: str | None  # None: a polling endpoint (nothing is pushed to it, so no push actions either)
     sparkline: str  # SVG polyline points: p95 per 5 minutes over the last hour
 
     @property
@@ -259,9 +259,7 @@ async def overview(request: Request, session: Current, monitor: LocalState) -> H
         for endpoint in monitor.endpoints_listed(tenant)
         if session.may_see(endpoint.tenant)
     ]
-    rows = ranked(
-        [EndpointRow(health=view, url=endpoint.url or "polling", sparkline="") for endpoint, view in views]
-    )
+    rows = ranked([EndpointRow(health=view, url=endpoint.url, sparkline="") for endpoint, view in views])
     shown = [
         replace(row, sparkline=_sparkline(monitor, row.health.endpoint_id, now_s)) for row in rows[:MAX_ROWS]
     ]

@@ -82,6 +82,10 @@ async def test_support_engineer_finds_redrives_and_pauses(
     ok = system.add_endpoint("acme", receiver.url("/ok"), ["order.*"])
     orders = system.add_endpoint("acme", receiver.url("/orders"), ["order.*"])
     hidden = system.add_endpoint("globex", receiver.url("/globex"), ["order.*"])
+    with system.api() as api:  # an endpoint its customer fetches from
+        fetched = api.post(
+            "/v1/endpoints", json={"tenant": "acme", "kind": "polling", "event_types": ["order.*"]}
+        ).json()
     event_id = await publish(system, "acme", "order.created", "o_1")
     other_event = await publish(system, "globex", "order.created", "g_1")
 
@@ -106,6 +110,9 @@ async def test_support_engineer_finds_redrives_and_pauses(
         await expect(endpoints.locator(f"tr[data-endpoint={ok['id']}]")).to_be_visible()
         await expect(endpoints.locator(f"tr[data-endpoint={orders['id']}]")).to_be_visible()
         assert hidden["id"] not in await page.content()  # another tenant's endpoint
+        polled = endpoints.locator(f"tr[data-endpoint={fetched['id']}]")  # nothing to push, no push actions
+        await expect(polled).to_contain_text("polling")
+        await expect(polled.locator("button")).to_have_count(0)
 
         # Find the event by id: its attempts at each endpoint, and why one of them is dead.
         await page.fill("header input[name=id]", event_id)
