@@ -109,7 +109,7 @@ def endpoints(args: argparse.Namespace) -> Any:
         case "delete":
             api.call("DELETE", f"/v1/endpoints/{args.id}", params={"force": "true"} if args.force else {})
             return {"deleted": args.id}
-        case "pause" | "resume" | "verify":
+        case "pause" | "resume" | "verify" | "rotate-poll-token":
             return api.call("POST", f"/v1/endpoints/{args.id}/{args.action}")
         case "rotate-secret":
             body = {} if args.overlap_s is None else {"overlap_s": args.overlap_s}

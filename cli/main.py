@@ -310,6 +310,7 @@ def _endpoint_commands(commands: argparse._SubParsersAction[argparse.ArgumentPar
         ("verify", "run the verification handshake again"),
         ("rotate-secret", "a new signing secret; the old one keeps signing for the overlap"),
         ("attempts", "its attempts, newest first (the delivery log)"),
+        ("rotate-poll-token", "a polling endpoint's new poll_token (the old one stops working)"),
     ):
         endpoints.add_parser(action, help=text).add_argument("id")
     endpoints.choices["delete"].add_argument(

@@ -95,6 +95,7 @@ def create_app(settings: IngestSettings) -> FastAPI:
     app.include_router(endpoints.router, dependencies=[guard])
     app.include_router(testevents.router, dependencies=[guard])
     app.include_router(polling.router)  # its own credential: the endpoint's poll_token
+    app.include_router(polling.admin_router, dependencies=[guard])
     app.include_router(eventtypes.router, dependencies=[guard])
     app.include_router(replay.router, dependencies=[guard])
     app.include_router(deadletters.router, dependencies=[guard])

@@ -29,6 +29,7 @@ import structlog
 from fastapi import APIRouter, Header, Query
 
 from hookline.ingest.attempts import signing_keys
+from hookline.ingest.auth import Caller
 from hookline.ingest.deliverylog import LoggedEvent
 from hookline.ingest.state import IngestState, State
 from hookline.shared import topology
@@ -40,7 +41,8 @@ from hookline.shared.telemetry import AttemptRecord, Deferral, Heartbeat, Outcom
 from hookline.shared.webhook import webhook_request
 
 log = structlog.get_logger(__name__)
-router = APIRouter(prefix="/v1/endpoints", tags=["polling"])
+router = APIRouter(prefix="/v1/endpoints", tags=["polling"])  # the poll route: its own credential
+admin_router = APIRouter(prefix="/v1/endpoints", tags=["polling"])  # behind the API's tokens
 
 TOKEN_PREFIX = "hlpt_"  # noqa: S105 - a prefix, not a secret
 ITERATOR = r"^o-?[0-9]{1,18}$"
@@ -68,6 +70,36 @@ def new_token() -> str:
 
 def token_hash(token: str) -> str:
     return hashlib.sha256(token.encode()).hexdigest()
+
+
+class RotatedPollToken(Model):
+    poll_token: str  # shown this once; the previous token stops working at once
+
+
+@admin_router.post("/{endpoint_id}/rotate-poll-token", response_model=RotatedPollToken)
+async def rotate_poll_token(endpoint_id: str, state: State, caller: Caller) -> RotatedPollToken:
+    """A new poll token for a polling endpoint, the old one void from now (a leaked token is revoked, not
+    overlapped: unlike a signing secret, nothing signed with it is in flight)."""
+    endpoint = state.registry.get(endpoint_id)
+    if endpoint is None or not caller.may_see(endpoint.tenant):
+        raise ApiError(404, "not_found", f"no endpoint {endpoint_id}")
+    if not endpoint.polling:
+        raise ApiError(422, "not_polling", f"{endpoint_id} is a push endpoint: it has no poll token")
+    token = new_token()
+
+    def rotated(current: StoredEndpoint) -> StoredEndpoint | None:
+        now = datetime.now(UTC)
+        return current.model_copy(update={"poll_token_hash": token_hash(token), "updated_at": now})
+
+    written = await state.change_log.update(endpoint.id, rotated, timeout_s=state.settings.registry_wait_s)
+    if written is None:
+        raise ApiError(404, "not_found", "the endpoint was deleted meanwhile")
+    log.info("endpoint_poll_token_rotated", endpoint_id=endpoint.id, tenant=endpoint.tenant)
+    await state.trail.record(
+        caller, "endpoint.poll_token_rotated", tenant=endpoint.tenant, target=endpoint.id,
+        changes={"poll_token_hash": "changed"},
+    )  # fmt: skip
+    return RotatedPollToken(poll_token=token)
 
 
 class PolledEvent(Model):

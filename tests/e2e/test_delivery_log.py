@@ -415,8 +415,19 @@ async def test_a_polling_endpoint_fetches_its_events_in_order_signed_and_is_neve
     )
     assert fetched.returncode == 0, fetched.stderr
     assert (json.loads(fetched.stdout)["data"], json.loads(fetched.stdout)["done"]) == ([], True)
-    assert (await api("DELETE", f"/v1/endpoints/{polling['id']}")).status_code == 204
+
+    # A leaked token is replaced: the old one is void at once.
+    rotated = await api("POST", f"/v1/endpoints/{polling['id']}/rotate-poll-token")
+    assert rotated.status_code == 200, rotated.text
     assert (await poll()).status_code == 401
+    assert (await poll(rotated.json()["poll_token"], limit=1)).status_code == 200
+    assert (
+        await api("POST", f"/v1/endpoints/{polling['id']}/rotate-poll-token", token=OTHER_TOKEN)
+    ).status_code == 404
+    assert (await api("POST", f"/v1/endpoints/{pushed['id']}/rotate-poll-token")).status_code == 422
+
+    assert (await api("DELETE", f"/v1/endpoints/{polling['id']}")).status_code == 204
+    assert (await poll(rotated.json()["poll_token"])).status_code == 401
 
 
 async def test_an_event_held_back_by_ordering_says_behind_which(system: System, receiver: Receiver) -> None:
