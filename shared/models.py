@@ -329,6 +329,11 @@ class StoredEndpoint(Endpoint):
         """Fetched by the customer: never fanned out to, bound for, queued or delivered to."""
         return self.kind == "polling"
 
+    @property
+    def on_lane(self) -> bool:
+        """Fanned out to from its tenant's lane, which is bound for its patterns: laned, and pushed to."""
+        return self.laned and not self.polling
+
     def public(self) -> Endpoint:
         return Endpoint.model_validate(
             self.model_dump(

@@ -282,8 +282,7 @@ class EndpointRegistry:
             )
             found = (
                 every,
-                # A polling endpoint is fetched by its customer: never fanned out to (ingest/polling.py).
-                tuple(endpoint for endpoint in every if endpoint.laned and not endpoint.polling),
+                tuple(endpoint for endpoint in every if endpoint.on_lane),
                 tuple(endpoint for endpoint in every if not endpoint.laned and endpoint.left_lane_at),
             )
             if self._matches_kept >= _MATCHES_KEPT:
@@ -351,8 +350,7 @@ class EndpointRegistry:
         return [
             endpoint
             for endpoint in deleted
-            if endpoint.laned
-            and not endpoint.polling
+            if endpoint.on_lane
             and any(topology.topic_matches(pattern, event_type) for pattern in endpoint.event_types)
         ]
 
@@ -445,18 +443,8 @@ class EndpointRegistry:
         """The patterns the tenant's lane must stay bound for: those of its endpoints (but those an
         endpoint's queue of its own is bound to ``events`` for: :meth:`lane_patterns`), and of those
         deleted whose lane has not passed the fence yet (their events still become dead letters)."""
-        live = (
-            p
-            for e in self._tenant(tenant).values()
-            if e.laned and not e.polling
-            for p in self.lane_patterns(e)
-        )
-        deleting = (
-            p
-            for e in self._deleting.get(tenant, {}).values()
-            if e.laned and not e.polling
-            for p in e.event_types
-        )
+        live = (p for e in self._tenant(tenant).values() if e.on_lane for p in self.lane_patterns(e))
+        deleting = (p for e in self._deleting.get(tenant, {}).values() if e.on_lane for p in e.event_types)
         return {*live, *deleting}
 
     def lane_patterns(self, endpoint: StoredEndpoint) -> list[str]:

@@ -228,18 +228,7 @@ async def read_until_now(
 
 async def read_at(broker: Broker, stream: str, offset: int, *, timeout_s: float) -> bytes | None:
     """The body of the record at ``offset``; None when retention has removed it."""
-    found: asyncio.Future[tuple[object, bytes]] = asyncio.get_running_loop().create_future()
-
-    async def on_message(message: Record) -> None:
-        if not found.done():
-            found.set_result((offset_of(message), message.body))
-
-    async with asyncio.timeout(timeout_s), broker.channel(prefetch=1) as channel:
-        # Reading from an offset older than the stream's first starts at its first record instead.
-        underlay, tag = await consume(channel, stream, on_message, start=offset)
-        at, body = await found
-        await underlay.basic_cancel(tag, timeout=CALL_TIMEOUT_S)
-    return body if at == offset else None
+    return (await read_many(broker, stream, [offset], timeout_s=timeout_s)).get(offset)
 
 
 #: Offsets this close to one another are read with one consumer, the records between them passed over:
@@ -280,7 +269,8 @@ async def _read_run(broker: Broker, stream: str, run: list[int], *, timeout_s: f
         else:
             await message.ack()  # credit for the next ones (a stream's acks remove nothing)
 
-    async with asyncio.timeout(timeout_s), broker.channel(prefetch=READ_RUN_PREFETCH) as channel:
+    prefetch = min(READ_RUN_PREFETCH, last - run[0] + 1)  # no more than the run holds
+    async with asyncio.timeout(timeout_s), broker.channel(prefetch=prefetch) as channel:
         # From an offset older than the stream's first, reading starts at its first record instead.
         underlay, tag = await consume(channel, stream, on_message, start=run[0])
         await reached

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
@@ -20,10 +21,21 @@ from hookline.shared.delivery import AttemptResult
 from hookline.shared.heldpublishes import HeldPublishes
 from hookline.shared.models import StoredEndpoint
 from hookline.shared.sealing import Sealer
-from hookline.shared.telemetry import AttemptKind, AttemptRecord, Outcome, batch, exchange
+from hookline.shared.telemetry import (
+    AttemptKind,
+    AttemptRecord,
+    Deferral,
+    Heartbeat,
+    Outcome,
+    batch,
+    exchange,
+)
 from hookline.shared.webhook import webhook_request
 
 log = structlog.get_logger(__name__)
+
+#: Who made an attempt, in its record (a dispatcher's id, for the dispatchers' own).
+ATTEMPTER_ID = f"ingest:{os.getpid()}"
 
 
 def signing_keys(sealer: Sealer, endpoint: StoredEndpoint, now: datetime) -> list[bytes]:
@@ -62,7 +74,7 @@ class Attempts:
         ok = result.status is not None and 200 <= result.status < 300
         record = AttemptRecord(
             at_s=time.time(),
-            dispatcher_id=f"ingest:{os.getpid()}",
+            dispatcher_id=ATTEMPTER_ID,
             event_id=event_id,
             endpoint_id=endpoint.id,
             tenant=endpoint.tenant,
@@ -73,10 +85,14 @@ class Attempts:
             attempt_kind=kind,
             **exchange(result, self.sealer),
         )
-        message = aio_pika.Message(batch.dump_json([record]), content_type="application/json")
-        published = await self.records.publish(
-            message, exchange=topology.TELEMETRY_EXCHANGE, routing_key="", what="attempt"
-        )
-        if not published:
+        if not await self.record([record]):
             log.warning("attempt_record_held", event_id=event_id, endpoint_id=endpoint.id, kind=kind)
         return result, record
+
+    async def record(self, records: Sequence[AttemptRecord]) -> bool:
+        """``records`` to the telemetry stream in one message; False: held until the broker takes it."""
+        telemetry: list[AttemptRecord | Heartbeat | Deferral] = [*records]
+        message = aio_pika.Message(batch.dump_json(telemetry), content_type="application/json")
+        return await self.records.publish(
+            message, exchange=topology.TELEMETRY_EXCHANGE, routing_key="", what="attempt"
+        )

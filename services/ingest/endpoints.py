@@ -276,7 +276,7 @@ async def _activate(state: IngestState, endpoint: StoredEndpoint, *, patterns: l
     its lane for ``patterns`` (those this ingest has not bound: binding is idempotent), if it is laned
     (a ``straight`` endpoint's queue was bound for them as it was declared)."""
     await _applied_everywhere(state, [endpoint.id])
-    if endpoint.laned and not endpoint.polling:
+    if endpoint.on_lane:
         await _bind(state, {endpoint.tenant: patterns})
 
 
@@ -284,7 +284,7 @@ async def _activate_all(state: IngestState, endpoints: list[StoredEndpoint]) -> 
     """``_activate`` for a batch: one wait for the last record, each tenant's patterns bound once."""
     await _applied_everywhere(state, [endpoint.id for endpoint in endpoints])
     patterns: dict[str, list[str]] = {}
-    for endpoint in filter(lambda endpoint: endpoint.laned and not endpoint.polling, endpoints):
+    for endpoint in filter(lambda endpoint: endpoint.on_lane, endpoints):
         patterns.setdefault(endpoint.tenant, []).extend(endpoint.event_types)
     await _bind(state, {tenant: sorted(set(named)) for tenant, named in patterns.items()})
 

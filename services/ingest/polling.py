@@ -18,17 +18,15 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import os
 import secrets
 import time
 from datetime import UTC, datetime
 from typing import Annotated
 
-import aio_pika
 import structlog
 from fastapi import APIRouter, Header, Query
 
-from hookline.ingest.attempts import signing_keys
+from hookline.ingest.attempts import ATTEMPTER_ID, signing_keys
 from hookline.ingest.auth import Caller
 from hookline.ingest.deliverylog import LoggedEvent
 from hookline.ingest.state import IngestState, State
@@ -37,7 +35,7 @@ from hookline.shared.amqp import BROKER_ERRORS
 from hookline.shared.api import ApiError, broker_unavailable
 from hookline.shared.models import Model, StoredEndpoint
 from hookline.shared.streams import read_many
-from hookline.shared.telemetry import AttemptRecord, Deferral, Heartbeat, Outcome, batch
+from hookline.shared.telemetry import AttemptRecord, Outcome
 from hookline.shared.webhook import webhook_request
 
 log = structlog.get_logger(__name__)
@@ -198,10 +196,10 @@ async def _record(
     if not polled:
         return
     ended_s = time.time()
-    records: list[AttemptRecord | Heartbeat | Deferral] = [
+    records = [
         AttemptRecord(
             at_s=ended_s,
-            dispatcher_id=f"ingest:{os.getpid()}",
+            dispatcher_id=ATTEMPTER_ID,
             event_id=event.id,
             endpoint_id=endpoint.id,
             tenant=endpoint.tenant,
@@ -216,9 +214,5 @@ async def _record(
         )
         for event in polled
     ]
-    message = aio_pika.Message(batch.dump_json(records), content_type="application/json")
-    published = await state.attempts.records.publish(
-        message, exchange=topology.TELEMETRY_EXCHANGE, routing_key="", what="attempt"
-    )
-    if not published:
+    if not await state.attempts.record(records):
         log.warning("attempt_record_held", endpoint_id=endpoint.id, kind="poll", events=len(records))
