@@ -504,10 +504,20 @@ class PlacementSet(Model):
 # --- tenants: API tokens and quotas, kept in the change log ----------------------------------------
 
 
-class StoredToken(Model):
-    """A tenant's API token as the change log keeps it: its SHA-256, never the token."""
+class PortalGrant(Model):
+    """What a customer portal link, or the session it opened, may see and do (one tenant always)."""
 
-    id: str = Field(pattern=r"^tok_[0-9A-Z]{26}$")
+    role: Literal["link", "session"]
+    endpoint_ids: list[str] | None = Field(None, description="only these endpoints; null: the tenant's all")
+    read_only: bool = False
+
+
+class StoredToken(Model):
+    """A credential as the change log keeps it: its SHA-256, never the token. A tenant's API token
+    (``tok_``), or a customer portal's link (``pll_``) or session (``pls_``, opened from the link with the
+    same id after the prefix, so that the change log's order decides which opening of a link wins)."""
+
+    id: str = Field(pattern=r"^(tok|pll|pls)_[0-9A-Z]{26}$")
     tenant: Tenant
     prefix: str = Field(description="the token's first characters, to tell it apart in a list")
     digest: str = Field(pattern=r"^[0-9a-f]{64}$", description="SHA-256 of the token, hex")
@@ -515,6 +525,7 @@ class StoredToken(Model):
     created_at: AwareDatetime
     expires_at: AwareDatetime | None = None
     revoked_at: AwareDatetime | None = None
+    portal: PortalGrant | None = None  # None: a tenant API token
 
 
 class TokenUpserted(Model):

@@ -223,6 +223,10 @@ class IngestSettings(DeliveryPolicySettings):
         description="A POST /v1/events repeating an id (or Idempotency-Key) accepted this recently publishes "
         "nothing and answers 200 duplicate (0: off).",
     )
+    portal_url: str = Field(
+        "http://127.0.0.1:8001",
+        description="The health monitor's address as customers' browsers reach it: portal links start with it.",
+    )
     broker_fd_reserve: int = Field(
         100,
         ge=0,
@@ -455,6 +459,36 @@ class MonitorSettings(CommonSettings):
         "http://127.0.0.1:8000",
         description="Where the dashboard (/ui/) reaches the ingest API, with the logged-in user's token.",
     )
+    portal_frame_ancestors: str = Field(
+        "",
+        description="Origins that may show the customer portal in a frame, space separated "
+        "(https://app.example.com); empty: none (the portal opens as a page of its own).",
+    )
+    portal_brand_name: str = Field("Webhooks", max_length=80, description="The portal's title.")
+    portal_logo_url: str | None = Field(
+        None, description="An https:// (or http://) image the portal shows beside its title."
+    )
+    portal_accent: str = Field(
+        "#3867d6", pattern=r"^#[0-9a-fA-F]{6}$", description="The portal's accent colour, #rrggbb."
+    )
+
+    @field_validator("portal_frame_ancestors")
+    @classmethod
+    def _origins(cls, value: str) -> str:
+        for origin in value.split():
+            parts = urlsplit(origin)
+            if parts.scheme not in ("http", "https") or not parts.netloc or parts.path not in ("", "/"):
+                raise ValueError(f"{origin!r} is not an origin (scheme://host[:port])")
+        return value
+
+    @field_validator("portal_logo_url")
+    @classmethod
+    def _logo(cls, value: str | None) -> str | None:
+        if value is not None and (
+            urlsplit(value).scheme not in ("http", "https") or not urlsplit(value).netloc
+        ):
+            raise ValueError("must be an http:// or https:// URL")
+        return value
 
     @field_validator("alert_webhook_secret")
     @classmethod

@@ -17,14 +17,16 @@ from datetime import datetime
 from hookline.shared.models import QuotaSet, StoredToken, TenantQuota, TokenUpserted
 
 TOKEN_PREFIX = "hlt_"  # noqa: S105 (what tokens start with, not one)
+PORTAL_LINK_PREFIX = "hlpl_"
+PORTAL_SESSION_PREFIX = "hlps_"
 NO_QUOTA = TenantQuota()
-_SHOWN_CHARS = len(TOKEN_PREFIX) + 8
+_SHOWN_CHARS = 8  # after the prefix
 
 
-def new_token() -> tuple[str, str, str]:
+def new_token(prefix: str = TOKEN_PREFIX) -> tuple[str, str, str]:
     """A fresh token: (the token, shown once; its prefix, listed; its digest, stored)."""
-    token = TOKEN_PREFIX + secrets.token_urlsafe(32)
-    return token, token[:_SHOWN_CHARS], digest(token)
+    token = prefix + secrets.token_urlsafe(32)
+    return token, token[: len(prefix) + _SHOWN_CHARS], digest(token)
 
 
 def digest(token: str) -> str:
@@ -47,6 +49,9 @@ class Tenants:
             return record.quota
         token = record.token
         earlier = self._tokens.get(token.id)
+        if earlier is not None and earlier.digest != token.digest:
+            # A portal link opened twice at once: the session recorded first holds, the other is void.
+            return earlier
         if earlier is not None and earlier.revoked_at is not None:
             # Revoked for good: a later write based on a copy from before the revocation (another
             # replica's PATCH of the expiry) cannot bring it back.
@@ -66,7 +71,7 @@ class Tenants:
 
     def authenticate(self, presented: str, now: datetime) -> StoredToken | None:
         """The active token ``presented`` is, if any."""
-        if not presented.startswith(TOKEN_PREFIX):
+        if not presented.startswith((TOKEN_PREFIX, PORTAL_LINK_PREFIX, PORTAL_SESSION_PREFIX)):
             return None
         found = self._tokens.get(self._by_digest.get(digest(presented), ""))
         # Looked up by digest; compared in constant time all the same.

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import structlog
 from fastapi import Depends, FastAPI
 
-from hookline.health_monitor import dashboard, status
+from hookline.health_monitor import dashboard, portal, status
 from hookline.health_monitor.ingest_api import IngestApi
 from hookline.health_monitor.monitor import Monitor, monitoring
 from hookline.health_monitor.sessions import Sessions
@@ -122,6 +122,10 @@ def create_app(settings: MonitorSettings) -> FastAPI:
     # The dashboard has its own login (a session cookie), not the bearer guard of the API.
     app.state.sessions = Sessions()
     app.include_router(dashboard.router)
+    # The customer portal: a session in the page's path, checked by the ingest at every page.
+    app.state.portal_look = portal.Look.of(settings)
+    app.add_exception_handler(portal.SessionEndedError, portal.ended_page)
+    app.include_router(portal.router)
     return app
 
 

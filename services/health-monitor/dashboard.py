@@ -46,7 +46,7 @@ SECURITY_HEADERS = {
     "referrer-policy": "same-origin",
 }
 
-_templates = jinja2.Environment(
+TEMPLATES = jinja2.Environment(
     loader=jinja2.PackageLoader("hookline.health_monitor", "templates"),
     autoescape=True,
     undefined=jinja2.StrictUndefined,
@@ -60,7 +60,7 @@ def _clock(value: str | datetime | None) -> str:
     return moment.astimezone(UTC).strftime("%Y-%m-%d %H:%M:%SZ")
 
 
-def _ms(value: float | None) -> str:
+def ms(value: float | None) -> str:
     return "—" if value is None else f"{value:,.0f} ms" if value >= 10 else f"{value:.1f} ms"
 
 
@@ -68,7 +68,7 @@ def _rate(value: float | None) -> str:
     return "—" if value is None else f"{value * 100:.1f}%"
 
 
-_templates.filters.update(clock=_clock, ms=_ms, rate=_rate)
+TEMPLATES.filters.update(clock=_clock, ms=ms, rate=_rate)
 
 
 # --- sessions ---------------------------------------------------------------------------------------
@@ -103,7 +103,7 @@ def _monitor(request: Request) -> Monitor:
 LocalState = Annotated[Monitor, Depends(_monitor)]
 
 
-async def _form(request: Request, session: Session | None) -> dict[str, str]:
+async def read_form(request: Request, session: Session | None) -> dict[str, str]:
     """The posted form; with a session, only when it carries that session's CSRF token."""
     body = await request.body()
     if len(body) > MAX_FORM_BYTES:
@@ -116,7 +116,7 @@ async def _form(request: Request, session: Session | None) -> dict[str, str]:
 
 def _page(name: str, session: Session | None, *, status_code: int = 200, **context: Any) -> HTMLResponse:
     context = {"notice": None, "problem": None, **context}
-    html = _templates.get_template(name).render(session=session, **context)
+    html = TEMPLATES.get_template(name).render(session=session, **context)
     return HTMLResponse(html, status_code=status_code, headers=SECURITY_HEADERS)
 
 
@@ -150,7 +150,7 @@ async def login_form(request: Request) -> HTMLResponse:
 
 @router.post("/login")
 async def login(request: Request, ingest: Ingest) -> Response:
-    token = (await _form(request, None)).get("token", "").strip()
+    token = (await read_form(request, None)).get("token", "").strip()
     try:
         identity = await ingest.call(token, "GET", "/v1/whoami") if token else None
     except IngestApiError as exc:
@@ -179,7 +179,7 @@ async def login(request: Request, ingest: Ingest) -> Response:
 
 @router.post("/logout")
 async def logout(request: Request, session: Current) -> Response:
-    await _form(request, session)
+    await read_form(request, session)
     _sessions(request).close(session.id)
     response = RedirectResponse("/ui/login", status_code=303)
     response.delete_cookie(COOKIE, path="/ui")
@@ -222,7 +222,7 @@ async def _summary(monitor: Monitor, session: Session, rows: list[EndpointRow]) 
             ("dead letters", f"{s.dead_letter:,}"),
             ("delivered 1 h", f"{s.delivered_last_hour:,}"),
             ("failed 1 h", f"{s.failed_last_hour:,}"),
-            ("mean", _ms(s.mean_delivery_ms)),
+            ("mean", ms(s.mean_delivery_ms)),
             ("endpoints", f"{s.endpoints:,}"),
             ("breakers open", f"{s.breakers_open:,}"),
             ("dispatchers", f"{s.dispatchers:,}"),
@@ -340,7 +340,7 @@ async def event(request: Request, event_id: str, session: Current, ingest: Inges
 
 @router.post("/events/{event_id}/resend")
 async def resend(request: Request, event_id: str, session: Current, ingest: Ingest) -> Response:
-    fields = await _form(request, session)
+    fields = await read_form(request, session)
     endpoint_id = fields.get("endpoint_id", "")
     try:
         await ingest.call(
@@ -405,7 +405,7 @@ async def dead_letters(
 
 @router.post("/dead-letters/redrive")
 async def redrive(request: Request, session: Current, ingest: Ingest) -> Response:
-    fields = await _form(request, session)
+    fields = await read_form(request, session)
     choice: dict[str, Any] = {k: fields[k] for k in ("endpoint_id", "reason", "event_id") if fields.get(k)}
     if fields.get("id"):
         choice["ids"] = [fields["id"]]
@@ -432,11 +432,11 @@ async def redrive(request: Request, session: Current, ingest: Ingest) -> Respons
 async def endpoint_action(
     request: Request, endpoint_id: str, action: str, session: Current, ingest: Ingest
 ) -> Response:
-    fields = await _form(request, session)
+    fields = await read_form(request, session)
     if action not in ENDPOINT_ACTIONS:
         raise ApiError(404, "not_found", f"no endpoint action {action!r}")
     try:
-        body = _action_body(action, fields)
+        body = action_body(action, fields)
     except ValueError as exc:
         return _back(fields, "/ui/", problem=str(exc))
     try:
@@ -454,14 +454,14 @@ async def endpoint_action(
         case "test":
             answer = f"HTTP {result['status']}" if result["status"] is not None else result["error"]
             notice = (
-                f"Test event {result['event_id']} to {endpoint_id}: {answer} in {_ms(result['duration_ms'])}."
+                f"Test event {result['event_id']} to {endpoint_id}: {answer} in {ms(result['duration_ms'])}."
             )
         case _:
             notice = f"Replaying {result['replayed']} events to {endpoint_id}."
     return _back(fields, "/ui/", notice=notice)
 
 
-def _action_body(action: str, fields: dict[str, str]) -> dict[str, Any] | None:
+def action_body(action: str, fields: dict[str, str]) -> dict[str, Any] | None:
     """The ingest request's body for an endpoint action's form (ValueError: what the form lacks)."""
     if action == "replay":
         try:

@@ -1,4 +1,5 @@
-"""The dashboard's way to the ingest API: every call carries the logged-in user's own token."""
+"""The dashboard's and the portal's way to the ingest API: every call carries the logged-in user's own
+token, or the portal session's (opening a portal link carries none: the link is its credential)."""
 
 from __future__ import annotations
 
@@ -37,7 +38,7 @@ class IngestApi:
 
     async def call(
         self,
-        token: str,
+        token: str | None,
         method: str,
         path: str,
         *,
@@ -51,7 +52,7 @@ class IngestApi:
                 path,
                 params={k: v for k, v in (params or {}).items() if v},
                 json=json,
-                headers={"authorization": f"Bearer {token}"},
+                headers={"authorization": f"Bearer {token}"} if token else None,
             )
         except httpx.HTTPError as exc:
             raise IngestApiError(503, f"the ingest API did not answer ({type(exc).__name__})") from None

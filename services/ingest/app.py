@@ -23,6 +23,7 @@ from hookline.ingest import (
     events,
     eventtypes,
     polling,
+    portal,
     quotas,
     replay,
     testevents,
@@ -102,6 +103,8 @@ def create_app(settings: IngestSettings) -> FastAPI:
     app.include_router(tracking.router, dependencies=[guard])
     app.include_router(auth.router, dependencies=[guard])
     app.include_router(tokens.router, dependencies=[guard])
+    app.include_router(portal.router, dependencies=[guard])
+    app.include_router(portal.open_router)  # its own credential: the link
     app.include_router(quotas.router, dependencies=[guard])
     app.include_router(audit.router, dependencies=[guard])
     app.include_router(probes_router(lambda: _problems(app), metrics_tokens=metrics_tokens(settings)))

@@ -107,7 +107,10 @@ async def list_dead_letters(
         limit=limit + 1,
     )
     page = selected[:limit]
-    return DeadLetterList(data=page, next_after=page[-1].id if len(selected) > limit else None)
+    return DeadLetterList(
+        data=[item for item in page if caller.sees_endpoint(item.endpoint_id)],
+        next_after=page[-1].id if len(selected) > limit else None,
+    )
 
 
 @router.post("/redrive", response_model=RedriveResult)
@@ -124,6 +127,7 @@ async def redrive(request: RedriveRequest, state: State, caller: Caller) -> Redr
         item.id: item
         for item in chosen
         if item.reason is not DeadLetterReason.INVALID_EVENT
+        and caller.sees_endpoint(item.endpoint_id)
         and item.event_id
         and item.endpoint_id
         and state.registry.get(item.endpoint_id) is not None

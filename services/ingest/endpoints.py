@@ -511,8 +511,11 @@ async def list_endpoints(
     tenant = caller.scope(tenant)
     # Ids are ULIDs, so id order is creation order and makes `after` a stable cursor.
     selected = registry.page(tenant=tenant, after=after, limit=limit + 1)
-    page = [endpoint.public() for endpoint in selected[:limit]]
-    return EndpointList(data=page, next_after=page[-1].id if len(selected) > limit else None)
+    page = selected[:limit]
+    return EndpointList(
+        data=[endpoint.public() for endpoint in page if caller.sees_endpoint(endpoint.id)],
+        next_after=page[-1].id if len(selected) > limit else None,
+    )
 
 
 @router.get("/{endpoint_id}", response_model=Endpoint)

@@ -16,7 +16,7 @@ from hookline.ingest.state import Changes, Settings
 from hookline.shared import tenants
 from hookline.shared.api import ApiError
 from hookline.shared.ids import new_id
-from hookline.shared.models import Model, StoredToken, Tenant
+from hookline.shared.models import Model, PortalGrant, StoredToken, Tenant
 from hookline.shared.notifications import OPERATOR_TENANT
 from hookline.shared.registry import ChangeLog
 
@@ -41,6 +41,7 @@ class TokenInfo(Model):
     created_at: AwareDatetime
     expires_at: AwareDatetime | None
     revoked_at: AwareDatetime | None
+    portal: PortalGrant | None = None  # a customer portal's link or session (revoking a session ends it)
     active: bool
 
     @classmethod

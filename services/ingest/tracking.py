@@ -12,7 +12,7 @@ from fastapi import APIRouter, Query
 from pydantic import BaseModel, ValidationError
 
 from hookline.ingest import polling
-from hookline.ingest.auth import Caller
+from hookline.ingest.auth import Caller, Principal
 from hookline.ingest.deliverylog import LoggedEvent
 from hookline.ingest.state import IngestState, State
 from hookline.ingest.timeline import standing
@@ -89,7 +89,13 @@ async def event_story(event_id: str, state: State, caller: Caller) -> EventStory
     logged = await state.delivery_log.event(event_id)
     if logged is None or not caller.may_see(logged.tenant):
         raise ApiError(404, "not_found", f"no event {event_id} in the delivery log (kept for its retention)")
-    return await _story(state, logged)
+    return _seen(await _story(state, logged), caller)
+
+
+def _seen(story: EventStory, caller: Principal) -> EventStory:
+    """The story as the caller may see it: a portal session limited to some endpoints, theirs only."""
+    courses = [course for course in story.endpoints if caller.sees_endpoint(course.endpoint_id)]
+    return story if len(courses) == len(story.endpoints) else story.model_copy(update={"endpoints": courses})
 
 
 @router.get("/v1/events", response_model=EventPage)
@@ -116,8 +122,12 @@ async def recent_events(
             before_offset=before, limit=limit,
         )  # fmt: skip
         for logged in page:
-            story = await _story(state, logged, with_attempts=False)
-            if event_state is None or any(course.state == event_state for course in story.endpoints):
+            story = _seen(await _story(state, logged, with_attempts=False), caller)
+            # A portal session limited to some endpoints skips the events for none of them.
+            hidden = not story.endpoints and not caller.sees_endpoint(None)
+            if not hidden and (
+                event_state is None or any(course.state == event_state for course in story.endpoints)
+            ):
                 stories.append(story)
             before = logged.offset
             if len(stories) == limit:
@@ -168,7 +178,7 @@ async def resend_event(
     if logged is None or not caller.may_see(logged.tenant):
         raise ApiError(404, "not_found", f"no event {event_id} in the delivery log")
     endpoint = state.registry.get(request.endpoint_id)
-    if endpoint is None or endpoint.tenant != logged.tenant:
+    if endpoint is None or endpoint.tenant != logged.tenant or not caller.sees_endpoint(endpoint.id):
         raise ApiError(404, "not_found", f"no endpoint {request.endpoint_id} of tenant {logged.tenant}")
     polling.refuse_if_polling(endpoint, "a resend")
     body = await read_at(state.broker, topology.EVENT_LOG, logged.offset, timeout_s=READ_TIMEOUT_S)

@@ -61,7 +61,7 @@ async def test_a_token_works_on_every_replica_until_revoked_and_is_shown_once(
             return (await asyncio.to_thread(api.get, "/v1/whoami")).status_code == 200
 
         await eventually(known)
-        assert api.get("/v1/whoami").json() == {"admin": False, "tenant": acme}
+        assert api.get("/v1/whoami").json() == {"admin": False, "tenant": acme, "portal": None}
         assert _publish(api, acme, "evt_token_1").status_code == 202
         assert _publish(api, "someone-else", "evt_token_2").status_code == 403
         assert api.get("/v1/tokens").status_code == 403, "tokens are the admin's"

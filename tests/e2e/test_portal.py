@@ -1,0 +1,296 @@
+"""The customer portal (/portal/ on the health monitor): links made by the operator's backend, opened once
+inside an iframe of a page on another site, scoped by the ingest to a tenant, some endpoints, or reading
+only; a customer manages its endpoints and fixes its deliveries there without asking support."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import httpx
+import pytest
+from aiohttp import web
+from playwright.async_api import FrameLocator, expect
+from support import services
+from support.browser import chromium
+from support.receiver import Received, Receiver, Reply
+from support.system import System
+from support.waiting import eventually
+
+pytestmark = pytest.mark.e2e
+
+ACME_TOKEN = "acme-tenant-token-0123456789"
+GLOBEX_TOKEN = "globex-tenant-token-0123456789"
+HOST_PORT = services.free_port()  # the operator's page: another site (localhost) than the portal (127.0.0.1)
+HOST = f"http://localhost:{HOST_PORT}"
+SYSTEM_ENV = {
+    "HOOKLINE_TENANT_TOKENS": f"acme:{ACME_TOKEN},globex:{GLOBEX_TOKEN}",
+    "HOOKLINE_SECRET_KEY": "a-long-random-secret-key-for-the-tests-0123456789",
+    "HOOKLINE_PORTAL_FRAME_ANCESTORS": HOST,
+    "HOOKLINE_PORTAL_BRAND_NAME": "Acme Cloud webhooks",
+    "HOOKLINE_PORTAL_ACCENT": "#0a7d52",
+}
+DOCS_SCREENSHOT = Path(__file__).parents[2] / "docs" / "portal.png"
+
+
+async def api(
+    system: System, method: str, path: str, *, token: str = services.TOKEN, **kwargs: Any
+) -> httpx.Response:
+    async with httpx.AsyncClient(
+        base_url=system.ingest.base_url, headers={"authorization": f"Bearer {token}"}, timeout=30
+    ) as client:
+        return await client.request(method, path, **kwargs)
+
+
+async def link(system: System, token: str = services.TOKEN, **spec: Any) -> dict[str, Any]:
+    made = await api(system, "POST", "/v1/portal/sessions", token=token, json={"tenant": "acme", **spec})
+    assert made.status_code == 201, made.text
+    found: dict[str, Any] = made.json()
+    assert found["url"].startswith("http://127.0.0.1:8001/portal/open/hlpl_")  # HOOKLINE_PORTAL_URL's default
+    return found
+
+
+async def session_of(system: System, made: dict[str, Any]) -> str:
+    opened = await api(system, "POST", "/v1/portal/open", json={"link": made["url"].rsplit("/", 1)[1]})
+    assert opened.status_code == 200, opened.text
+    session: str = opened.json()["session"]
+    return session
+
+
+def opening(system: System, made: dict[str, Any]) -> str:
+    """The link as the browser opens it, on the test's monitor rather than the default address."""
+    return system.monitor.base_url + urlsplit(made["url"]).path
+
+
+async def test_portal_sessions_are_scoped_by_the_ingest(system: System, receiver: Receiver) -> None:
+    ok = system.add_endpoint("acme", receiver.url("/ok"), ["order.*"])
+    other = system.add_endpoint("acme", receiver.url("/other"), ["order.*"])
+    hidden = system.add_endpoint("globex", receiver.url("/globex"), ["order.*"])
+
+    # Made by the admin, or by a tenant's token for its own tenant only; endpoints must be the tenant's.
+    assert (
+        await api(system, "POST", "/v1/portal/sessions", token=GLOBEX_TOKEN, json={"tenant": "acme"})
+    ).status_code == 403
+    foreign = await api(
+        system, "POST", "/v1/portal/sessions", json={"tenant": "acme", "endpoint_ids": [hidden["id"]]}
+    )
+    assert (foreign.status_code, foreign.json()["error"]) == (422, "invalid_fields"), foreign.text
+    made = await link(system, token=ACME_TOKEN)
+
+    # The link opens once; it is not a credential of the API itself.
+    key = made["url"].rsplit("/", 1)[1]
+    assert (await api(system, "GET", "/v1/endpoints", token=key)).status_code == 401
+    session = await session_of(system, made)
+    again = await api(system, "POST", "/v1/portal/open", json={"link": key})
+    assert (again.status_code, again.json()["error"]) == (410, "link_used"), again.text
+
+    # The session sees its tenant's endpoints, and may not publish, nor touch tokens or the catalog.
+    listed = (await api(system, "GET", "/v1/endpoints", token=session)).json()["data"]
+    assert {e["id"] for e in listed} == {ok["id"], other["id"]}
+    assert (await api(system, "GET", f"/v1/endpoints/{hidden['id']}", token=session)).status_code == 404
+    for method, path, body in [
+        ("POST", "/v1/events", {"tenant": "acme", "type": "order.created", "data": {}}),
+        ("GET", "/v1/tokens", None),
+        ("POST", "/v1/event-types", {"name": "order.made"}),
+        ("POST", "/v1/portal/sessions", {"tenant": "acme"}),
+    ]:
+        refused = await api(system, method, path, token=session, json=body)
+        assert (refused.status_code, refused.json()["error"]) == (403, "forbidden"), (path, refused.text)
+    paused = await api(system, "POST", f"/v1/endpoints/{ok['id']}/pause", token=session)
+    assert paused.status_code == 200, paused.text
+    assert (await api(system, "POST", f"/v1/endpoints/{ok['id']}/resume", token=session)).status_code == 200
+
+    # Limited to one endpoint: the other is not there, and none can be added.
+    limited = await session_of(system, await link(system, endpoint_ids=[ok["id"]]))
+    assert [e["id"] for e in (await api(system, "GET", "/v1/endpoints", token=limited)).json()["data"]] == [
+        ok["id"]
+    ]
+    assert (await api(system, "GET", f"/v1/endpoints/{other['id']}", token=limited)).status_code == 404
+    assert (await api(system, "POST", f"/v1/endpoints/{other['id']}/pause", token=limited)).status_code == 404
+    adding = await api(
+        system,
+        "POST",
+        "/v1/endpoints",
+        token=limited,
+        json={"tenant": "acme", "url": receiver.url("/x"), "event_types": ["*"]},
+    )
+    assert adding.status_code == 403, adding.text
+
+    # Read-only: it reads, and changes nothing (a secret is not shown either).
+    reader = await session_of(system, await link(system, read_only=True))
+    assert (await api(system, "GET", f"/v1/endpoints/{ok['id']}", token=reader)).status_code == 200
+    for method, path in [
+        ("POST", f"/v1/endpoints/{ok['id']}/pause"),
+        ("GET", f"/v1/endpoints/{ok['id']}/secret"),
+        ("DELETE", f"/v1/endpoints/{ok['id']}"),
+    ]:
+        refused = await api(system, method, path, token=reader)
+        assert (refused.status_code, refused.json()["message"]) == (
+            403,
+            "this portal session is read-only",
+        ), refused.text
+
+    # Expired (its expiry set to now), a link does not open; revoked, a session ends at once.
+    late = await link(system)
+    assert (
+        await api(
+            system, "PATCH", f"/v1/tokens/{late['id']}", json={"expires_at": datetime.now(UTC).isoformat()}
+        )
+    ).status_code == 200
+    expired = await api(system, "POST", "/v1/portal/open", json={"link": late["url"].rsplit("/", 1)[1]})
+    assert expired.status_code == 401, expired.text
+    revoked_id = "pls_" + made["id"].removeprefix("pll_")
+    assert (await api(system, "DELETE", f"/v1/tokens/{revoked_id}")).status_code == 204
+    assert (await api(system, "GET", "/v1/endpoints", token=session)).status_code == 401
+
+    # The audit trail names the portal session as the actor of what it did.
+    async def audited() -> list[tuple[str, str]] | None:
+        records = (await api(system, "GET", "/v1/audit", params={"tenant": "acme"})).json()["data"]
+        found = [(r["action"], r["actor"]) for r in records if r["actor"] == f"portal:{revoked_id}"]
+        return found if len(found) == 3 else None
+
+    assert sorted(await eventually(audited)) == [
+        ("endpoint.paused", f"portal:{revoked_id}"),
+        ("endpoint.resumed", f"portal:{revoked_id}"),
+        ("portal.link_used", f"portal:{revoked_id}"),
+    ]
+
+
+@asynccontextmanager
+async def operators_page(portal_url: str) -> AsyncIterator[str]:
+    """The operator's own page on another site, showing the portal in an iframe."""
+
+    async def page(_: web.Request) -> web.Response:
+        html = f'<!doctype html><title>Acme Cloud</title><h1>Acme Cloud settings</h1><iframe title="webhooks" src="{portal_url}" style="width:100%;height:1400px;border:0"></iframe>'
+        return web.Response(text=html, content_type="text/html")
+
+    app = web.Application()
+    app.router.add_get("/settings", page)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    await web.TCPSite(runner, "localhost", HOST_PORT).start()
+    try:
+        yield f"{HOST}/settings"
+    finally:
+        await runner.cleanup()
+
+
+async def test_a_customer_manages_its_endpoints_in_the_operators_iframe(
+    system: System, receiver: Receiver
+) -> None:
+    refusing = True
+    accepted: set[str] = set()  # event ids /orders answered 200
+
+    def respond(request: Received) -> Reply:
+        event = json.loads(request.body)
+        if request.path == "/orders" and event["type"] == "order.created":
+            if refusing:
+                return Reply(status=400, body=b"unknown type")
+            accepted.add(event["id"])
+        return Reply(status=200, body=b"thanks")
+
+    receiver.responder = respond
+    catalogued = await api(
+        system, "POST", "/v1/event-types",
+        json={"name": "order.created", "description": "An order was placed.", "examples": [{"order": "o_1", "total": 12}],
+              "schemas": {"1": {"type": "object", "properties": {"total": {"type": "number"}}}}},
+    )  # fmt: skip
+    assert catalogued.status_code in (201, 409), catalogued.text
+    orders = system.add_endpoint("initech", receiver.url("/orders"), ["order.*"])
+    hidden = system.add_endpoint("globex", receiver.url("/globex"), ["order.*"])
+    published = await api(
+        system, "POST", "/v1/events", json={"tenant": "initech", "type": "order.created", "data": {"n": 1}}
+    )
+    event_id = published.json()["id"]
+
+    async def dead() -> bool:
+        listed = (await api(system, "GET", "/v1/dead-letters", params={"endpoint_id": orders["id"]})).json()[
+            "data"
+        ]
+        return any(d["event_id"] == event_id for d in listed)
+
+    await eventually(dead, timeout_s=30)
+    made = await link(system, tenant="initech")
+
+    async with chromium() as browser, operators_page(opening(system, made)) as settings_page:
+        page = await browser.new_page(viewport={"width": 1200, "height": 1000})
+        await page.goto(settings_page)
+        portal: FrameLocator = page.frame_locator("iframe")
+        await expect(portal.locator("header .brand")).to_have_text("Acme Cloud webhooks")
+        rows = portal.locator("#endpoints")
+        await expect(rows.locator(f"tr[data-endpoint={orders['id']}]")).to_be_visible()
+        await expect(rows.locator(f"tr[data-endpoint={hidden['id']}]")).to_have_count(0)
+
+        # Add an endpoint, its types picked from the catalog (with their descriptions and examples).
+        await portal.locator("input[name=url]").fill(receiver.url("/new"))
+        await portal.get_by_label("Description").fill("orders to the warehouse")
+        await expect(portal.locator("fieldset")).to_contain_text("An order was placed.")
+        await portal.locator("input[name=event_types][value='order.created']").check()
+        await portal.get_by_role("button", name="Add endpoint").click()
+        await expect(portal.locator("#verification")).to_contain_text("verified")
+        secret = await portal.locator("#secret").text_content()
+        assert secret is not None
+        assert secret.startswith("whsec_")
+        await portal.get_by_role("link", name="Continue to the endpoint").click()
+        await expect(portal.locator("h1")).to_have_text(receiver.url("/new"))
+
+        # A test event: the catalog's example, and the 200 shown at once.
+        await portal.get_by_role("button", name="Send test event").click()
+        await expect(portal.get_by_role("status")).to_contain_text("HTTP 200")
+        tested = [
+            r for r in receiver.requests if r.path == "/new" and json.loads(r.body)["type"] == "order.created"
+        ]
+        assert json.loads(tested[-1].body)["data"] == {"order": "o_1", "total": 12}
+
+        # Rotate the secret (the old one keeps signing for the overlap), pause and resume.
+        await portal.get_by_role("button", name="Rotate signing secret").click()
+        await expect(portal.locator("main")).to_contain_text("previous secret keeps signing")
+        assert await portal.locator("#secret").text_content() not in (None, secret)
+        await portal.get_by_role("link", name="Continue to the endpoint").click()
+        await portal.get_by_role("button", name="Pause").click()
+        await expect(portal.locator("#status")).to_have_text("paused")
+        await portal.get_by_role("button", name="Resume").click()
+        await expect(portal.locator("#status")).to_have_text("active")
+
+        # Redrive the dead letter once the receiver is fixed; it arrives.
+        refusing = False
+        await portal.get_by_role("link", name="Failed deliveries").first.click()
+        row = portal.locator("#dead-letters tr", has_text=event_id)
+        await row.get_by_role("button", name="Redrive").click()
+        await expect(portal.get_by_role("status")).to_contain_text("Redrove 1")
+
+        async def redriven() -> bool:
+            return event_id in accepted
+
+        await eventually(redriven, timeout_s=30)
+        await portal.get_by_role("link", name="Endpoints").click()
+        await expect(rows.locator("tr")).to_have_count(3)  # the header, orders and the new one
+        DOCS_SCREENSHOT.parent.mkdir(exist_ok=True)
+        await page.screenshot(path=str(DOCS_SCREENSHOT), full_page=False)
+
+        # At 360 px wide the portal fits its frame.
+        narrow = await browser.new_page(viewport={"width": 360, "height": 800})
+        narrow_session = await session_of(system, await link(system, tenant="initech"))
+        await narrow.goto(f"{system.monitor.base_url}/portal/s/{narrow_session}/")
+        assert await narrow.evaluate("document.documentElement.scrollWidth") <= 360
+
+        # The link works once.
+        second = await browser.new_page()
+        answer = await second.goto(opening(system, made))
+        assert answer is not None
+        assert answer.status == 410
+        await expect(second.get_by_role("alert")).to_contain_text("opened already")
+
+        # A read-only session is shown no form that changes anything.
+        reader = await session_of(system, await link(system, tenant="initech", read_only=True))
+        await second.goto(f"{system.monitor.base_url}/portal/s/{reader}/endpoints/{orders['id']}")
+        await expect(second.locator("#status")).to_be_visible()
+        await expect(second.locator("form[method=post]")).to_have_count(0)
+
+        # Nothing else frames it: the CSP names the operator's origin only.
+        assert answer.headers["content-security-policy"].count(f"frame-ancestors {HOST};") == 1
