@@ -155,6 +155,17 @@ def replay(args: argparse.Namespace) -> Any:
     return ApiClient(ClientSettings()).call("POST", f"/v1/endpoints/{args.endpoint_id}/replay", json=body)
 
 
+def portal_link(args: argparse.Namespace) -> Any:
+    body: dict[str, Any] = {
+        "tenant": args.tenant,
+        "read_only": args.read_only,
+        "expires_in_s": args.expires_in_s,
+    }
+    if args.endpoint_ids:
+        body["endpoint_ids"] = args.endpoint_ids
+    return ApiClient(ClientSettings()).call("POST", "/v1/portal/sessions", json=body)
+
+
 def status(args: argparse.Namespace) -> Any:
     api = ApiClient(ClientSettings(), monitor=True)
     summary = api.call("GET", "/v1/status")

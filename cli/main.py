@@ -5,6 +5,7 @@
     hookline events publish ...
     hookline dead-letters list|redrive ...
     hookline replay ENDPOINT_ID --since ...
+    hookline portal link --tenant T [--endpoint-id ID] [--read-only]   (a customer portal link)
     hookline status [--degrading] [--json]
     hookline receive [--status 500]      (a receiver for trying it out)
     hookline broker-setup [--upstream NAME[:TENANT]] ...   (least-privilege broker users)
@@ -381,6 +382,18 @@ def _operations_commands(commands: argparse._SubParsersAction[argparse.ArgumentP
     replay.add_argument("--since", required=True, help="RFC 3339 time, e.g. 2026-11-29T10:00:00Z")
     replay.add_argument("--until", help="RFC 3339 time (default: now)")
     replay.set_defaults(run=_admin(admin.replay))
+
+    portal = commands.add_parser("portal", help="the customer portal").add_subparsers(
+        dest="action", required=True, metavar="ACTION"
+    )
+    link = portal.add_parser("link", help="a link that opens a tenant's portal once (show it in an iframe)")
+    link.add_argument("--tenant", required=True)
+    link.add_argument(
+        "--endpoint-id", dest="endpoint_ids", action="append", help="only this endpoint (repeatable)"
+    )
+    link.add_argument("--read-only", action="store_true", help="it can look, and change nothing")
+    link.add_argument("--expires-in-s", type=int, default=3600, help="the link and its session end then")
+    link.set_defaults(run=_admin(admin.portal_link))
 
     status = commands.add_parser("status", help="the system's health, from the health monitor")
     status.add_argument("--degrading", action="store_true", help="only slow endpoints and open breakers")

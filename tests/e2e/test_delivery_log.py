@@ -341,7 +341,7 @@ async def test_a_polling_endpoint_fetches_its_events_in_order_signed_and_is_neve
     async def poll(token: str = polling["poll_token"], **params: Any) -> httpx.Response:
         return await api("GET", f"/v1/endpoints/{polling['id']}/poll", token=token, params=params)
 
-    for wrong in ("hlpt_not-the-token", services.TOKEN, pushed["secret"]):
+    for wrong in ("hlpt_not-the-token", services.TOKEN, OTHER_TOKEN, pushed["secret"]):
         assert (await poll(wrong)).status_code == 401
     assert (
         await api("GET", "/v1/endpoints/ep_01NOSUCHENDPOINT000000000/poll", token=polling["poll_token"])

@@ -4,7 +4,9 @@ only; a customer manages its endpoints and fixes its deliveries there without as
 
 from __future__ import annotations
 
+import asyncio
 import json
+import subprocess
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from datetime import UTC, datetime
@@ -89,6 +91,13 @@ async def test_portal_sessions_are_scoped_by_the_ingest(system: System, receiver
     again = await api(system, "POST", "/v1/portal/open", json={"link": key})
     assert (again.status_code, again.json()["error"]) == (410, "link_used"), again.text
 
+    # Opened five times at once, a link opens one session: the change log's order decides which.
+    raced = (await link(system))["url"].rsplit("/", 1)[1]
+    answers = await asyncio.gather(
+        *(api(system, "POST", "/v1/portal/open", json={"link": raced}) for _ in range(5))
+    )
+    assert sorted(a.status_code for a in answers) == [200, 410, 410, 410, 410]
+
     # The session sees its tenant's endpoints, and may not publish, nor touch tokens or the catalog.
     listed = (await api(system, "GET", "/v1/endpoints", token=session)).json()["data"]
     assert {e["id"] for e in listed} == {ok["id"], other["id"]}
@@ -147,6 +156,18 @@ async def test_portal_sessions_are_scoped_by_the_ingest(system: System, receiver
     revoked_id = "pls_" + made["id"].removeprefix("pll_")
     assert (await api(system, "DELETE", f"/v1/tokens/{revoked_id}")).status_code == 204
     assert (await api(system, "GET", "/v1/endpoints", token=session)).status_code == 401
+
+    # The same link from the command line.
+    env = {**system.env, "HOOKLINE_INGEST_URL": system.ingest.base_url}
+    made_by_cli = await asyncio.to_thread(
+        subprocess.run,
+        [services.HOOKLINE, "portal", "link", "--tenant", "acme", "--endpoint-id", ok["id"], "--read-only"],
+        env=env, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert made_by_cli.returncode == 0, made_by_cli.stderr
+    cli_session = await session_of(system, json.loads(made_by_cli.stdout))
+    identity = (await api(system, "GET", "/v1/whoami", token=cli_session)).json()
+    assert identity["portal"] == {"role": "session", "endpoint_ids": [ok["id"]], "read_only": True}
 
     # The audit trail names the portal session as the actor of what it did.
     async def audited() -> list[tuple[str, str]] | None:
@@ -252,10 +273,21 @@ async def test_a_customer_manages_its_endpoints_in_the_operators_iframe(
         await expect(portal.locator("main")).to_contain_text("previous secret keeps signing")
         assert await portal.locator("#secret").text_content() not in (None, secret)
         await portal.get_by_role("link", name="Continue to the endpoint").click()
+        await portal.get_by_label("Description").fill("orders and refunds")
+        await portal.get_by_role("button", name="Save").click()
+        await expect(portal.get_by_role("status")).to_have_text("Saved.")
+        await expect(portal.locator("main > p").nth(1)).to_contain_text("orders and refunds")
         await portal.get_by_role("button", name="Pause").click()
         await expect(portal.locator("#status")).to_have_text("paused")
         await portal.get_by_role("button", name="Resume").click()
         await expect(portal.locator("#status")).to_have_text("active")
+
+        # The event that failed: its attempts and why.
+        await portal.get_by_role("link", name="Events").click()
+        await portal.get_by_role("link", name=event_id).click()
+        course = portal.locator(f"section.course[data-endpoint={orders['id']}]")
+        await expect(course.locator("[data-state]")).to_have_text("dead")
+        await expect(course.locator("table.attempts")).to_contain_text("unknown type")
 
         # Redrive the dead letter once the receiver is fixed; it arrives.
         refusing = False
@@ -272,6 +304,18 @@ async def test_a_customer_manages_its_endpoints_in_the_operators_iframe(
         await expect(rows.locator("tr")).to_have_count(3)  # the header, orders and the new one
         DOCS_SCREENSHOT.parent.mkdir(exist_ok=True)
         await page.screenshot(path=str(DOCS_SCREENSHOT), full_page=False)
+
+        # Another monitor serves the same session: the session is the path, checked by the ingest.
+        session_path = urlsplit(page.frames[1].url).path
+        assert session_path.startswith("/portal/s/hlps_")
+        other = services.start("health-monitor", system.env, system.log_dir, name="health-monitor-portal")
+        system.extra.append(other)
+        await asyncio.to_thread(other.wait_ready, 60)
+        async with httpx.AsyncClient(base_url=other.base_url, timeout=30) as client:
+            served = await client.get(session_path)
+        assert served.status_code == 200, served.text
+        assert orders["id"] in served.text
+        assert hidden["id"] not in served.text
 
         # At 360 px wide the portal fits its frame.
         narrow = await browser.new_page(viewport={"width": 360, "height": 800})

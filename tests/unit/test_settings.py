@@ -54,6 +54,11 @@ def test_retry_schedule_is_comma_separated_seconds(monkeypatch: pytest.MonkeyPat
         ("HOOKLINE_OUTBOX_DSN", "mysql://db/x", OutboxRelaySettings),
         ("HOOKLINE_OUTBOX_BATCH_SIZE", "0", OutboxRelaySettings),
         ("HOOKLINE_OUTBOX_RETENTION_S", "-1", OutboxRelaySettings),
+        ("HOOKLINE_PORTAL_FRAME_ANCESTORS", "https://app.example.com/settings", MonitorSettings),  # a page
+        ("HOOKLINE_PORTAL_FRAME_ANCESTORS", "app.example.com", MonitorSettings),  # no scheme
+        ("HOOKLINE_PORTAL_FRAME_ANCESTORS", "https://a.example 'unsafe-inline'", MonitorSettings),
+        ("HOOKLINE_PORTAL_LOGO_URL", "javascript:alert(1)", MonitorSettings),
+        ("HOOKLINE_PORTAL_ACCENT", "red;}body{display:none", MonitorSettings),  # into the page's style
     ],
 )
 def test_a_bad_setting_exits_with_one_line_naming_it(

@@ -4,8 +4,15 @@ from __future__ import annotations
 
 from datetime import UTC, datetime, timedelta
 
-from hookline.shared.models import QuotaSet, StoredToken, TenantQuota, TokenUpserted
-from hookline.shared.tenants import NO_QUOTA, Tenants, digest, new_token
+from hookline.shared.models import PortalGrant, QuotaSet, StoredToken, TenantQuota, TokenUpserted
+from hookline.shared.tenants import (
+    NO_QUOTA,
+    PORTAL_LINK_PREFIX,
+    PORTAL_SESSION_PREFIX,
+    Tenants,
+    digest,
+    new_token,
+)
 
 NOW = datetime(2026, 12, 1, tzinfo=UTC)
 
@@ -52,3 +59,24 @@ def test_quotas_default_to_none() -> None:
     tenants.apply(QuotaSet(change_id="chg_2", at=NOW, tenant="acme", quota=TenantQuota(max_endpoints=3)))
     assert tenants.quota("acme").max_endpoints == 3
     assert tenants.quota("beta") == NO_QUOTA
+
+
+def test_a_portal_link_opens_one_session_the_first_recorded() -> None:
+    link, _, _ = new_token(PORTAL_LINK_PREFIX)
+    first, second = new_token(PORTAL_SESSION_PREFIX)[0], new_token(PORTAL_SESSION_PREFIX)[0]
+    grant = PortalGrant(role="session", endpoint_ids=["ep_1"], read_only=True)
+    session_id = "pls_01JD0000000000000000000000"
+    tenants = Tenants()
+    tenants.apply(upserted(stored(link, id="pll_01JD0000000000000000000000", portal={"role": "link"})))
+    assert tenants.authenticate(link, NOW) is not None  # found; the ingest refuses it as a bearer
+    kept = tenants.apply(upserted(stored(first, id=session_id, portal=grant)))
+    # A second opening, recorded later by another replica, writes a session of the same id: void.
+    raced = tenants.apply(upserted(stored(second, id=session_id, portal=grant)))
+    assert raced == kept
+    assert tenants.authenticate(second, NOW) is None
+    found = tenants.authenticate(first, NOW)
+    assert found is not None
+    assert found.portal == grant
+    # Revoking it (the same digest) still applies.
+    tenants.apply(upserted(stored(first, id=session_id, portal=grant, revoked_at=NOW)))
+    assert tenants.authenticate(first, NOW) is None
