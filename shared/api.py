@@ -87,18 +87,24 @@ def invalid_input(errors: Sequence[ErrorDetails] | Sequence[Any]) -> ApiError:
     return ApiError(422, "invalid_fields", f"invalid value for: {fields}", details)
 
 
+def route_path(request: Request) -> str:
+    """The path to log: the matched route's template, since a path may carry a credential (a portal
+    session's pages, /portal/s/<session>/…)."""
+    return str(getattr(request.scope.get("route"), "path", "(no route)"))
+
+
 def install_error_handlers(app: FastAPI) -> None:
     async def on_api_error(_: Request, exc: Exception) -> Response:
         assert isinstance(exc, ApiError)
         return error_response(exc.status, exc.code, exc.message, exc.details, exc.headers)
 
     async def on_broker_lost(request: Request, exc: Exception) -> Response:
-        log.warning("broker_write_failed", path=request.url.path, error=type(exc).__name__)
+        log.warning("broker_write_failed", path=route_path(request), error=type(exc).__name__)
         return await on_api_error(request, broker_unavailable(f"the broker did not take it: {exc}"))
 
     async def on_state_file_replaced(request: Request, exc: Exception) -> Response:
         # The local view it reads was found damaged and is being rebuilt from its stream (logged there).
-        log.warning("view_rebuilding", path=request.url.path)
+        log.warning("view_rebuilding", path=route_path(request))
         return error_response(
             503, "view_rebuilding", "a local view is being rebuilt; try again in a moment",
             headers={"Retry-After": str(VIEW_RETRY_AFTER_S)},
@@ -118,7 +124,7 @@ def install_error_handlers(app: FastAPI) -> None:
         return error_response(exc.status_code, code, str(exc.detail))
 
     async def on_unexpected(request: Request, exc: Exception) -> Response:
-        log.error("unhandled_error", path=request.url.path, error=type(exc).__name__, exc_info=exc)
+        log.error("unhandled_error", path=route_path(request), error=type(exc).__name__, exc_info=exc)
         return error_response(500, "internal_error", "internal error; see the service log")
 
     app.add_exception_handler(ApiError, on_api_error)

@@ -124,7 +124,7 @@ def create_app(settings: MonitorSettings) -> FastAPI:
     app.include_router(dashboard.router)
     # The customer portal: a session in the page's path, checked by the ingest at every page.
     app.state.portal_look = portal.Look.of(settings)
-    app.add_exception_handler(portal.SessionEndedError, portal.ended_page)
+    app.add_exception_handler(portal.PortalPageError, portal.problem_page)
     app.include_router(portal.router)
     return app
 

@@ -82,8 +82,9 @@ class Visit:
         return f"/portal/s/{self.session}"
 
 
-class SessionEndedError(Exception):
-    """The session (or link) is no longer valid: a page saying so, not an API error."""
+class PortalPageError(Exception):
+    """A page saying what went wrong (a session ended, a link used, the ingest not answering) in place
+    of the page asked for: a customer reads it, not an API client."""
 
     def __init__(self, status: int, message: str) -> None:
         super().__init__(message)
@@ -106,13 +107,11 @@ async def _visit(request: Request, session: str) -> Visit:
         identity = await _ingest(request).call(session, "GET", "/v1/whoami")
     except IngestApiError as exc:
         if exc.status in (401, 403):
-            raise SessionEndedError(
-                401, "This session has ended. Open the page again for a new one."
-            ) from None
-        raise SessionEndedError(503, f"The service is not answering: {exc.message}") from None
+            raise PortalPageError(401, "This session has ended. Open the page again for a new one.") from None
+        raise PortalPageError(503, f"The service is not answering: {exc.message}") from None
     grant = identity.get("portal")
     if grant is None:  # an API token pasted into the path: not a portal session
-        raise SessionEndedError(401, "This is not a portal session.")
+        raise PortalPageError(401, "This is not a portal session.")
     return Visit(
         session=session,
         tenant=identity["tenant"],
@@ -125,9 +124,17 @@ Ingest = Annotated[IngestApi, Depends(_ingest)]
 Current = Annotated[Visit, Depends(_visit)]
 
 
-def ended_page(request: Request, exc: Exception) -> HTMLResponse:
-    assert isinstance(exc, SessionEndedError)
-    return _page(request, "portal/ended.html", None, status_code=exc.status, problem=exc.message)
+async def _read(ingest: IngestApi, visit: Visit, path: str, **params: str) -> Any:
+    """What a page shows, asked of the ingest with the session (PortalPageError: why it cannot)."""
+    try:
+        return await ingest.call(visit.session, "GET", path, params=params)
+    except IngestApiError as exc:
+        raise PortalPageError(exc.status, exc.message) from None
+
+
+def problem_page(request: Request, exc: Exception) -> HTMLResponse:
+    assert isinstance(exc, PortalPageError)
+    return _page(request, "portal/problem.html", None, status_code=exc.status, problem=exc.message)
 
 
 def _page(
@@ -167,7 +174,7 @@ async def open_link(request: Request, link: str, ingest: Ingest) -> Response:
             410: "This link was opened already. Open the page again for a new one.",
             401: "This link is not valid, or it has expired. Open the page again for a new one.",
         }.get(exc.status, f"The service is not answering: {exc.message}")
-        raise SessionEndedError(exc.status if exc.status in (401, 410) else 503, message) from None
+        raise PortalPageError(exc.status if exc.status in (401, 410) else 503, message) from None
     log.info("portal_opened", tenant=opened["tenant"])
     return RedirectResponse(f"/portal/s/{opened['session']}/", status_code=303)
 
@@ -200,7 +207,7 @@ async def _catalog(ingest: IngestApi, visit: Visit) -> list[dict[str, Any]]:
 
 @router.get("/s/{session}/")
 async def endpoints(request: Request, visit: Current, ingest: Ingest) -> HTMLResponse:
-    listed = await ingest.call(visit.session, "GET", "/v1/endpoints", params={"limit": "1000"})
+    listed = await _read(ingest, visit, "/v1/endpoints", limit="1000")
     shown = listed["data"][:MAX_SHOWN_ENDPOINTS]
     monitor, now_s = _monitor(request), time.time()
     health = [endpoint_view(monitor, e["id"], monitor.registry.get(e["id"]), now_s) for e in shown]
@@ -264,13 +271,9 @@ async def add_endpoint(request: Request, visit: Current, ingest: Ingest) -> Resp
 @router.get("/s/{session}/endpoints/{endpoint_id}")
 async def endpoint(request: Request, endpoint_id: str, visit: Current, ingest: Ingest) -> HTMLResponse:
     path = f"/v1/endpoints/{quote(endpoint_id, safe='')}"
-    try:
-        found, attempts = await asyncio.gather(
-            ingest.call(visit.session, "GET", path),
-            ingest.call(visit.session, "GET", f"{path}/attempts", params={"limit": "20"}),
-        )
-    except IngestApiError as exc:
-        return _page(request, "portal/ended.html", visit, status_code=exc.status, problem=exc.message)
+    found, attempts = await asyncio.gather(
+        _read(ingest, visit, path), _read(ingest, visit, f"{path}/attempts", limit="20")
+    )
     monitor = _monitor(request)
     return _page(
         request,
@@ -340,7 +343,7 @@ def _done(action: str, result: dict[str, Any]) -> str:
 @router.get("/s/{session}/events")
 async def events(request: Request, visit: Current, ingest: Ingest) -> HTMLResponse:
     params = {k: request.query_params.get(k, "") for k in ("state", "type", "after")}
-    page = await ingest.call(visit.session, "GET", "/v1/events", params={**params, "limit": "50"})
+    page = await _read(ingest, visit, "/v1/events", **params, limit="50")
     return _page(
         request,
         "portal/events.html",
@@ -353,10 +356,7 @@ async def events(request: Request, visit: Current, ingest: Ingest) -> HTMLRespon
 
 @router.get("/s/{session}/events/{event_id}")
 async def event(request: Request, event_id: str, visit: Current, ingest: Ingest) -> HTMLResponse:
-    try:
-        story = await ingest.call(visit.session, "GET", f"/v1/events/{quote(event_id, safe='')}")
-    except IngestApiError as exc:
-        return _page(request, "portal/ended.html", visit, status_code=exc.status, problem=exc.message)
+    story = await _read(ingest, visit, f"/v1/events/{quote(event_id, safe='')}")
     return _page(request, "portal/event.html", visit, story=story)
 
 
@@ -374,7 +374,7 @@ async def resend(request: Request, event_id: str, visit: Current, ingest: Ingest
 @router.get("/s/{session}/dead-letters")
 async def dead_letters(request: Request, visit: Current, ingest: Ingest) -> HTMLResponse:
     filters = {k: request.query_params.get(k, "") for k in ("endpoint_id", "reason", "after")}
-    page = await ingest.call(visit.session, "GET", "/v1/dead-letters", params={**filters, "limit": "100"})
+    page = await _read(ingest, visit, "/v1/dead-letters", **filters, limit="100")
     return _page(
         request,
         "portal/dead_letters.html",

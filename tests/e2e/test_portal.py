@@ -336,5 +336,11 @@ async def test_a_customer_manages_its_endpoints_in_the_operators_iframe(
         await expect(second.locator("#status")).to_be_visible()
         await expect(second.locator("form[method=post]")).to_have_count(0)
 
+        # Neither a link nor a session is ever written to a log.
+        logs = system.logs()  # the second monitor's too
+        assert "portal_opened" in logs
+        assert "hlpl_" not in logs
+        assert "hlps_" not in logs
+
         # Nothing else frames it: the CSP names the operator's origin only.
         assert answer.headers["content-security-policy"].count(f"frame-ancestors {HOST};") == 1
