@@ -25,7 +25,7 @@ from hookline.ingest.state import Changes, Registry, Settings
 from hookline.shared import tenants
 from hookline.shared.api import ApiError
 from hookline.shared.ids import new_id
-from hookline.shared.models import Model, PortalGrant, StoredToken, Tenant
+from hookline.shared.models import ErrorDetail, Model, PortalGrant, StoredToken, Tenant
 
 log = structlog.get_logger(__name__)
 router = APIRouter(prefix="/v1/portal", tags=["portal"])  # behind the API's tokens
@@ -75,7 +75,13 @@ async def create_link(
     for endpoint_id in spec.endpoint_ids or ():
         endpoint = registry.get(endpoint_id)
         if endpoint is None or endpoint.tenant != spec.tenant:
-            raise ApiError(422, "invalid_fields", f"endpoint_ids: no endpoint {endpoint_id} of {spec.tenant}")
+            problem = f"no endpoint {endpoint_id!r} of tenant {spec.tenant}"
+            raise ApiError(
+                422,
+                "invalid_fields",
+                f"endpoint_ids: {problem}",
+                [ErrorDetail(field="endpoint_ids", message=problem)],
+            )
     now = datetime.now(UTC)
     secret, prefix, digest = tenants.new_token(tenants.PORTAL_LINK_PREFIX)
     link = await change_log.write_token(

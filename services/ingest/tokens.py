@@ -16,7 +16,7 @@ from hookline.ingest.state import Changes, Settings
 from hookline.shared import tenants
 from hookline.shared.api import ApiError
 from hookline.shared.ids import new_id
-from hookline.shared.models import Model, PortalGrant, StoredToken, Tenant
+from hookline.shared.models import ErrorDetail, Model, PortalGrant, StoredToken, Tenant
 from hookline.shared.notifications import OPERATOR_TENANT
 from hookline.shared.registry import ChangeLog
 
@@ -74,7 +74,8 @@ async def create_token(
     caller.require_admin("create tokens")
     if spec.tenant == OPERATOR_TENANT:
         # Its endpoints are the notifiers, which hold every tenant's notify_url.
-        raise ApiError(422, "invalid_fields", f"tenant {OPERATOR_TENANT!r} is hookline's own")
+        problem = f"tenant {OPERATOR_TENANT!r} is hookline's own"
+        raise ApiError(422, "invalid_fields", problem, [ErrorDetail(field="tenant", message=problem)])
     now = datetime.now(UTC)
     secret, prefix, digest = tenants.new_token()
     stored = await change_log.write_token(

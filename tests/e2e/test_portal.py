@@ -277,7 +277,11 @@ async def test_a_customer_manages_its_endpoints_in_the_operators_iframe(
         await portal.get_by_role("button", name="Save").click()
         await expect(portal.get_by_role("status")).to_have_text("Saved.")
         await expect(portal.locator("main > p").nth(1)).to_contain_text("orders and refunds")
-        await portal.get_by_role("button", name="Pause").click()
+        await portal.get_by_role("button", name="Reveal signing secret").click()
+        await expect(portal.locator("#secret")).not_to_have_text(secret)
+        await portal.get_by_role("link", name="Continue to the endpoint").click()
+        await portal.get_by_role("button", name="Pause").focus()  # keyboard only
+        await page.keyboard.press("Enter")
         await expect(portal.locator("#status")).to_have_text("paused")
         await portal.get_by_role("button", name="Resume").click()
         await expect(portal.locator("#status")).to_have_text("active")
@@ -288,6 +292,8 @@ async def test_a_customer_manages_its_endpoints_in_the_operators_iframe(
         course = portal.locator(f"section.course[data-endpoint={orders['id']}]")
         await expect(course.locator("[data-state]")).to_have_text("dead")
         await expect(course.locator("table.attempts")).to_contain_text("unknown type")
+        await course.get_by_role("button", name="Resend now").click()
+        await expect(portal.get_by_role("status")).to_contain_text(f"Sent again to {orders['id']}")
 
         # Redrive the dead letter once the receiver is fixed; it arrives.
         refusing = False
@@ -316,6 +322,23 @@ async def test_a_customer_manages_its_endpoints_in_the_operators_iframe(
         assert served.status_code == 200, served.text
         assert orders["id"] in served.text
         assert hidden["id"] not in served.text
+
+        # Deleted from its page, an endpoint is gone from the list.
+        created = portal.locator("#endpoints tr", has_text=receiver.url("/new"))
+        await created.get_by_role("link").click()
+        await portal.get_by_role("button", name="Delete this endpoint").click()
+        await expect(portal.get_by_role("status")).to_contain_text("Deleted")
+        await expect(rows.locator("tr")).to_have_count(2)
+
+        # Limited to one endpoint, a session lists that one and offers no way to add another.
+        limited = await session_of(system, await link(system, tenant="initech", endpoint_ids=[orders["id"]]))
+        other_endpoint = system.add_endpoint("initech", receiver.url("/elsewhere"), ["order.*"])
+        view = await browser.new_page()
+        await view.goto(f"{system.monitor.base_url}/portal/s/{limited}/")
+        await expect(view.locator("#endpoints tr[data-endpoint]")).to_have_count(1)
+        await expect(view.locator(f"tr[data-endpoint={orders['id']}]")).to_be_visible()
+        assert other_endpoint["id"] not in await view.content()
+        await expect(view.locator("#add")).to_have_count(0)
 
         # At 360 px wide the portal fits its frame.
         narrow = await browser.new_page(viewport={"width": 360, "height": 800})
