@@ -267,6 +267,7 @@ class Endpoint(Model):
     )
     auth: AuthSummary | None = None
     gzip_over_bytes: GzipOverBytes | None = None
+    filter: str | None = Field(None, description="a CEL expression its events must match (shared/filters.py)")
     status: EndpointStatus = EndpointStatus.ACTIVE
     verified: bool = Field(True, description="deliveries go only to verified endpoints")
     verification: Verification | None = None

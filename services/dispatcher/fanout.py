@@ -34,6 +34,7 @@ import structlog
 from hookline.dispatcher import fences, inbound
 from hookline.dispatcher.handler import Handler, handle_safely
 from hookline.dispatcher.incoming import Delivery
+from hookline.dispatcher.screening import Screen
 from hookline.shared import topology
 from hookline.shared.models import DeadLetterReason, StoredEndpoint
 
@@ -123,6 +124,11 @@ async def fan_out(handler: Handler, message: Delivery) -> bool:
     parsed = await handler.parse_event(message, tenant=tenant)
     if isinstance(parsed, inbound.Invalid):
         await handler.dead_letter_invalid(message, parsed, tenant=tenant, endpoints=targets)
+        await handler.acks.ack(message)
+        return True
+    screen = Screen(parsed.event)
+    targets = [endpoint for endpoint in targets if screen.admits(endpoint)]
+    if not targets:  # filtered out everywhere
         await handler.acks.ack(message)
         return True
     if _delivered_too_often(message):

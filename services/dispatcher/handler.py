@@ -39,6 +39,7 @@ from hookline.dispatcher.incoming import Incoming
 from hookline.dispatcher.ordering import SubjectOrder
 from hookline.dispatcher.outcome import Ack, DeadLetter, Retry, Settlement, classify, settle
 from hookline.dispatcher.pacing import Pacer
+from hookline.dispatcher.screening import Screen
 from hookline.dispatcher.settled import Settled
 from hookline.dispatcher.telemetry import Telemetry
 from hookline.dispatcher.turns import Turns
@@ -383,6 +384,10 @@ class Handler:
             return False
 
         event = parsed.event
+        if not lane and message.exchange == topology.EVENTS_EXCHANGE and not Screen(event).admits(endpoint):
+            # Routed straight to its queue of its own (a direct route): its filter is applied here.
+            await self.acks.ack(message)
+            return False
         if await self._settled_before(message, endpoint, parsed):
             return False
         if message.exchange == topology.EVENTS_EXCHANGE and fences.second_copies_may_come(

@@ -107,3 +107,13 @@ QUEUES_REDECLARED = prometheus_client.Counter(
 BREAKERS_EXPIRED = prometheus_client.Counter(
     "hookline_breakers_expired", "Open breakers closed here because no health monitor renewed them."
 )
+FILTERED = prometheus_client.Counter(
+    "hookline_filtered_copies",
+    "Copies of events an endpoint's filter did not match (not queued, not delivered; evaluation errors "
+    "included).",
+)
+FILTER_ERRORS = prometheus_client.Counter(
+    "hookline_filter_errors",
+    "Events an endpoint's filter could not be evaluated on (a missing field, a type mismatch): no match.",
+    ["endpoint_id"],
+)

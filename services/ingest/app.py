@@ -22,6 +22,7 @@ from hookline.ingest import (
     endpoints,
     events,
     eventtypes,
+    filtertest,
     polling,
     portal,
     quotas,
@@ -95,6 +96,7 @@ def create_app(settings: IngestSettings) -> FastAPI:
     app.include_router(events.router, dependencies=[guard])
     app.include_router(endpoints.router, dependencies=[guard])
     app.include_router(testevents.router, dependencies=[guard])
+    app.include_router(filtertest.router, dependencies=[guard])
     app.include_router(polling.router)  # its own credential: the endpoint's poll_token
     app.include_router(polling.admin_router, dependencies=[guard])
     app.include_router(eventtypes.router, dependencies=[guard])

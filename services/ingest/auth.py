@@ -36,6 +36,8 @@ PORTAL_ROUTES = frozenset(
             ("POST", f"/v1/endpoints/{{endpoint_id}}/{action}")
             for action in ("verify", "rotate-secret", "pause", "resume", "replay", "test")
         ),
+        ("POST", "/v1/endpoints/{endpoint_id}/filter/test"),
+        ("POST", "/v1/filters/test"),
         ("GET", "/v1/events"),
         ("GET", "/v1/events/{event_id}"),
         ("POST", "/v1/events/{event_id}/resend"),

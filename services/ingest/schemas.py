@@ -6,8 +6,9 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Annotated, Any, Self
 
-from pydantic import AwareDatetime, Field, StringConstraints, model_validator
+from pydantic import AfterValidator, AwareDatetime, Field, StringConstraints, model_validator
 
+from hookline.shared import filters
 from hookline.shared.api import ApiError
 from hookline.shared.models import (
     BodyFormat,
@@ -100,6 +101,17 @@ class BatchAccepted(Model):
 
 
 #: What a polling endpoint may be given besides ``kind``, its tenant and patterns: the rest shapes pushes.
+def _checked_filter(source: str) -> str:
+    filters.check(source)  # FilterError is a ValueError: a 422 naming the field, the problem and where
+    return source
+
+
+EndpointFilter = Annotated[str, AfterValidator(_checked_filter)]
+FILTER_DESCRIPTION = (
+    "a CEL expression over type, subject, tenant, schema_version, occurred_at, sequence and data that its "
+    'events must also match (data.amount >= 1000 && data.currency == "EUR")'
+)
+
 POLLING_FIELDS = frozenset({"kind", "tenant", "event_types", "description", "retention_s", "notify_url",
                             "notify_format", "verify"})  # fmt: skip
 
@@ -125,6 +137,7 @@ class EndpointCreate(Model):
     headers: CustomHeaders | None = Field(None, description="sent with every delivery (values kept sealed)")
     auth: EndpointAuth | None = None
     gzip_over_bytes: GzipOverBytes | None = None
+    filter: EndpointFilter | None = Field(None, description=FILTER_DESCRIPTION)
     verify: bool = Field(True, description="run the verification handshake (false: for development only)")
 
     @model_validator(mode="after")
@@ -163,6 +176,7 @@ class EndpointUpdate(Model):
     headers: CustomHeaders | None = Field(None, description="replaces them all; null removes them")
     auth: EndpointAuth | None = Field(None, description="replaces it; null removes it")
     gzip_over_bytes: GzipOverBytes | None = Field(None, description="null: bodies go uncompressed")
+    filter: EndpointFilter | None = Field(None, description="null: every event its patterns match")
     verify: bool = Field(True, description="verify the new url, when it changes, before delivering to it")
 
 

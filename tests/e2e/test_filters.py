@@ -1,0 +1,128 @@
+"""Endpoint filters end to end: a CEL expression set on an endpoint (refused, naming where, when it is
+wrong), tried against an event, and applied where events are fanned out, so that the endpoint receives
+exactly the events it matches and no copy of the others is made for it."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import httpx
+import pytest
+from support import services
+from support.monitoring import counted
+from support.receiver import Receiver
+from support.system import System
+from support.waiting import eventually
+
+pytestmark = pytest.mark.e2e
+
+EVENTS = 1000
+CURRENCIES = ("EUR", "USD")
+
+
+async def api(system: System, method: str, path: str, **kwargs: Any) -> httpx.Response:
+    async with httpx.AsyncClient(
+        base_url=system.ingest.base_url, headers={"authorization": f"Bearer {services.TOKEN}"}, timeout=60
+    ) as client:
+        return await client.request(method, path, **kwargs)
+
+
+async def test_a_filtered_endpoint_receives_exactly_the_events_it_matches(
+    system: System, receiver: Receiver
+) -> None:
+    # Refused when set, naming the problem and where; tried before it is relied on.
+    wrong = await api(
+        system, "POST", "/v1/endpoints",
+        json={"tenant": "acme", "url": receiver.url("/x"), "event_types": ["order.*"], "filter": "data.amount >="},
+    )  # fmt: skip
+    assert wrong.status_code == 422, wrong.text
+    assert wrong.json()["details"][0]["field"] == "filter"
+    assert "line 1, column 15" in wrong.json()["details"][0]["message"]
+    tried = await api(
+        system, "POST", "/v1/filters/test",
+        json={"filter": "data.amount >= 1000", "event": {"type": "order.created", "data": {"amount": 1200}}},
+    )  # fmt: skip
+    assert tried.json() == {"matches": True, "error": None}, tried.text
+
+    big = system.add_endpoint("acme", receiver.url("/big"), ["order.*"], filter="data.amount >= 1000")
+    euro = system.add_endpoint("acme", receiver.url("/euro"), ["order.*"], filter='data.currency == "EUR"')
+    system.add_endpoint("acme", receiver.url("/all"), ["order.*"])  # unfiltered: every event
+    refunds = system.add_endpoint(
+        "acme", receiver.url("/refunds"), ["order.*"], filter="data.refund.amount > 0"
+    )
+    on_endpoint = await api(
+        system, "POST", f"/v1/endpoints/{big['id']}/filter/test",
+        json={"event": {"type": "order.created", "data": {"amount": 999}}},
+    )  # fmt: skip
+    assert on_endpoint.json() == {"matches": False, "error": None}
+    missing = await api(
+        system, "POST", f"/v1/endpoints/{refunds['id']}/filter/test",
+        json={"event": {"type": "order.created", "data": {"amount": 5}}},
+    )  # fmt: skip
+    assert missing.json() == {"matches": False, "error": "no field 'refund' in the event"}
+
+    # A mixed stream: amounts 0..1999, alternating currencies.
+    filtered_before = await counted(system, "hookline_filtered_copies_total")
+    events = [
+        {"tenant": "acme", "type": "order.created", "subject": f"o_{n}",
+         "data": {"amount": (n * 7) % 2000, "currency": CURRENCIES[n % 2]}}
+        for n in range(EVENTS)
+    ]  # fmt: skip
+    for start in range(0, EVENTS, 500):
+        answer = await api(system, "POST", "/v1/events/batch", json={"events": events[start : start + 500]})
+        assert {r["status"] for r in answer.json()["results"]} == {202}, answer.text
+    sentinel = await api(
+        system, "POST", "/v1/events",
+        json={"tenant": "acme", "type": "order.created", "subject": "last", "data": {"amount": 5000, "currency": "EUR"}},
+    )  # fmt: skip
+    assert sentinel.status_code == 202
+
+    def subjects(path: str) -> set[str]:
+        return {json.loads(r.body)["subject"] for r in receiver.requests if r.path == path}
+
+    async def all_arrived() -> bool:
+        return (
+            len(subjects("/all")) == EVENTS + 1 and "last" in subjects("/big") and "last" in subjects("/euro")
+        )
+
+    await eventually(all_arrived, timeout_s=60)
+    expected_big = {e["subject"] for e in events if e["data"]["amount"] >= 1000} | {"last"}
+    expected_euro = {e["subject"] for e in events if e["data"]["currency"] == "EUR"} | {"last"}
+    assert subjects("/big") == expected_big
+    assert subjects("/euro") == expected_euro
+    assert subjects("/refunds") == set()
+    # Received once each (at least once allows more; none was retried here).
+    assert len([r for r in receiver.requests if r.path == "/big"]) == len(expected_big)
+
+    # The copies not made: every event each filtered endpoint did not match, counted where it was fanned out.
+    not_matched = (EVENTS + 1 - len(expected_big)) + (EVENTS + 1 - len(expected_euro)) + (EVENTS + 1)
+    assert await counted(system, "hookline_filtered_copies_total") - filtered_before == not_matched
+    errors = f'hookline_filter_errors_total{{endpoint_id="{refunds["id"]}"}}'
+    assert await counted(system, errors) == EVENTS + 1
+
+    # Changed, it applies to the next events; removed (null), every event its patterns match again.
+    changed = await api(system, "PATCH", f"/v1/endpoints/{big['id']}", json={"filter": "data.amount < 10"})
+    assert changed.status_code == 200, changed.text
+    assert changed.json()["filter"] == "data.amount < 10"
+    removed = await api(system, "PATCH", f"/v1/endpoints/{euro['id']}", json={"filter": None})
+    assert removed.json()["filter"] is None
+    for subject, amount, currency in (("small", 3, "USD"), ("after", 50, "USD")):
+        await api(
+            system,
+            "POST",
+            "/v1/events",
+            json={
+                "tenant": "acme",
+                "type": "order.created",
+                "subject": subject,
+                "data": {"amount": amount, "currency": currency},
+            },
+        )
+
+    async def changes_applied() -> bool:
+        return {"small", "after"} <= subjects("/euro") and "after" in subjects("/all")
+
+    await eventually(changes_applied, timeout_s=30)
+    assert "small" in subjects("/big")
+    assert "after" not in subjects("/big")  # decided with the copy /all got: one lane message
