@@ -80,6 +80,15 @@ def compiled(source: str) -> Filter:
     return Filter(source)
 
 
+def verdict(source: str, event: cel.Context) -> Verdict:
+    """``source``'s verdict on an event (its ``context``). A filter not checked when it was set (a
+    record from an import of an older version's backup) is no match, saying why."""
+    try:
+        return compiled(source).verdict(event)
+    except FilterError as exc:
+        return Verdict(False, f"the filter is invalid: {exc}")
+
+
 def context(event: Mapping[str, Any]) -> cel.Context:
     """An event's variables, converted to CEL's values once for all of its endpoints' filters."""
     return cel.Context({name: event.get(name) for name in VARIABLES})

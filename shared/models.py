@@ -84,7 +84,7 @@ class Event(EventFields):
 
 #: Where an event stands at one endpoint (the delivery log's answer; the dashboard filters by it).
 EventState = Literal[
-    "delivered", "pending", "retrying", "dead", "paused", "breaker_open", "unverified", "disabled"
+    "delivered", "pending", "retrying", "dead", "paused", "breaker_open", "unverified", "disabled", "filtered"
 ]
 
 

@@ -33,10 +33,7 @@ class Screen:
                     "sequence": event.sequence, "data": event.data,
                 }
             )  # fmt: skip
-        try:
-            verdict = filters.compiled(endpoint.filter).verdict(self._context)
-        except filters.FilterError as exc:  # checked when set; a record written otherwise (an import)
-            verdict = filters.Verdict(False, f"the filter is invalid: {exc}")
+        verdict = filters.verdict(endpoint.filter, self._context)
         if verdict.error is not None:
             metrics.FILTER_ERRORS.labels(endpoint.id).inc()
             log.info("filter_error", endpoint_id=endpoint.id, event_id=self._event.id, error=verdict.error)

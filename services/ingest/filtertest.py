@@ -50,5 +50,5 @@ async def test_endpoint_filter(
 
 
 def _verdict(source: str, event: dict[str, Any]) -> FilterVerdict:
-    verdict = filters.compiled(source).verdict(filters.context(event))
+    verdict = filters.verdict(source, filters.context(event))
     return FilterVerdict(matches=verdict.matches, error=verdict.error)

@@ -13,6 +13,7 @@ from datetime import UTC, datetime
 
 from hookline.shared.control import BreakerCommand, BreakerState
 from hookline.shared.deadletters import DeadLetterItem
+from hookline.shared.filters import Verdict
 from hookline.shared.models import EndpointStatus, EventState, Model, StoredEndpoint
 from hookline.shared.telemetry import ASIDE_KINDS, AttemptRecord, Deferral, Outcome
 
@@ -86,6 +87,16 @@ def standing(
             why = f"attempt {last.attempt} failed ({_failure(last)}); due, waiting for a dispatcher"
         return Standing(state="retrying", next_attempt_at=next_at, waiting_reason=why)
     return Standing(state="pending", next_attempt_at=None, waiting_reason=_queued(endpoint))
+
+
+def filtered_out(verdict: Verdict) -> Standing:
+    """An event the endpoint's filter does not match: never queued or sent to it."""
+    why = (
+        "the endpoint's filter does not match it: not sent"
+        if verdict.error is None
+        else f"the endpoint's filter could not be evaluated on it ({verdict.error}): not sent"
+    )
+    return Standing(state="filtered", next_attempt_at=None, waiting_reason=why)
 
 
 def _held_by_endpoint(endpoint: StoredEndpoint) -> Standing | None:

@@ -7,6 +7,8 @@ import time
 from datetime import UTC, datetime
 from typing import Annotated
 
+import cel
+import orjson
 import structlog
 from fastapi import APIRouter, Query
 from pydantic import BaseModel, ValidationError
@@ -15,10 +17,10 @@ from hookline.ingest import polling
 from hookline.ingest.auth import Caller, Principal
 from hookline.ingest.deliverylog import LoggedEvent
 from hookline.ingest.state import IngestState, State
-from hookline.ingest.timeline import standing
-from hookline.shared import topology
+from hookline.ingest.timeline import filtered_out, standing
+from hookline.shared import filters, topology
 from hookline.shared.api import ApiError
-from hookline.shared.models import Event, EventState, Model
+from hookline.shared.models import Event, EventState, Model, StoredEndpoint
 from hookline.shared.sealing import RESPONSE_PURPOSE, SealedSecretError, Sealer
 from hookline.shared.streams import read_at
 from hookline.shared.telemetry import AttemptKind, AttemptRecord
@@ -230,16 +232,23 @@ async def _story(state: IngestState, logged: LoggedEvent, *, with_attempts: bool
     # Endpoints that were attempted too: their patterns may have changed since, or they are gone.
     endpoint_ids = list(dict.fromkeys([*subscribed, *(a.endpoint_id for a in attempts)]))
     now_s = time.time()
+    screen = _Screen(state, logged)
     courses = []
     for endpoint_id in endpoint_ids:
         mine = [a for a in attempts if a.endpoint_id == endpoint_id]
-        where = standing(
-            state.registry.get(endpoint_id),
-            mine,
-            [item for item in dead if item.endpoint_id == endpoint_id],
-            state.breakers.state(endpoint_id),
-            next((d for d in reversed(deferrals) if d.endpoint_id == endpoint_id), None),
-            now_s=now_s,
+        endpoint = state.registry.get(endpoint_id)
+        verdict = await screen.verdict(endpoint) if endpoint is not None and not mine else None
+        where = (
+            filtered_out(verdict)
+            if verdict is not None and not verdict.matches
+            else standing(
+                endpoint,
+                mine,
+                [item for item in dead if item.endpoint_id == endpoint_id],
+                state.breakers.state(endpoint_id),
+                next((d for d in reversed(deferrals) if d.endpoint_id == endpoint_id), None),
+                now_s=now_s,
+            )
         )
         courses.append(
             EndpointCourse(
@@ -256,6 +265,31 @@ async def _story(state: IngestState, logged: LoggedEvent, *, with_attempts: bool
         accepted_at=datetime.fromtimestamp(logged.accepted_at_s, UTC),
         endpoints=courses,
     )
+
+
+class _Screen:
+    """The verdict of an endpoint's current filter on a logged event, for one without attempts: the
+    event is read back from the event log once, and only when one of its endpoints has a filter."""
+
+    def __init__(self, state: IngestState, logged: LoggedEvent) -> None:
+        self._state = state
+        self._logged = logged
+        self._context: cel.Context | None = None
+        self._read = False
+
+    async def verdict(self, endpoint: StoredEndpoint) -> filters.Verdict | None:
+        if endpoint.filter is None:
+            return None
+        if not self._read:
+            self._read = True
+            body = await read_at(
+                self._state.broker, topology.EVENT_LOG, self._logged.offset, timeout_s=READ_TIMEOUT_S
+            )
+            if body is not None:  # trimmed from the log: its state at the endpoint is told as before
+                self._context = filters.context(orjson.loads(body))
+        if self._context is None:
+            return None
+        return filters.verdict(endpoint.filter, self._context)
 
 
 def attempt_view(sealer: Sealer, record: AttemptRecord) -> AttemptView:

@@ -101,6 +101,17 @@ async def test_a_filtered_endpoint_receives_exactly_the_events_it_matches(
     errors = f'hookline_filter_errors_total{{endpoint_id="{refunds["id"]}"}}'
     assert await counted(system, errors) == EVENTS + 1
 
+    # The delivery log says so: filtered at the endpoints it does not match, and why.
+    small = next(e for e in events if e["data"]["amount"] < 1000 and e["data"]["currency"] == "EUR")
+    page = (await api(system, "GET", "/v1/events", params={"subject": small["subject"]})).json()["data"]
+    story = (await api(system, "GET", f"/v1/events/{page[0]['id']}")).json()
+    courses = {c["endpoint_id"]: c for c in story["endpoints"]}
+    assert courses[big["id"]]["state"] == "filtered"
+    assert courses[big["id"]]["waiting_reason"] == "the endpoint's filter does not match it: not sent"
+    assert courses[euro["id"]]["state"] == "delivered"
+    assert courses[refunds["id"]]["state"] == "filtered"
+    assert "no field 'refund' in the event" in courses[refunds["id"]]["waiting_reason"]
+
     # Changed, it applies to the next events; removed (null), every event its patterns match again.
     changed = await api(system, "PATCH", f"/v1/endpoints/{big['id']}", json={"filter": "data.amount < 10"})
     assert changed.status_code == 200, changed.text
