@@ -89,6 +89,12 @@ def verdict(source: str, event: cel.Context) -> Verdict:
         return Verdict(False, f"the filter is invalid: {exc}")
 
 
+def admits(source: str | None, event: Mapping[str, Any]) -> bool:
+    """Whether an endpoint with the filter ``source`` (None: none) takes this event (as parsed JSON):
+    what a replay or a redrive asks of each event, the endpoint's filter as it is now."""
+    return source is None or verdict(source, context(event)).matches
+
+
 def context(event: Mapping[str, Any]) -> cel.Context:
     """An event's variables, converted to CEL's values once for all of its endpoints' filters."""
     return cel.Context({name: event.get(name) for name in VARIABLES})

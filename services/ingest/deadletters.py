@@ -18,10 +18,10 @@ from pydantic import Field, model_validator
 from hookline.ingest.auth import Caller
 from hookline.ingest.resend import Resend, resend
 from hookline.ingest.state import DeadLetters, IngestState, State
-from hookline.shared import topology
+from hookline.shared import filters, topology
 from hookline.shared.deadletters import REDRIVEN_HEADER, DeadLetterItem, item_id, offset_of
 from hookline.shared.ids import new_id
-from hookline.shared.models import DeadLetterReason, Model
+from hookline.shared.models import DeadLetterReason, Model, StoredEndpoint
 from hookline.shared.registry import EndpointRegistry
 from hookline.shared.streams import Record, read_until_now
 
@@ -87,6 +87,16 @@ async def _bodies(state: IngestState, wanted: set[str]) -> dict[str, bytes]:
     return bodies
 
 
+def _admitted(endpoint: StoredEndpoint | None, body: bytes) -> bool:
+    if endpoint is None or endpoint.filter is None:
+        return True
+    try:
+        event = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return True  # not an event: dead again with its reason, as any invalid body redriven
+    return isinstance(event, dict) and filters.admits(endpoint.filter, event)
+
+
 @router.get("", response_model=DeadLetterList)
 async def list_dead_letters(
     dead_letters: DeadLetters,
@@ -135,7 +145,13 @@ async def redrive(request: RedriveRequest, state: State, caller: Caller) -> Redr
     if not wanted:
         return RedriveResult(redriven=0, skipped=len(chosen))
     bodies = await _bodies(state, set(wanted))
-    items = [wanted[dead_letter_id] for dead_letter_id in wanted if dead_letter_id in bodies]
+    # The endpoint's filter as it is now decides too (one changed since: what it no longer wants stays).
+    items = [
+        wanted[dead_letter_id]
+        for dead_letter_id in wanted
+        if dead_letter_id in bodies
+        and _admitted(state.registry.get(wanted[dead_letter_id].endpoint_id or ""), bodies[dead_letter_id])
+    ]
     sent = await resend(
         state.registry,
         state.publisher,

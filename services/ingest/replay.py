@@ -20,7 +20,7 @@ from hookline.ingest import polling
 from hookline.ingest.auth import Caller
 from hookline.ingest.resend import Resend, resend
 from hookline.ingest.state import State
-from hookline.shared import topology
+from hookline.shared import filters, topology
 from hookline.shared.api import ApiError
 from hookline.shared.headers import Header
 from hookline.shared.models import Model, StoredEndpoint
@@ -49,7 +49,8 @@ class ReplayResult(Model):
 def selects(
     endpoint: StoredEndpoint, event: object, accepted_at: datetime | None, since: datetime, until: datetime
 ) -> bool:
-    """Whether a logged event belongs to this endpoint's replay window (pure)."""
+    """Whether a logged event belongs to this endpoint's replay window, and its filter as it is now
+    admits it (pure)."""
     if not isinstance(event, dict) or event.get("tenant") != endpoint.tenant:
         return False
     event_type = event.get("type")
@@ -57,7 +58,8 @@ def selects(
         return False
     if accepted_at is None or not since <= accepted_at <= until:
         return False
-    return any(topology.topic_matches(pattern, event_type) for pattern in endpoint.event_types)
+    subscribed = any(topology.topic_matches(pattern, event_type) for pattern in endpoint.event_types)
+    return subscribed and filters.admits(endpoint.filter, event)
 
 
 def accepted_time(message: Record, event: object) -> datetime | None:

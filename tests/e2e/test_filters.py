@@ -5,6 +5,7 @@ exactly the events it matches and no copy of the others is made for it."""
 from __future__ import annotations
 
 import json
+from datetime import UTC, datetime
 from typing import Any
 
 import httpx
@@ -63,6 +64,7 @@ async def test_a_filtered_endpoint_receives_exactly_the_events_it_matches(
     assert missing.json() == {"matches": False, "error": "no field 'refund' in the event"}
 
     # A mixed stream: amounts 0..1999, alternating currencies.
+    published_from = datetime.now(UTC)
     filtered_before = await counted(system, "hookline_filtered_copies_total")
     events = [
         {"tenant": "acme", "type": "order.created", "subject": f"o_{n}",
@@ -137,3 +139,10 @@ async def test_a_filtered_endpoint_receives_exactly_the_events_it_matches(
     await eventually(changes_applied, timeout_s=30)
     assert "small" in subjects("/big")
     assert "after" not in subjects("/big")  # decided with the copy /all got: one lane message
+
+    # A replay applies the filter as it is now: the events of the window it matches, no others.
+    replayed = await api(
+        system, "POST", f"/v1/endpoints/{big['id']}/replay", json={"since": published_from.isoformat()}
+    )
+    small_ones = {e["subject"] for e in events if e["data"]["amount"] < 10} | {"small"}
+    assert replayed.json()["replayed"] == len(small_ones), replayed.text

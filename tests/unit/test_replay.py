@@ -33,3 +33,13 @@ ENDPOINT = StoredEndpoint(
 )
 def test_selects(event: Any, accepted_at: datetime | None, expected: bool) -> None:
     assert selects(ENDPOINT, event, accepted_at, T0, T0 + timedelta(minutes=10)) is expected
+
+
+@pytest.mark.parametrize(
+    ("data", "expected"),
+    [({"amount": 1500}, True), ({"amount": 10}, False), ({}, False)],  # a missing field: no match
+)
+def test_a_replay_applies_the_endpoints_filter_as_it_is_now(data: dict[str, Any], expected: bool) -> None:
+    filtered = ENDPOINT.model_copy(update={"filter": "data.amount >= 1000"})
+    event = {"id": "e", "tenant": "acme", "type": "order.created", "data": data}
+    assert selects(filtered, event, T0, T0, T0 + timedelta(minutes=10)) is expected
