@@ -793,6 +793,10 @@ async def main(arguments: argparse.Namespace) -> dict[str, Any]:
         report["polling"] = await polling.run(
             polling_url, count=arguments.polling_events, limit=250, other_types=0
         )
+    from bench import filters
+
+    print("endpoint filters where events are fanned out…", flush=True)
+    report["filters"] = filters.run(events=2000)
     from bench import monitor_restart
 
     print(f"monitor restart with {arguments.monitor_records:,} telemetry records…", flush=True)
@@ -953,7 +957,7 @@ def markdown(report: dict[str, Any]) -> str:
             f"{beside['healthy_failed_attempts']}, breakers moved {beside['healthy_breakers_changed']} | |"
         )
     # The cases whose module writes its own row.
-    cases = [case for case in ("burst", "polling") if report.get(case)]
+    cases = [case for case in ("burst", "polling", "filters") if report.get(case)]
     lines += [
         row for case in cases for row in importlib.import_module(f"bench.{case}").markdown(report[case])
     ]

@@ -31,10 +31,9 @@ from typing import Any
 import aiormq
 import structlog
 
-from hookline.dispatcher import fences, inbound
+from hookline.dispatcher import fences, inbound, screening
 from hookline.dispatcher.handler import Handler, handle_safely
 from hookline.dispatcher.incoming import Delivery
-from hookline.dispatcher.screening import Screen
 from hookline.shared import topology
 from hookline.shared.models import DeadLetterReason, StoredEndpoint
 
@@ -126,8 +125,7 @@ async def fan_out(handler: Handler, message: Delivery) -> bool:
         await handler.dead_letter_invalid(message, parsed, tenant=tenant, endpoints=targets)
         await handler.acks.ack(message)
         return True
-    screen = Screen(parsed.event)
-    targets = [endpoint for endpoint in targets if screen.admits(endpoint)]
+    targets = screening.admitted(parsed.event, targets)
     if not targets:  # filtered out everywhere
         await handler.acks.ack(message)
         return True

@@ -30,7 +30,7 @@ from typing import cast
 import structlog
 from opentelemetry.trace import SpanKind
 
-from hookline.dispatcher import fences, inbound, metrics
+from hookline.dispatcher import fences, inbound, metrics, screening
 from hookline.dispatcher.acks import Acks
 from hookline.dispatcher.admission import CROWDED_IN_FLIGHT, Admission, Ended, Ledger, Standing, Ticket
 from hookline.dispatcher.backoff import Jitter, RetryPolicy, honoured_retry_after_s
@@ -39,7 +39,6 @@ from hookline.dispatcher.incoming import Incoming
 from hookline.dispatcher.ordering import SubjectOrder
 from hookline.dispatcher.outcome import Ack, DeadLetter, Retry, Settlement, classify, settle
 from hookline.dispatcher.pacing import Pacer
-from hookline.dispatcher.screening import Screen
 from hookline.dispatcher.settled import Settled
 from hookline.dispatcher.telemetry import Telemetry
 from hookline.dispatcher.turns import Turns
@@ -384,7 +383,11 @@ class Handler:
             return False
 
         event = parsed.event
-        if not lane and message.exchange == topology.EVENTS_EXCHANGE and not Screen(event).admits(endpoint):
+        if (
+            not lane
+            and message.exchange == topology.EVENTS_EXCHANGE
+            and not screening.admitted(event, (endpoint,))
+        ):
             # Routed straight to its queue of its own (a direct route): its filter is applied here.
             await self.acks.ack(message)
             return False

@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from hookline.shared.filters import MAX_CHARS, FilterError, Verdict, check, compiled, context
+from hookline.shared.filters import MAX_CHARS, FilterError, Needs, Verdict, check, compiled, context
 
 EVENT: dict[str, Any] = {
     "id": "evt_1",
@@ -46,6 +46,23 @@ EVENT: dict[str, Any] = {
 def test_an_events_verdict(source: str, verdict: Verdict) -> None:
     check(source)
     assert compiled(source).verdict(context(EVENT)) == verdict
+    # The same from a context holding only what the filter reads (what the fan-out builds).
+    assert compiled(source).verdict(context(EVENT, compiled(source).needs)) == verdict
+
+
+@pytest.mark.parametrize(
+    ("source", "needs"),
+    [
+        ('data.amount >= 1000 && data.currency == "EUR"', Needs(frozenset({"data"}), frozenset({"amount", "currency"}))),
+        ("has(data.refund) || data.items.exists(i, i.qty > 1)", Needs(frozenset({"data"}), frozenset({"refund", "items"}))),
+        ('type == "data.amount"', Needs(frozenset({"type"}), frozenset())),  # in a string: text
+        ("size(data) > 1", Needs(frozenset({"data"}), None)),
+        ('data["amount"] > 1', Needs(frozenset({"data"}), None)),
+        ('data.exists(key, key == "amount")', Needs(frozenset({"data"}), None)),  # a macro on data itself
+    ],
+)  # fmt: skip
+def test_what_a_filter_reads_of_an_event(source: str, needs: Needs) -> None:
+    assert compiled(source).needs == needs
 
 
 def test_a_missing_optional_field_is_null() -> None:
