@@ -64,6 +64,7 @@ def _endpoint_fields(args: argparse.Namespace) -> dict[str, Any]:
         "notify_url": args.notify_url,
         "notify_format": args.notify_format,
         "gzip_over_bytes": args.gzip_over_bytes,
+        "filter": args.filter,
     }
     return {name: value for name, value in fields.items() if value is not None}
 
@@ -74,6 +75,7 @@ def _endpoint_changes(args: argparse.Namespace) -> dict[str, Any]:
         ("no_rate_limit", "rate_limit_per_s"),
         ("no_max_in_flight", "max_in_flight"),
         ("no_gzip", "gzip_over_bytes"),
+        ("no_filter", "filter"),
     ):
         if getattr(args, flag):
             changes[field] = None  # null removes the limit

@@ -196,6 +196,10 @@ def _add_endpoint_options(parser: argparse.ArgumentParser, *, creating: bool) ->
         metavar="BYTES",
         help="gzip bodies larger than this (content-encoding: gzip; signed before compression)",
     )
+    parser.add_argument(
+        "--filter",
+        help='a CEL expression its events must match: data.amount >= 1000 && data.currency == "EUR"',
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -345,6 +349,7 @@ def _endpoint_commands(commands: argparse._SubParsersAction[argparse.ArgumentPar
     update.add_argument("--no-rate-limit", action="store_true", help="remove the rate limit")
     update.add_argument("--no-max-in-flight", action="store_true", help="remove the concurrency cap")
     update.add_argument("--no-gzip", action="store_true", help="send bodies uncompressed")
+    update.add_argument("--no-filter", action="store_true", help="every event its patterns match")
     ordering = update.add_mutually_exclusive_group()
     ordering.add_argument("--ordered", dest="ordered", action="store_true", default=None)
     ordering.add_argument("--unordered", dest="ordered", action="store_false")

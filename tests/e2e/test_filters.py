@@ -4,7 +4,9 @@ exactly the events it matches and no copy of the others is made for it."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import subprocess
 from datetime import UTC, datetime
 from typing import Any
 
@@ -49,6 +51,16 @@ async def test_a_filtered_endpoint_receives_exactly_the_events_it_matches(
     big = system.add_endpoint("acme", receiver.url("/big"), ["order.*"], filter="data.amount >= 1000")
     euro = system.add_endpoint("acme", receiver.url("/euro"), ["order.*"], filter='data.currency == "EUR"')
     system.add_endpoint("acme", receiver.url("/all"), ["order.*"])  # unfiltered: every event
+    # From the command line.
+    env = {**system.env, "HOOKLINE_INGEST_URL": system.ingest.base_url}
+    added = await asyncio.to_thread(
+        subprocess.run,
+        [services.HOOKLINE, "endpoints", "add", "--tenant", "acme", "--url", receiver.url("/cli"),
+         "--event-type", "order.*", "--filter", 'data.currency == "USD"', "--no-verify"],
+        env=env, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert added.returncode == 0, added.stderr
+    assert json.loads(added.stdout)["filter"] == 'data.currency == "USD"'
     refunds = system.add_endpoint(
         "acme", receiver.url("/refunds"), ["order.*"], filter="data.refund.amount > 0"
     )
@@ -93,12 +105,14 @@ async def test_a_filtered_endpoint_receives_exactly_the_events_it_matches(
     expected_euro = {e["subject"] for e in events if e["data"]["currency"] == "EUR"} | {"last"}
     assert subjects("/big") == expected_big
     assert subjects("/euro") == expected_euro
+    assert subjects("/cli") == {e["subject"] for e in events if e["data"]["currency"] == "USD"}
     assert subjects("/refunds") == set()
     # Received once each (at least once allows more; none was retried here).
     assert len([r for r in receiver.requests if r.path == "/big"]) == len(expected_big)
 
     # The copies not made: every event each filtered endpoint did not match, counted where it was fanned out.
-    not_matched = (EVENTS + 1 - len(expected_big)) + (EVENTS + 1 - len(expected_euro)) + (EVENTS + 1)
+    not_matched = (EVENTS + 1 - len(expected_big)) + (EVENTS + 1 - len(expected_euro)) + len(expected_euro)
+    not_matched += EVENTS + 1  # /refunds: an error each
     assert await counted(system, "hookline_filtered_copies_total") - filtered_before == not_matched
     errors = f'hookline_filter_errors_total{{endpoint_id="{refunds["id"]}"}}'
     assert await counted(system, errors) == EVENTS + 1
@@ -113,6 +127,15 @@ async def test_a_filtered_endpoint_receives_exactly_the_events_it_matches(
     assert courses[euro["id"]]["state"] == "delivered"
     assert courses[refunds["id"]]["state"] == "filtered"
     assert "no field 'refund' in the event" in courses[refunds["id"]]["waiting_reason"]
+    on_recent = await api(
+        system, "POST", f"/v1/endpoints/{big['id']}/filter/test", json={"event_id": page[0]["id"]}
+    )
+    assert on_recent.json() == {"matches": False, "error": None}, on_recent.text
+    instead = await api(
+        system, "POST", f"/v1/endpoints/{big['id']}/filter/test",
+        json={"event_id": page[0]["id"], "filter": 'data.currency == "EUR"'},
+    )  # fmt: skip
+    assert instead.json() == {"matches": True, "error": None}, instead.text
 
     # Changed, it applies to the next events; removed (null), every event its patterns match again.
     changed = await api(system, "PATCH", f"/v1/endpoints/{big['id']}", json={"filter": "data.amount < 10"})
@@ -146,3 +169,30 @@ async def test_a_filtered_endpoint_receives_exactly_the_events_it_matches(
     )
     small_ones = {e["subject"] for e in events if e["data"]["amount"] < 10} | {"small"}
     assert replayed.json()["replayed"] == len(small_ones), replayed.text
+
+
+async def test_an_ordered_endpoint_applies_its_filter_on_its_direct_route(
+    system: System, receiver: Receiver
+) -> None:
+    """An ordered endpoint's queue of its own is bound to events: its dispatcher applies the filter."""
+    system.add_endpoint(
+        "initech", receiver.url("/ordered"), ["order.*"], filter="data.amount >= 1000", ordered=True
+    )
+    # One subject: delivered in order, so the last event is the sentinel; the filtered-out ones between
+    # must not hold the subject's order back.
+    amounts = [500 + 1000 * (n % 2) for n in range(20)] + [5000]
+    for n, amount in enumerate(amounts):
+        published = await api(
+            system, "POST", "/v1/events",
+            json={"tenant": "initech", "type": "order.created", "subject": "o_1", "data": {"n": n, "amount": amount}},
+        )  # fmt: skip
+        assert published.status_code == 202, published.text
+
+    def arrived() -> list[int]:
+        return [json.loads(r.body)["data"]["n"] for r in receiver.requests if r.path == "/ordered"]
+
+    async def sentinel() -> bool:
+        return len(amounts) - 1 in arrived()
+
+    await eventually(sentinel, timeout_s=30)
+    assert arrived() == [n for n, amount in enumerate(amounts) if amount >= 1000]
