@@ -35,7 +35,7 @@ router = APIRouter(prefix="/ui", include_in_schema=False)
 
 MAX_FORM_BYTES = 64 * 1024
 MAX_ROWS = 200  # endpoints on the overview, degrading first; the rest are counted
-ENDPOINT_ACTIONS = ("pause", "resume", "verify", "replay", "test")
+ENDPOINT_ACTIONS = ("pause", "resume", "verify", "replay", "test", "filter", "try-filter")
 EVENT_STATES = get_args(EventState)
 # No script at all, and nothing framed or cached: the pages hold tenants' data.
 SECURITY_HEADERS = {
@@ -194,6 +194,7 @@ class EndpointRow:
     health: EndpointHealthView
     url: str | None  # None: a polling endpoint (nothing is pushed to it, so no push actions either)
     sparkline: str  # SVG polyline points: p95 per 5 minutes over the last hour
+    filter: str | None = None  # its CEL filter
 
     @property
     def degrading(self) -> bool:
@@ -259,7 +260,12 @@ async def overview(request: Request, session: Current, monitor: LocalState) -> H
         for endpoint in monitor.endpoints_listed(tenant)
         if session.may_see(endpoint.tenant)
     ]
-    rows = ranked([EndpointRow(health=view, url=endpoint.url, sparkline="") for endpoint, view in views])
+    rows = ranked(
+        [
+            EndpointRow(health=view, url=endpoint.url, sparkline="", filter=endpoint.filter)
+            for endpoint, view in views
+        ]
+    )
     shown = [
         replace(row, sparkline=_sparkline(monitor, row.health.endpoint_id, now_s)) for row in rows[:MAX_ROWS]
     ]
@@ -439,30 +445,66 @@ async def endpoint_action(
         body = action_body(action, fields)
     except ValueError as exc:
         return _back(fields, "/ui/", problem=str(exc))
+    method, suffix = {"filter": ("PATCH", ""), "try-filter": ("POST", "/filter/test")}.get(
+        action, ("POST", f"/{action}")
+    )
     try:
         result = await ingest.call(
-            session.token, "POST", f"/v1/endpoints/{quote(endpoint_id, safe='')}/{action}", json=body
+            session.token, method, f"/v1/endpoints/{quote(endpoint_id, safe='')}{suffix}", json=body
         )
     except IngestApiError as exc:
         return _back(fields, "/ui/", problem=f"{action} refused: {exc.message}")
     log.info("dashboard_endpoint_action", tenant=session.tenant, endpoint_id=endpoint_id, action=action)
+    return _back(fields, "/ui/", notice=_done(action, endpoint_id, result))
+
+
+def _done(action: str, endpoint_id: str, result: dict[str, Any]) -> str:
     match action:
         case "pause" | "resume":
-            notice = f"{action.capitalize()}d {endpoint_id}."
+            return f"{action.capitalize()}d {endpoint_id}."
         case "verify":
-            notice = f"{endpoint_id} {'is verified' if result['verified'] else 'did not pass verification'}."
+            return f"{endpoint_id} {'is verified' if result['verified'] else 'did not pass verification'}."
         case "test":
             answer = f"HTTP {result['status']}" if result["status"] is not None else result["error"]
-            notice = (
+            return (
                 f"Test event {result['event_id']} to {endpoint_id}: {answer} in {ms(result['duration_ms'])}."
             )
+        case "filter":
+            return (
+                f"{endpoint_id}'s filter is now {result['filter']!r}."
+                if result["filter"]
+                else (f"{endpoint_id} has no filter now: every event of its types.")
+            )
+        case "try-filter":
+            return tried(result)
         case _:
-            notice = f"Replaying {result['replayed']} events to {endpoint_id}."
-    return _back(fields, "/ui/", notice=notice)
+            return f"Replaying {result['replayed']} events to {endpoint_id}."
+
+
+def tried(verdict: dict[str, Any]) -> str:
+    """What trying a filter on an event answered, in words."""
+    if verdict["matches"]:
+        return "The filter matches that event: it would be sent."
+    why = f" ({verdict['error']})" if verdict["error"] else ""
+    return f"The filter does not match that event{why}: it would not be sent."
+
+
+def filter_trial(fields: dict[str, str]) -> dict[str, Any]:
+    """``POST /v1/endpoints/{id}/filter/test``'s body from a form (ValueError: no event named)."""
+    trial: dict[str, Any] = {"event_id": fields.get("event_id", "").strip()}
+    if fields.get("filter", "").strip():
+        trial["filter"] = fields["filter"].strip()
+    if not trial["event_id"]:
+        raise ValueError("name a recent event (its id) to try the filter on")
+    return trial
 
 
 def action_body(action: str, fields: dict[str, str]) -> dict[str, Any] | None:
     """The ingest request's body for an endpoint action's form (ValueError: what the form lacks)."""
+    if action == "filter":
+        return {"filter": fields.get("filter", "").strip() or None}
+    if action == "try-filter":
+        return filter_trial(fields)
     if action == "replay":
         try:
             since = datetime.fromisoformat(fields.get("since", ""))

@@ -22,7 +22,7 @@ import structlog
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import HTMLResponse, RedirectResponse, Response
 
-from hookline.health_monitor.dashboard import MAX_FORM_BYTES, TEMPLATES, action_body, ms
+from hookline.health_monitor.dashboard import MAX_FORM_BYTES, TEMPLATES, action_body, filter_trial, ms, tried
 from hookline.health_monitor.ingest_api import IngestApi, IngestApiError
 from hookline.health_monitor.monitor import Monitor
 from hookline.health_monitor.status import endpoint_view
@@ -34,7 +34,18 @@ log = structlog.get_logger(__name__)
 router = APIRouter(prefix="/portal", include_in_schema=False)
 
 #: What an endpoint's page posts to /portal/s/<session>/endpoints/<id>/<action>.
-ACTIONS = ("edit", "pause", "resume", "verify", "test", "replay", "secret", "rotate-secret", "delete")
+ACTIONS = (
+    "edit",
+    "pause",
+    "resume",
+    "verify",
+    "test",
+    "replay",
+    "secret",
+    "rotate-secret",
+    "delete",
+    "try-filter",
+)
 MAX_SHOWN_ENDPOINTS = 100  # each with its last attempt, asked of the ingest at once
 
 
@@ -232,6 +243,7 @@ def _endpoint_fields(fields: list[tuple[str, str]]) -> dict[str, Any]:
         "description": form.get("description", "").strip(),
         "event_types": [value for key, value in fields if key == "event_types"] or None,
         "notify_url": form.get("notify_url", "").strip() or None,
+        "filter": form.get("filter", "").strip() or None,
     }
     rate = form.get("rate_limit_per_s", "").strip()
     try:
@@ -309,6 +321,9 @@ async def endpoint_action(
             case "delete":
                 await ingest.call(visit.session, "DELETE", path)
                 return _to(visit, "/", notice=f"Deleted {endpoint_id}.")
+            case "try-filter":
+                trial = filter_trial(dict(fields))
+                notice = tried(await ingest.call(visit.session, "POST", f"{path}/filter/test", json=trial))
             case _:
                 result = await ingest.call(
                     visit.session, "POST", f"{path}/{action}", json=action_body(action, dict(fields))

@@ -179,6 +179,20 @@ async def test_support_engineer_finds_redrives_and_pauses(
         await testing.locator("button:has-text('Send test event')").click()
         await expect(page.get_by_role("alert")).to_contain_text("must be JSON")
 
+        # Set an endpoint's filter from the overview and try it on the event found above.
+        row = page.locator(f"#endpoints tr[data-endpoint={orders['id']}]")
+        await row.get_by_label("filter (CEL)").fill('subject == "o_1"')
+        await row.locator("button:has-text('Set filter')").click()
+        await expect(page.get_by_role("status")).to_contain_text(
+            f"""{orders["id"]}'s filter is now 'subject == "o_1"'"""
+        )
+        row = page.locator(f"#endpoints tr[data-endpoint={orders['id']}]")
+        await row.get_by_label("a recent event to try its filter on").fill(event_id)
+        await row.locator("button:has-text('Try filter')").click()
+        await expect(page.get_by_role("status")).to_have_text(
+            "The filter matches that event: it would be sent."
+        )
+
         # Pause an endpoint from the overview; the ingest says it is paused.
         await page.locator(f"#endpoints tr[data-endpoint={ok['id']}] button:has-text('Pause')").click()
         await expect(page.get_by_role("status")).to_contain_text(f"Paused {ok['id']}")

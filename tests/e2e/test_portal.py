@@ -277,6 +277,15 @@ async def test_a_customer_manages_its_endpoints_in_the_operators_iframe(
         await portal.get_by_role("button", name="Save").click()
         await expect(portal.get_by_role("status")).to_have_text("Saved.")
         await expect(portal.locator("main > p").nth(1)).to_contain_text("orders and refunds")
+        # A filter, set and tried on a recent event before relying on it.
+        await portal.locator("form[action$='/edit'] textarea[name=filter]").fill("data.total > 100")
+        await portal.get_by_role("button", name="Save").click()
+        await expect(portal.locator("#filter")).to_have_text("data.total > 100")
+        await portal.get_by_label("Recent event").fill(event_id)
+        await portal.get_by_role("button", name="Try it").click()
+        await expect(portal.get_by_role("status")).to_have_text(
+            "The filter does not match that event (no field 'total' in the event): it would not be sent."
+        )
         await portal.get_by_role("button", name="Reveal signing secret").click()
         await expect(portal.locator("#secret")).not_to_have_text(secret)
         await portal.get_by_role("link", name="Continue to the endpoint").click()
