@@ -23,6 +23,7 @@ import time
 from datetime import UTC, datetime
 from typing import Annotated
 
+import orjson
 import structlog
 from fastapi import APIRouter, Header, Query
 
@@ -30,7 +31,7 @@ from hookline.ingest.attempts import ATTEMPTER_ID, signing_keys
 from hookline.ingest.auth import Caller
 from hookline.ingest.deliverylog import LoggedEvent
 from hookline.ingest.state import IngestState, State
-from hookline.shared import topology
+from hookline.shared import filters, topology
 from hookline.shared.amqp import BROKER_ERRORS
 from hookline.shared.api import ApiError, broker_unavailable
 from hookline.shared.models import Model, StoredEndpoint
@@ -168,6 +169,8 @@ async def poll(
         if body is None:  # the event log's retention removed it meanwhile
             expired += 1
             continue
+        if endpoint.filter is not None and not filters.admits(endpoint.filter, orjson.loads(body)):
+            continue  # the iterator moves past it: never fetched, and the delivery log says filtered
         request = webhook_request(endpoint, keys, row.event_id, body, timestamp_s=int(now_s))
         polled.append(
             PolledEvent(id=row.event_id, type=row.type, headers=request.headers, body=request.body.decode())

@@ -113,7 +113,7 @@ FILTER_DESCRIPTION = (
 )
 
 POLLING_FIELDS = frozenset({"kind", "tenant", "event_types", "description", "retention_s", "notify_url",
-                            "notify_format", "verify"})  # fmt: skip
+                            "notify_format", "verify", "filter"})  # fmt: skip
 
 
 class EndpointCreate(Model):
