@@ -49,6 +49,7 @@ class ErrorKind(enum.StrEnum):
     REFUSED_TARGET = "refused_target"  # the address is not allowed (SSRF protection)
     INVALID_URL = "invalid_url"
     AUTH = "auth"  # no credentials to send: the endpoint's OAuth2 token URL did not give a token
+    TRANSFORM = "transform_failed"  # nothing to send: the endpoint's transform failed on the event
 
 
 #: How long a target checked before it is sent through the egress proxy stays checked.

@@ -268,6 +268,9 @@ class Endpoint(Model):
     auth: AuthSummary | None = None
     gzip_over_bytes: GzipOverBytes | None = None
     filter: str | None = Field(None, description="a CEL expression its events must match (shared/filters.py)")
+    transform: str | None = Field(
+        None, description="a jq program making the body sent (shared/transforms.py)"
+    )
     status: EndpointStatus = EndpointStatus.ACTIVE
     verified: bool = Field(True, description="deliveries go only to verified endpoints")
     verification: Verification | None = None
@@ -580,6 +583,7 @@ class DeadLetterReason(enum.StrEnum):
     INVALID_EVENT = "invalid_event"
     UNROUTABLE = "unroutable"
     DELIVERY_LIMIT = "delivery_limit"
+    TRANSFORM_FAILED = "transform_failed"
 
 
 class ErrorDetail(Model):

@@ -148,8 +148,9 @@ class _Worker:
 
 
 class Transformer:
-    """A pool of ``workers`` jq worker processes; ``apply`` runs a program on an event without ever
-    holding the caller's event loop, and stops one that runs past ``limit_s``."""
+    """A pool of ``workers`` jq worker processes, started at the first transform (a service whose
+    endpoints have none never starts one); ``apply`` runs a program on an event without ever holding
+    the caller's event loop, and stops one that runs past ``limit_s``."""
 
     def __init__(self, *, workers: int = 1, limit_s: float = LIMIT_S, max_bytes: int) -> None:
         self._size = workers
@@ -158,17 +159,20 @@ class Transformer:
         self._idle: asyncio.Queue[_Worker] = asyncio.Queue()
         self._all: set[_Worker] = set()
         self._replacements: set[asyncio.Task[None]] = set()
+        self._started: asyncio.Task[None] | None = None
 
     async def __aenter__(self) -> Self:
+        return self
+
+    async def _start(self) -> None:
         for worker in await asyncio.gather(*(asyncio.to_thread(_Worker) for _ in range(self._size))):
             self._all.add(worker)
             self._idle.put_nowait(worker)
-        return self
 
     async def __aexit__(
         self, kind: type[BaseException] | None, error: BaseException | None, tb: TracebackType | None
     ) -> None:
-        for task in list(self._replacements):
+        for task in [*self._replacements, *([self._started] if self._started else [])]:
             task.cancel()
         for worker in list(self._all):
             await asyncio.to_thread(worker.stop)
@@ -176,6 +180,9 @@ class Transformer:
 
     async def apply(self, source: str, event: bytes) -> bytes:
         """The body ``source`` makes of ``event`` (JSON); TransformFailedError saying why it made none."""
+        if self._started is None:
+            self._started = asyncio.get_running_loop().create_task(self._start())
+        await asyncio.shield(self._started)
         worker = await self._idle.get()
         loop = asyncio.get_running_loop()
         answered: asyncio.Future[None] = loop.create_future()

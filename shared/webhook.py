@@ -35,10 +35,12 @@ def webhook_request(
     *,
     timestamp_s: int,
     sequence: int | None = None,
+    transformed: bytes | None = None,
 ) -> WebhookRequest:
-    """The request for ``body`` (the event as published). The signature covers the body before any
+    """The request for ``body`` (the event as published), or for ``transformed`` (what the endpoint's
+    transform made of it: sent and signed as it is). The signature covers the body before any
     compression: what the receiver verifies is what it reads after inflating, whatever the transport."""
-    body = notifications.render(endpoint.body_format, body)
+    body = transformed if transformed is not None else notifications.render(endpoint.body_format, body)
     headers = signing.webhook_headers(keys, event_id, body, timestamp_s=timestamp_s)
     if sequence is not None:
         headers[SEQUENCE_HEADER] = str(sequence)

@@ -56,6 +56,7 @@ from hookline.shared.sealing import Sealer
 from hookline.shared.settings import DispatcherSettings
 from hookline.shared.telemetry import AttemptFields, Deferral, DeferralReason, Outcome, exchange
 from hookline.shared.tracing import Tracing
+from hookline.shared.transforms import Transformer, TransformFailedError
 from hookline.shared.webhook import webhook_request
 
 log = structlog.get_logger(__name__)
@@ -157,6 +158,7 @@ class Handler:
         *,
         isolation: Isolation | None = None,
         tracing: Tracing | None = None,
+        transformer: Transformer | None = None,
         random_unit: Callable[[], float] = random.random,
     ) -> None:
         self.acks = Acks()
@@ -176,6 +178,8 @@ class Handler:
         self._lanes_waiting: Counter[str] = Counter()
         self._credentials = Credentials(sealer, client)
         self._tracing = tracing or Tracing("dispatcher", None)
+        # Started at the first transform; the service owns (and stops) the one it passes.
+        self._transformer = transformer or Transformer(max_bytes=settings.max_payload_bytes)
         self._publisher = publisher
         self._delays = Delays(publisher)
         self._random_unit = random_unit
@@ -557,6 +561,7 @@ class Handler:
             random=self._random_unit(),
             retry_after=result.retry_after,
             now=datetime.now(UTC),
+            error=result.error,
         )
         ended_s = time.time()
         metrics.attempts(outcome.value).inc()
@@ -806,9 +811,15 @@ class Handler:
 
     async def _attempt(self, endpoint: StoredEndpoint, parsed: inbound.Inbound, body: bytes) -> AttemptResult:
         event = parsed.event
+        transformed = None
+        if endpoint.transform is not None:  # the endpoint's version now: a PATCH changes later bodies
+            try:
+                transformed = await self._transformer.apply(endpoint.transform, body)
+            except TransformFailedError as exc:
+                return AttemptResult.failed(ErrorKind.TRANSFORM, str(exc))
         request = webhook_request(
             endpoint, self._keys(endpoint), event.id, body,
-            timestamp_s=int(time.time()), sequence=event.sequence,
+            timestamp_s=int(time.time()), sequence=event.sequence, transformed=transformed,
         )  # fmt: skip
         headers = request.headers
         attributes: dict[str, str | int | float] = {

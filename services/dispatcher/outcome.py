@@ -5,6 +5,7 @@
 410 Gone                               disable   -> dead letter, and the endpoint is disabled
 other 4xx, 3xx (redirects are not followed), 1xx
 refused target, invalid URL            permanent -> dead letter now
+a transform that failed                permanent -> dead letter now (transform_failed): no retry storm
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from hookline.shared.delivery import ErrorKind
 from hookline.shared.models import DeadLetterReason
 from hookline.shared.telemetry import Outcome
 
-_PERMANENT_ERRORS = frozenset({ErrorKind.REFUSED_TARGET, ErrorKind.INVALID_URL})
+_PERMANENT_ERRORS = frozenset({ErrorKind.REFUSED_TARGET, ErrorKind.INVALID_URL, ErrorKind.TRANSFORM})
 _RETRIED_4XX = frozenset({408, 429})
 
 
@@ -70,6 +71,7 @@ def settle(
     random: float,
     retry_after: str | None,
     now: datetime,
+    error: ErrorKind | None = None,
 ) -> Settlement:
     """What to do with the message after an attempt: a pure function of the attempt and the policy."""
     if outcome is Outcome.SUCCESS:
@@ -77,6 +79,8 @@ def settle(
     if outcome is Outcome.DISABLE:
         return DeadLetter(DeadLetterReason.ENDPOINT_GONE, disable=True)
     if outcome is Outcome.PERMANENT:
+        if error is ErrorKind.TRANSFORM:
+            return DeadLetter(DeadLetterReason.TRANSFORM_FAILED)
         return DeadLetter(DeadLetterReason.PERMANENT_STATUS)
     retry_after_s = honoured_retry_after_s(
         retry_after, status=status, now=now, cap_s=policy.retry_after_cap_s

@@ -45,7 +45,10 @@ from hookline.shared.settings import DispatcherSettings, load
 from hookline.shared.streams import Record, StreamFollower, follow_synced
 from hookline.shared.supervision import Loop, Supervisor
 from hookline.shared.tracing import Tracing
+from hookline.shared.transforms import Transformer
 
+#: Transform worker processes per dispatcher, started at its first transform (each about 30 MiB).
+TRANSFORM_WORKERS = 2
 log = structlog.get_logger(__name__)
 
 #: Endpoints whose secret is opened at start to check HOOKLINE_SECRET_KEY.
@@ -136,6 +139,7 @@ def _assemble(
     sealer: Sealer,
     publishers: _SidePublishers,
     tracing: Tracing,
+    transformer: Transformer,
 ) -> _Parts:
     """The handler and the consumers that feed it; nothing runs yet."""
     dispatcher_id = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
@@ -146,7 +150,7 @@ def _assemble(
     )
     handler = Handler(
         settings, change_log, client, publishers.settlement, telemetry, breakers, sealer,
-        isolation=isolation, tracing=tracing,
+        isolation=isolation, tracing=tracing, transformer=transformer,
     )  # fmt: skip
     consumers = Consumers(
         broker,
@@ -203,8 +207,12 @@ async def dispatching(
 ) -> AsyncIterator[Consumers]:
     sealer = Sealer(settings.secret_key.get_secret_value() if settings.secret_key else None)
     _check_secrets_open(change_log.registry, sealer)
-    async with _tracing(settings) as tracing, _side_publishers(broker) as publishers:
-        parts = _assemble(settings, broker, change_log, client, sealer, publishers, tracing)
+    async with (
+        _tracing(settings) as tracing,
+        _side_publishers(broker) as publishers,
+        Transformer(workers=TRANSFORM_WORKERS, max_bytes=settings.max_payload_bytes) as transformer,
+    ):
+        parts = _assemble(settings, broker, change_log, client, sealer, publishers, tracing, transformer)
         consumers = parts.consumers
         lag.listen(parts.handler.admission.loop_ran_late)
         await _follow_breakers(settings, broker, publisher, supervisor, parts)
@@ -234,8 +242,9 @@ async def dispatching(
             await supervisor.stop("telemetry", "breakers")
             # 4. close the channels: whatever is still unacked goes back to its queue;
             await consumers.close_channels()
-            # 5. as the `async with` above ends: the side publishers (telemetry, then settlement), then
-            # 6. the tracing, which exports the last spans.
+            # 5. as the `async with` above ends: the transform workers (nothing is delivered any more),
+            # 6. the side publishers (telemetry, then settlement), then
+            # 7. the tracing, which exports the last spans.
 
 
 def _raise_open_files_limit(settings: DispatcherSettings) -> None:

@@ -30,6 +30,7 @@ from hookline.ingest import (
     testevents,
     tokens,
     tracking,
+    transformtest,
 )
 from hookline.ingest.attempts import Attempts
 from hookline.ingest.auth import parse_tenant_tokens, principal
@@ -56,6 +57,7 @@ from hookline.shared.settings import IngestSettings, load, metrics_tokens
 from hookline.shared.streams import Record, StreamFollower, follow_synced
 from hookline.shared.supervision import Loop, Supervisor
 from hookline.shared.tracing import Tracing
+from hookline.shared.transforms import Transformer
 from hookline.shared.views import RowView, follow_view
 
 log = structlog.get_logger(__name__)
@@ -97,6 +99,7 @@ def create_app(settings: IngestSettings) -> FastAPI:
     app.include_router(endpoints.router, dependencies=[guard])
     app.include_router(testevents.router, dependencies=[guard])
     app.include_router(filtertest.router, dependencies=[guard])
+    app.include_router(transformtest.router, dependencies=[guard])
     app.include_router(polling.router)  # its own credential: the endpoint's poll_token
     app.include_router(polling.admin_router, dependencies=[guard])
     app.include_router(eventtypes.router, dependencies=[guard])
@@ -126,6 +129,7 @@ class _Stores:
     audit_view: RowView
     replicas: Replicas
     registry: registry.EndpointRegistry
+    transformer: Transformer  # test events' and resends' transforms, and POST /v1/transforms/test
 
 
 @asynccontextmanager
@@ -150,10 +154,12 @@ async def _stores(settings: IngestSettings) -> AsyncIterator[_Stores]:
         ) as delivery_log,
         audit.view(state_path, vhost=broker.vhost) as audit_view,
         registry.kept_at(state_path.with_suffix(".registry.sqlite"), vhost=broker.vhost) as endpoint_registry,
+        Transformer(workers=1, max_bytes=settings.max_payload_bytes) as transformer,
     ):
         yield _Stores(
-            broker, dead_letters, client, capacity, delivery_log, audit_view, replicas, endpoint_registry
-        )
+            broker, dead_letters, client, capacity, delivery_log, audit_view, replicas, endpoint_registry,
+            transformer,
+        )  # fmt: skip
 
 
 @asynccontextmanager
@@ -196,7 +202,7 @@ async def _running(settings: IngestSettings, stores: _Stores) -> AsyncIterator[I
             publisher=publisher,
             dead_letters_log=dead_letter_log,
             dead_letters_index=stores.dead_letters,
-            attempts=Attempts(sealer, Credentials(sealer, stores.client), held),
+            attempts=Attempts(sealer, Credentials(sealer, stores.client), held, stores.transformer),
             capacity=stores.capacity,
             delivery_log=stores.delivery_log,
             duplicates=Duplicates(stores.delivery_log, window_s=settings.dedupe_window_s),

@@ -17,7 +17,7 @@ import structlog
 
 from hookline.shared import signing, topology
 from hookline.shared.credentials import Credentials
-from hookline.shared.delivery import AttemptResult
+from hookline.shared.delivery import AttemptResult, ErrorKind
 from hookline.shared.heldpublishes import HeldPublishes
 from hookline.shared.models import StoredEndpoint
 from hookline.shared.sealing import Sealer
@@ -30,6 +30,7 @@ from hookline.shared.telemetry import (
     batch,
     exchange,
 )
+from hookline.shared.transforms import Transformer, TransformFailedError
 from hookline.shared.webhook import webhook_request
 
 log = structlog.get_logger(__name__)
@@ -51,6 +52,7 @@ class Attempts:
     sealer: Sealer  # opens the signing secrets; seals the response bodies kept in the record
     credentials: Credentials  # what a request carries besides the signature (the endpoint's auth)
     records: HeldPublishes  # the attempt records, to the telemetry exchange (held while refused)
+    transformer: Transformer  # the endpoint's transform, for what is sent as its deliveries are
 
     async def make(
         self,
@@ -66,11 +68,22 @@ class Attempts:
         """POST ``body`` to the endpoint now and record the attempt (a record the broker refuses now is
         published once it takes it: the attempt itself happened)."""
         keys = signing_keys(self.sealer, endpoint, datetime.now(UTC))
-        request = webhook_request(
-            endpoint, keys, event_id, body, timestamp_s=int(time.time()), sequence=sequence
-        )
         started_s = time.time()
-        result = await self.credentials.post(endpoint, request.body, request.headers)
+        try:
+            # A verification is hookline's own request: never transformed.
+            transformed = (
+                await self.transformer.apply(endpoint.transform, body)
+                if endpoint.transform is not None and kind != "verification"
+                else None
+            )
+        except TransformFailedError as exc:
+            result = AttemptResult.failed(ErrorKind.TRANSFORM, str(exc))
+        else:
+            request = webhook_request(
+                endpoint, keys, event_id, body,
+                timestamp_s=int(time.time()), sequence=sequence, transformed=transformed,
+            )  # fmt: skip
+            result = await self.credentials.post(endpoint, request.body, request.headers)
         ok = result.status is not None and 200 <= result.status < 300
         record = AttemptRecord(
             at_s=time.time(),

@@ -38,6 +38,7 @@ PORTAL_ROUTES = frozenset(
         ),
         ("POST", "/v1/endpoints/{endpoint_id}/filter/test"),
         ("POST", "/v1/filters/test"),
+        ("POST", "/v1/transforms/test"),
         ("GET", "/v1/events"),
         ("GET", "/v1/events/{event_id}"),
         ("POST", "/v1/events/{event_id}/resend"),

@@ -8,7 +8,7 @@ from typing import Annotated, Any, Self
 
 from pydantic import AfterValidator, AwareDatetime, Field, StringConstraints, model_validator
 
-from hookline.shared import filters
+from hookline.shared import filters, transforms
 from hookline.shared.api import ApiError
 from hookline.shared.models import (
     BodyFormat,
@@ -107,6 +107,14 @@ def _checked_filter(source: str) -> str:
 
 
 EndpointFilter = Annotated[str, AfterValidator(_checked_filter)]
+
+
+def _checked_transform(source: str) -> str:
+    transforms.check(source)  # TransformError is a ValueError: a 422 naming the field and the problem
+    return source
+
+
+EndpointTransform = Annotated[str, AfterValidator(_checked_transform)]
 FILTER_DESCRIPTION = (
     "a CEL expression over type, subject, tenant, schema_version, occurred_at, sequence and data that its "
     'events must also match (data.amount >= 1000 && data.currency == "EUR")'
@@ -138,6 +146,9 @@ class EndpointCreate(Model):
     auth: EndpointAuth | None = None
     gzip_over_bytes: GzipOverBytes | None = None
     filter: EndpointFilter | None = Field(None, description=FILTER_DESCRIPTION)
+    transform: EndpointTransform | None = Field(
+        None, description="a jq program over the event whose output is the body sent (signed as sent)"
+    )
     verify: bool = Field(True, description="run the verification handshake (false: for development only)")
 
     @model_validator(mode="after")
@@ -177,6 +188,7 @@ class EndpointUpdate(Model):
     auth: EndpointAuth | None = Field(None, description="replaces it; null removes it")
     gzip_over_bytes: GzipOverBytes | None = Field(None, description="null: bodies go uncompressed")
     filter: EndpointFilter | None = Field(None, description="null: every event its patterns match")
+    transform: EndpointTransform | None = Field(None, description="null: the event is sent as it is")
     verify: bool = Field(True, description="verify the new url, when it changes, before delivering to it")
 
 

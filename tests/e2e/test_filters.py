@@ -1,4 +1,4 @@
-"""Endpoint filters end to end: a CEL expression set on an endpoint (refused, naming where, when it is
+"""Endpoint filters and transforms end to end: a CEL expression set on an endpoint (refused, naming where, when it is
 wrong), tried against an event, and applied where events are fanned out, so that the endpoint receives
 exactly the events it matches and no copy of the others is made for it."""
 
@@ -12,6 +12,7 @@ from typing import Any
 
 import httpx
 import pytest
+from standardwebhooks.webhooks import Webhook
 from support import services
 from support.monitoring import counted
 from support.receiver import Receiver
@@ -222,3 +223,82 @@ async def test_a_polling_endpoint_fetches_only_what_its_filter_matches(system: S
         return subjects if "p_4" in subjects else None  # the last one published: all are in the log
 
     assert await eventually(fetched, timeout_s=30) == ["p_1", "p_3", "p_4"]
+
+
+async def test_a_transformed_body_is_sent_signed_as_sent_and_a_runaway_is_dead_lettered(
+    system: System, receiver: Receiver
+) -> None:
+    program = '{text: "Order \\(.data.amount) \\(.data.currency)", id, items: [.data.items[]?.sku]}'
+    # Refused when set: a name that reads the environment, files or the clock; a polling endpoint.
+    for wrong in ("$ENV.HOME", '"at \\(now)"', "{a: .data"):
+        refused = await api(
+            system, "POST", "/v1/endpoints",
+            json={"tenant": "umbrella", "url": receiver.url("/x"), "event_types": ["#"], "transform": wrong},
+        )  # fmt: skip
+        assert (refused.status_code, refused.json()["details"][0]["field"]) == (422, "transform"), (
+            refused.text
+        )
+    polling = await api(
+        system, "POST", "/v1/endpoints",
+        json={"tenant": "umbrella", "kind": "polling", "event_types": ["#"], "transform": "."},
+    )  # fmt: skip
+    assert polling.status_code == 422, polling.text
+    tried = await api(
+        system, "POST", "/v1/transforms/test",
+        json={"transform": program, "event": {"id": "evt_1", "data": {"amount": 5, "currency": "EUR"}}},
+    )  # fmt: skip
+    assert tried.json() == {"output": {"text": "Order 5 EUR", "id": "evt_1", "items": []}, "error": None}
+    runaway_tried = await api(
+        system, "POST", "/v1/transforms/test", json={"transform": "def f: f; f", "event": {}}
+    )
+    assert runaway_tried.json()["error"] == "the transform ran past its limit of 50 ms"
+
+    shaped = system.add_endpoint("umbrella", receiver.url("/shaped"), ["order.*"], transform=program)
+    runaway = system.add_endpoint("umbrella", receiver.url("/runaway"), ["order.*"], transform="def f: f; f")
+    system.add_endpoint("umbrella", receiver.url("/plain"), ["order.*"])
+    ids = []
+    for n in range(5):
+        published = await api(
+            system, "POST", "/v1/events",
+            json={"tenant": "umbrella", "type": "order.created", "subject": f"u_{n}",
+                  "data": {"amount": 100 + n, "currency": "EUR", "items": [{"sku": f"s_{n}"}]}},
+        )  # fmt: skip
+        ids.append(published.json()["id"])
+
+    def bodies(path: str) -> list[dict[str, Any]]:
+        return [json.loads(r.body) for r in receiver.requests if r.path == path]
+
+    async def delivered() -> bool:
+        return len(bodies("/shaped")) == 5 and len(bodies("/plain")) == 5
+
+    await eventually(delivered, timeout_s=60)
+    assert sorted(b["text"] for b in bodies("/shaped")) == [f"Order {100 + n} EUR" for n in range(5)]
+    [first] = [r for r in receiver.requests if r.path == "/shaped" and json.loads(r.body)["id"] == ids[0]]
+    assert json.loads(first.body) == {"text": "Order 100 EUR", "id": ids[0], "items": ["s_0"]}
+    verified = Webhook(shaped["secret"]).verify(first.body, dict(first.headers))  # signed as sent
+    assert verified["text"] == "Order 100 EUR"
+    assert first.headers["webhook-id"] == ids[0]
+
+    # The runaway: stopped at its limit each time, its copies dead letters saying so, never retried.
+    async def dead() -> list[dict[str, Any]] | None:
+        listed = (await api(system, "GET", "/v1/dead-letters", params={"endpoint_id": runaway["id"]})).json()
+        return listed["data"] if len(listed["data"]) == 5 else None
+
+    letters = await eventually(dead, timeout_s=60)
+    assert {(d["reason"], d["attempts"]) for d in letters} == {("transform_failed", 1)}
+    assert {d["last_error"] for d in letters} == {"the transform ran past its limit of 50 ms"}
+    assert bodies("/runaway") == []
+
+    # Changed, the transform applies to what is sent next (a test event too); the webhook-id stays the event's.
+    changed = await api(
+        system, "PATCH", f"/v1/endpoints/{shaped['id']}", json={"transform": "{id, n: .data.amount}"}
+    )
+    assert changed.status_code == 200, changed.text
+    tested = await api(
+        system,
+        "POST",
+        f"/v1/endpoints/{shaped['id']}/test",
+        json={"type": "order.created", "data": {"amount": 7}},
+    )
+    assert tested.json()["outcome"] == "success", tested.text
+    assert bodies("/shaped")[-1] == {"id": tested.json()["event_id"], "n": 7}

@@ -41,6 +41,7 @@ from hookline.shared.delivery import ErrorKind
         (None, ErrorKind.PROTOCOL, Outcome.RETRY),
         (None, ErrorKind.REFUSED_TARGET, Outcome.PERMANENT),
         (None, ErrorKind.INVALID_URL, Outcome.PERMANENT),
+        (None, ErrorKind.TRANSFORM, Outcome.PERMANENT),  # no retry storm: it would fail again
     ],
 )
 def test_classify(status: int | None, error: ErrorKind | None, expected: Outcome) -> None:
@@ -90,3 +91,19 @@ def test_settle(
         policy=POLICY, random=0.5, retry_after=retry_after, now=NOW,
     )  # fmt: skip
     assert result == expected
+
+
+@pytest.mark.parametrize(
+    ("error", "reason"),
+    [
+        (ErrorKind.TRANSFORM, DeadLetterReason.TRANSFORM_FAILED),
+        (ErrorKind.INVALID_URL, DeadLetterReason.PERMANENT_STATUS),
+    ],
+)
+def test_a_permanent_failure_says_why_in_its_dead_letter(error: ErrorKind, reason: DeadLetterReason) -> None:
+    now_s = NOW.timestamp()
+    result = settle(
+        Outcome.PERMANENT, status=None, attempt=1, first_attempt_at_s=now_s, now_s=now_s,
+        policy=POLICY, random=0.5, retry_after=None, now=NOW, error=error,
+    )  # fmt: skip
+    assert result == DeadLetter(reason)
