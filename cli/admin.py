@@ -65,6 +65,7 @@ def _endpoint_fields(args: argparse.Namespace) -> dict[str, Any]:
         "notify_format": args.notify_format,
         "gzip_over_bytes": args.gzip_over_bytes,
         "filter": args.filter,
+        "transform": args.transform,
     }
     return {name: value for name, value in fields.items() if value is not None}
 
@@ -76,6 +77,7 @@ def _endpoint_changes(args: argparse.Namespace) -> dict[str, Any]:
         ("no_max_in_flight", "max_in_flight"),
         ("no_gzip", "gzip_over_bytes"),
         ("no_filter", "filter"),
+        ("no_transform", "transform"),
     ):
         if getattr(args, flag):
             changes[field] = None  # null removes the limit

@@ -200,6 +200,9 @@ def _add_endpoint_options(parser: argparse.ArgumentParser, *, creating: bool) ->
         "--filter",
         help='a CEL expression its events must match: data.amount >= 1000 && data.currency == "EUR"',
     )
+    parser.add_argument(
+        "--transform", help='a jq program whose output is the body sent: {text: "Order \\(.data.order_id)"}'
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -350,6 +353,7 @@ def _endpoint_commands(commands: argparse._SubParsersAction[argparse.ArgumentPar
     update.add_argument("--no-max-in-flight", action="store_true", help="remove the concurrency cap")
     update.add_argument("--no-gzip", action="store_true", help="send bodies uncompressed")
     update.add_argument("--no-filter", action="store_true", help="every event its patterns match")
+    update.add_argument("--no-transform", action="store_true", help="send events as they are")
     ordering = update.add_mutually_exclusive_group()
     ordering.add_argument("--ordered", dest="ordered", action="store_true", default=None)
     ordering.add_argument("--unordered", dest="ordered", action="store_false")
