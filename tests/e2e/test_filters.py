@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import subprocess
 from datetime import UTC, datetime
 from typing import Any
@@ -21,7 +22,7 @@ from support.waiting import eventually
 
 pytestmark = pytest.mark.e2e
 
-EVENTS = 1000
+EVENTS = int(os.environ.get("HOOKLINE_TEST_FILTER_EVENTS", "1000"))  # the 10,000: by hand
 CURRENCIES = ("EUR", "USD")
 
 
