@@ -79,7 +79,8 @@ def _sessions(request: Request) -> Sessions:
     return sessions
 
 
-def _ingest(request: Request) -> IngestApi:
+def ingest_api(request: Request) -> IngestApi:
+    """The ingest API client of the app (the dashboard's and the portal's)."""
     ingest: IngestApi = request.app.state.ingest_api
     return ingest
 
@@ -92,7 +93,7 @@ def logged_in(request: Request) -> Session:
 
 
 Current = Annotated[Session, Depends(logged_in)]
-Ingest = Annotated[IngestApi, Depends(_ingest)]
+Ingest = Annotated[IngestApi, Depends(ingest_api)]
 
 
 def _monitor(request: Request) -> Monitor:

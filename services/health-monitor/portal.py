@@ -22,7 +22,16 @@ import structlog
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import HTMLResponse, RedirectResponse, Response
 
-from hookline.health_monitor.dashboard import MAX_FORM_BYTES, TEMPLATES, action_body, filter_trial, ms, tried
+from hookline.health_monitor.dashboard import (
+    MAX_FORM_BYTES,
+    TEMPLATES,
+    Ingest,
+    action_body,
+    filter_trial,
+    ingest_api,
+    ms,
+    tried,
+)
 from hookline.health_monitor.ingest_api import IngestApi, IngestApiError
 from hookline.health_monitor.monitor import Monitor
 from hookline.health_monitor.status import endpoint_view
@@ -103,11 +112,6 @@ class PortalPageError(Exception):
         self.message = message
 
 
-def _ingest(request: Request) -> IngestApi:
-    ingest: IngestApi = request.app.state.ingest_api
-    return ingest
-
-
 def _look(request: Request) -> Look:
     look: Look = request.app.state.portal_look
     return look
@@ -115,7 +119,7 @@ def _look(request: Request) -> Look:
 
 async def _visit(request: Request, session: str) -> Visit:
     try:
-        identity = await _ingest(request).call(session, "GET", "/v1/whoami")
+        identity = await ingest_api(request).call(session, "GET", "/v1/whoami")
     except IngestApiError as exc:
         if exc.status in (401, 403):
             raise PortalPageError(401, "This session has ended. Open the page again for a new one.") from None
@@ -131,7 +135,6 @@ async def _visit(request: Request, session: str) -> Visit:
     )
 
 
-Ingest = Annotated[IngestApi, Depends(_ingest)]
 Current = Annotated[Visit, Depends(_visit)]
 
 
