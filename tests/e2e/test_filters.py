@@ -97,27 +97,32 @@ async def test_a_filtered_endpoint_receives_exactly_the_events_it_matches(
     def subjects(path: str) -> set[str]:
         return {json.loads(r.body)["subject"] for r in receiver.requests if r.path == path}
 
-    async def all_arrived() -> bool:
-        return (
-            len(subjects("/all")) == EVENTS + 1 and "last" in subjects("/big") and "last" in subjects("/euro")
-        )
-
-    await eventually(all_arrived, timeout_s=60)
     expected_big = {e["subject"] for e in events if e["data"]["amount"] >= 1000} | {"last"}
     expected_euro = {e["subject"] for e in events if e["data"]["currency"] == "EUR"} | {"last"}
+    expected_usd = {e["subject"] for e in events if e["data"]["currency"] == "USD"}
+
+    async def all_arrived() -> bool:  # deliveries to an endpoint run side by side: not in order
+        return (
+            len(subjects("/all")) == EVENTS + 1
+            and subjects("/big") >= expected_big
+            and subjects("/euro") >= expected_euro
+            and subjects("/cli") >= expected_usd
+        )
+
+    await eventually(all_arrived, timeout_s=120)
+    # Nothing else: each lane message was screened for every endpoint before any of its deliveries.
     assert subjects("/big") == expected_big
     assert subjects("/euro") == expected_euro
-    assert subjects("/cli") == {e["subject"] for e in events if e["data"]["currency"] == "USD"}
+    assert subjects("/cli") == expected_usd
     assert subjects("/refunds") == set()
-    # Received once each (at least once allows more; none was retried here).
-    assert len([r for r in receiver.requests if r.path == "/big"]) == len(expected_big)
 
-    # The copies not made: every event each filtered endpoint did not match, counted where it was fanned out.
+    # The copies not made: every event each filtered endpoint did not match, counted where it was fanned
+    # out (at least once: a lane message given out again is screened again).
     not_matched = (EVENTS + 1 - len(expected_big)) + (EVENTS + 1 - len(expected_euro)) + len(expected_euro)
     not_matched += EVENTS + 1  # /refunds: an error each
-    assert await counted(system, "hookline_filtered_copies_total") - filtered_before == not_matched
+    assert await counted(system, "hookline_filtered_copies_total") - filtered_before >= not_matched
     errors = f'hookline_filter_errors_total{{endpoint_id="{refunds["id"]}"}}'
-    assert await counted(system, errors) == EVENTS + 1
+    assert await counted(system, errors) >= EVENTS + 1
 
     # The delivery log says so: filtered at the endpoints it does not match, and why.
     small = next(e for e in events if e["data"]["amount"] < 1000 and e["data"]["currency"] == "EUR")
@@ -159,10 +164,13 @@ async def test_a_filtered_endpoint_receives_exactly_the_events_it_matches(
         )
 
     async def changes_applied() -> bool:
-        return {"small", "after"} <= subjects("/euro") and "after" in subjects("/all")
+        return (
+            {"small", "after"} <= subjects("/euro")
+            and "after" in subjects("/all")
+            and "small" in subjects("/big")
+        )
 
     await eventually(changes_applied, timeout_s=30)
-    assert "small" in subjects("/big")
     assert "after" not in subjects("/big")  # decided with the copy /all got: one lane message
 
     # A replay applies the filter as it is now: the events of the window it matches, no others.
@@ -270,11 +278,13 @@ async def test_a_transformed_body_is_sent_signed_as_sent_and_a_runaway_is_dead_l
         return [json.loads(r.body) for r in receiver.requests if r.path == path]
 
     async def delivered() -> bool:
-        return len(bodies("/shaped")) == 5 and len(bodies("/plain")) == 5
+        return {b["id"] for b in bodies("/shaped")} >= set(ids) and {
+            b["id"] for b in bodies("/plain")
+        } >= set(ids)
 
     await eventually(delivered, timeout_s=60)
-    assert sorted(b["text"] for b in bodies("/shaped")) == [f"Order {100 + n} EUR" for n in range(5)]
-    [first] = [r for r in receiver.requests if r.path == "/shaped" and json.loads(r.body)["id"] == ids[0]]
+    assert {b["text"] for b in bodies("/shaped")} == {f"Order {100 + n} EUR" for n in range(5)}
+    first = next(r for r in receiver.requests if r.path == "/shaped" and json.loads(r.body)["id"] == ids[0])
     assert json.loads(first.body) == {"text": "Order 100 EUR", "id": ids[0], "items": ["s_0"]}
     verified = Webhook(shaped["secret"]).verify(first.body, dict(first.headers))  # signed as sent
     assert verified["text"] == "Order 100 EUR"
@@ -283,7 +293,7 @@ async def test_a_transformed_body_is_sent_signed_as_sent_and_a_runaway_is_dead_l
     # The runaway: stopped at its limit each time, its copies dead letters saying so, never retried.
     async def dead() -> list[dict[str, Any]] | None:
         listed = (await api(system, "GET", "/v1/dead-letters", params={"endpoint_id": runaway["id"]})).json()
-        return listed["data"] if len(listed["data"]) == 5 else None
+        return listed["data"] if {d["event_id"] for d in listed["data"]} >= set(ids) else None
 
     letters = await eventually(dead, timeout_s=60)
     assert {(d["reason"], d["attempts"]) for d in letters} == {("transform_failed", 1)}
