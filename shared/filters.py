@@ -26,6 +26,7 @@ MAX_DEPTH = 32
 VARIABLES = frozenset({"type", "subject", "tenant", "schema_version", "occurred_at", "sequence", "data"})
 _COMPREHENSIONS = ("map", "filter", "all", "exists", "exists_one")
 _BOUND = re.compile(r"\.(map|filter|all|exists|exists_one)\(\s*([A-Za-z_][A-Za-z_0-9]*)\s*,")
+_PREFIX = re.compile(r"\b[bBrR]{1,2}$")  # a string literal's prefix: bytes, raw
 _DATA = re.compile(r"(?<![.\w])data\b(?:\s*\.\s*([A-Za-z_][A-Za-z_0-9]*)(\s*\()?)?")
 _POSITION = re.compile(r"<input>:(\d+):(\d+):\s*(.*)")
 _OPENING, _CLOSING = "([{", ")]}"
@@ -135,20 +136,27 @@ def check(source: str) -> None:
 
 
 def _code(source: str) -> str:
-    """``source`` with what is inside string literals blanked out: brackets and names there are text."""
-    kept = []
-    quote: str | None = None
-    for index, char in enumerate(source):
-        if quote is not None:
-            if char == quote and source[index - 1] != "\\":
-                quote = None
-                kept.append(char)
-            else:
-                kept.append(" ")
+    """``source`` with what is inside string literals blanked out: brackets and names there are text.
+    CEL's strings: single, double or tripled quotes; backslash escapes, except in raw strings (``r"…"``)."""
+    kept: list[str] = []
+    index = 0
+    while index < len(source):
+        char = source[index]
+        if char not in "\"'":
+            kept.append(char)
+            index += 1
             continue
-        if char in "\"'":
-            quote = char
-        kept.append(char)
+        prefix = _PREFIX.search(source[:index])
+        raw = prefix is not None and "r" in prefix.group(0).lower()
+        quote = source[index : index + 3] if source[index : index + 3] in ('"""', "'''") else char
+        kept.append(quote)
+        index += len(quote)
+        while index < len(source) and not source.startswith(quote, index):
+            step = 2 if source[index] == "\\" and not raw else 1
+            kept.append(" " * len(source[index : index + step]))
+            index += step
+        kept.append(source[index : index + len(quote)])
+        index += len(quote)
     return "".join(kept)
 
 

@@ -64,38 +64,39 @@ def check(source: str) -> None:
 
 def _code(source: str) -> str:
     """``source`` with the text of string literals blanked out, their interpolations ``\\(...)`` kept
-    (they are code), and comments dropped."""
+    (they are code, parentheses and strings of their own included), and comments dropped."""
     kept: list[str] = []
-    index, depth = 0, 0  # depth: interpolations open inside strings
-    in_string: list[bool] = [False]  # per nesting level: inside a string literal at this level?
+    # One entry per level: inside a string literal at this level, and the parentheses open in its code.
+    levels: list[list[Any]] = [[False, 0]]
+    index = 0
     while index < len(source):
-        char = source[index]
-        if in_string[-1]:
-            if char == "\\" and source[index + 1 : index + 2] == "(":
-                in_string.append(False)
-                depth += 1
+        char, level = source[index], levels[-1]
+        if level[0]:  # in a string
+            if source.startswith("\\(", index):
+                levels.append([False, 0])
                 kept.append(" (")
                 index += 2
                 continue
             if char == "\\":
-                kept.append("  ")
+                kept.append(" " * len(source[index : index + 2]))
                 index += 2
                 continue
-            if char == '"':
-                in_string[-1] = False
-            kept.append(" " if char != '"' else char)
-        elif char == '"':
-            in_string[-1] = True
-            kept.append(char)
+            level[0] = char != '"'
+            kept.append(char if char == '"' else " ")
         elif char == "#":
             while index < len(source) and source[index] != "\n":
                 index += 1
             continue
-        elif char == ")" and depth and len(in_string) > 1:
-            depth -= 1
-            in_string.pop()
-            kept.append(char)
         else:
+            if char == '"':
+                level[0] = True
+            elif char == "(":
+                level[1] += 1
+            elif char == ")":
+                if level[1] == 0 and len(levels) > 1:  # the interpolation's end: back in its string
+                    levels.pop()
+                else:
+                    level[1] -= 1
             kept.append(char)
         index += 1
     return "".join(kept)

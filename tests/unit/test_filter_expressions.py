@@ -82,6 +82,11 @@ def test_a_missing_optional_field_is_null() -> None:
         # Quadratic: 5 s over 3,000 items, measured.
         ("data.items.map(x, data.items.filter(y, y == x)).size() > 0",
          "a comprehension may not be nested in another at line 1, column 36"),
+        # An escaped backslash ends a string like any: what follows is counted.
+        ('data.note == "x\\\\" && data.items.map(x, data.items.filter(y, y == x)).size() > 0',
+         "a comprehension may not be nested in another"),
+        ("data.note == r'x\\' && data.items.map(x, data.items.filter(y, y == x)).size() > 0",
+         "a comprehension may not be nested in another"),  # a raw string: no escapes
         ("true && " * 300 + "true", f"a filter is at most {MAX_CHARS} characters, not 2404"),
     ],
 )  # fmt: skip

@@ -21,6 +21,7 @@ from hookline.shared.transforms import MAX_CHARS, TransformError, check
         ("input_filename", "input_filename is not allowed"),
         ('"sent at \\(now)"', "now is not allowed"),  # code inside a string's interpolation
         ('"\\("x" + "\\(env)")"', "env is not allowed"),  # nested interpolations
+        ('"\\((1) | env)"', "env is not allowed"),  # parentheses inside an interpolation
         ("{a: .data.amount", "jq: error: syntax error"),
         ("." + " " * MAX_CHARS, f"a transform is at most {MAX_CHARS} characters"),
     ],
