@@ -57,10 +57,6 @@ class Needs:
     variables: frozenset[str]
     data_keys: frozenset[str] | None  # the keys of ``data`` read as data.<key>; None: all of it
 
-    def __or__(self, other: Needs) -> Needs:
-        keys = None if self.data_keys is None or other.data_keys is None else self.data_keys | other.data_keys
-        return Needs(self.variables | other.variables, keys)
-
 
 NOTHING = Needs(frozenset(), frozenset())
 

@@ -113,7 +113,10 @@ def _serve(conn: Connection) -> None:  # pragma: no cover (runs in the worker pr
     compiled: dict[str, Any] = {}
     conn.send_bytes(READY)  # imported: from now on only evaluations count against the limit
     while True:
-        program, body = conn.recv_bytes().split(b"\0", 1)
+        try:
+            program, body = conn.recv_bytes().split(b"\0", 1)
+        except EOFError:  # the service went (or dropped a worker it was starting): nothing more to do
+            return
         source = program.decode()
         try:
             if source not in compiled:

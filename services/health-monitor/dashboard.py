@@ -104,12 +104,17 @@ def _monitor(request: Request) -> Monitor:
 LocalState = Annotated[Monitor, Depends(_monitor)]
 
 
-async def read_form(request: Request, session: Session | None) -> dict[str, str]:
-    """The posted form; with a session, only when it carries that session's CSRF token."""
+async def form_pairs(request: Request) -> list[tuple[str, str]]:
+    """The posted form as its pairs, in order (a field chosen several times comes several times)."""
     body = await request.body()
     if len(body) > MAX_FORM_BYTES:
         raise ApiError(413, "payload_too_large", f"a form of at most {MAX_FORM_BYTES} bytes")
-    fields = dict(parse_qsl(body.decode("utf-8", "replace"), keep_blank_values=True))
+    return parse_qsl(body.decode("utf-8", "replace"), keep_blank_values=True)
+
+
+async def read_form(request: Request, session: Session | None) -> dict[str, str]:
+    """The posted form; with a session, only when it carries that session's CSRF token."""
+    fields = dict(await form_pairs(request))
     if session is not None and not session.accepts(fields.get("csrf", "")):
         raise ApiError(403, "forbidden", "the form is stale or came from another site; reload the page")
     return fields

@@ -16,18 +16,18 @@ import asyncio
 import time
 from dataclasses import dataclass
 from typing import Annotated, Any
-from urllib.parse import parse_qsl, quote, urlencode, urlsplit
+from urllib.parse import quote, urlencode, urlsplit
 
 import structlog
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import HTMLResponse, RedirectResponse, Response
 
 from hookline.health_monitor.dashboard import (
-    MAX_FORM_BYTES,
     TEMPLATES,
     Ingest,
     action_body,
     filter_trial,
+    form_pairs,
     ingest_api,
     ms,
     tried,
@@ -164,14 +164,6 @@ def _page(
     return HTMLResponse(html, status_code=status_code, headers=look.headers)
 
 
-async def _fields(request: Request) -> list[tuple[str, str]]:
-    """The posted form, as pairs: event types come as one field per type chosen."""
-    body = await request.body()
-    if len(body) > MAX_FORM_BYTES:
-        raise ApiError(413, "payload_too_large", f"a form of at most {MAX_FORM_BYTES} bytes")
-    return parse_qsl(body.decode("utf-8", "replace"), keep_blank_values=True)
-
-
 def _to(visit: Visit, path: str, **message: str) -> RedirectResponse:
     return RedirectResponse(f"{visit.base}{path}?{urlencode(message)}", status_code=303)
 
@@ -268,7 +260,7 @@ def _endpoint_fields(fields: list[tuple[str, str]]) -> dict[str, Any]:
 @router.post("/s/{session}/endpoints")
 async def add_endpoint(request: Request, visit: Current, ingest: Ingest) -> Response:
     try:
-        spec = _endpoint_fields(await _fields(request))
+        spec = _endpoint_fields(await form_pairs(request))
     except ValueError as exc:
         return _to(visit, "/", problem=str(exc))
     if spec["event_types"] is None:
@@ -307,7 +299,7 @@ async def endpoint_action(
 ) -> Response:
     if action not in ACTIONS:
         raise ApiError(404, "not_found", f"no endpoint action {action!r}")
-    fields = await _fields(request)
+    fields = await form_pairs(request)
     here = f"/endpoints/{quote(endpoint_id, safe='')}"
     path = f"/v1{here}"
     try:
@@ -380,7 +372,7 @@ async def event(request: Request, event_id: str, visit: Current, ingest: Ingest)
 
 @router.post("/s/{session}/events/{event_id}/resend")
 async def resend(request: Request, event_id: str, visit: Current, ingest: Ingest) -> Response:
-    endpoint_id = dict(await _fields(request)).get("endpoint_id", "")
+    endpoint_id = dict(await form_pairs(request)).get("endpoint_id", "")
     here = f"/events/{quote(event_id, safe='')}"
     try:
         await ingest.call(visit.session, "POST", f"/v1{here}/resend", json={"endpoint_id": endpoint_id})
@@ -406,7 +398,7 @@ async def dead_letters(request: Request, visit: Current, ingest: Ingest) -> HTML
 
 @router.post("/s/{session}/dead-letters/redrive")
 async def redrive(request: Request, visit: Current, ingest: Ingest) -> Response:
-    form = dict(await _fields(request))
+    form = dict(await form_pairs(request))
     choice: dict[str, Any] = {k: form[k] for k in ("endpoint_id", "reason") if form.get(k)}
     if form.get("id"):
         choice["ids"] = [form["id"]]

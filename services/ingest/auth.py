@@ -16,7 +16,8 @@ from fastapi import APIRouter, Depends, Request
 from hookline.ingest.state import State
 from hookline.shared.api import ApiError
 from hookline.shared.bearer import UNAUTHORIZED_MESSAGE
-from hookline.shared.models import Model, PortalGrant
+from hookline.shared.models import Model, PortalGrant, StoredEndpoint
+from hookline.shared.registry import EndpointRegistry
 
 #: What a customer portal session may call (method, route): its tenant's endpoints, their deliveries and
 #: dead letters, and the event-type catalog; never publishing, tokens, quotas or the catalog's writes.
@@ -60,6 +61,14 @@ class Principal:
 
     def may_see(self, tenant: str) -> bool:
         return self.tenant is None or self.tenant == tenant
+
+    def endpoint(self, registry: EndpointRegistry, endpoint_id: str) -> StoredEndpoint:
+        """The endpoint, if this caller may see it; another tenant's is "not found" (404): its existence
+        is not theirs to know."""
+        endpoint = registry.get(endpoint_id)
+        if endpoint is None or not self.may_see(endpoint.tenant):
+            raise ApiError(404, "not_found", f"no endpoint {endpoint_id}")
+        return endpoint
 
     def sees_endpoint(self, endpoint_id: str | None) -> bool:
         """Within a portal session limited to some endpoints, whether this is one of them."""

@@ -61,7 +61,7 @@ from hookline.shared.models import (
     SigningSecret,
     StoredEndpoint,
 )
-from hookline.shared.registry import EndpointRegistry, Stale, StaleWriteError
+from hookline.shared.registry import Stale, StaleWriteError
 from hookline.shared.settings import IngestSettings
 from hookline.shared.signing import generate_secret
 from hookline.shared.streams import Record, read_until_now
@@ -186,14 +186,6 @@ def _may_skip_verification(caller: Caller, *, verify: bool) -> None:
 def _reserved(tenant: str) -> None:
     if tenant == notifications.OPERATOR_TENANT:
         raise _invalid("tenant", f"{tenant!r} is reserved for hookline's own notifications")
-
-
-def _stored(registry: EndpointRegistry, endpoint_id: str, caller: Caller) -> StoredEndpoint:
-    endpoint = registry.get(endpoint_id)
-    # Another tenant's endpoint is "not found": its existence is not theirs to know.
-    if endpoint is None or not caller.may_see(endpoint.tenant):
-        raise ApiError(404, "not_found", f"no endpoint {endpoint_id}")
-    return endpoint
 
 
 def _base_version(endpoint: StoredEndpoint, if_match: str | None) -> int:
@@ -520,14 +512,14 @@ async def list_endpoints(
 
 @router.get("/{endpoint_id}", response_model=Endpoint)
 async def get_endpoint(endpoint_id: str, registry: Registry, caller: Caller, response: Response) -> Endpoint:
-    endpoint = _stored(registry, endpoint_id, caller)
+    endpoint = caller.endpoint(registry, endpoint_id)
     _etag(response, endpoint)
     return endpoint.public()
 
 
 @router.get("/{endpoint_id}/secret", response_model=EndpointSecret)
 async def get_secret(endpoint_id: str, state: State, caller: Caller) -> EndpointSecret:
-    endpoint = _stored(state.registry, endpoint_id, caller)
+    endpoint = caller.endpoint(state.registry, endpoint_id)
     notifier_id = notifications.notifier_of(endpoint)
     notifier = state.registry.get(notifier_id) if notifier_id else None
     return EndpointSecret(
@@ -545,7 +537,7 @@ async def update_endpoint(
     response: Response,
     if_match: IfMatch = None,
 ) -> Endpoint:
-    before = _stored(state.registry, endpoint_id, caller)
+    before = caller.endpoint(state.registry, endpoint_id)
     _may_skip_verification(caller, verify=change.verify)
     base_version = _base_version(before, if_match)
     after, changes = await _changed_to(state, before, change)
@@ -796,7 +788,7 @@ async def _upgrade(state: IngestState, endpoint: StoredEndpoint) -> None:
 @router.post("/{endpoint_id}/verify", response_model=Endpoint)
 async def verify_endpoint(endpoint_id: str, state: State, caller: Caller) -> Endpoint:
     """Run the verification handshake again (after fixing the receiver)."""
-    before = _stored(state.registry, endpoint_id, caller)
+    before = caller.endpoint(state.registry, endpoint_id)
     polling.refuse_if_polling(before, "the verification handshake")
     if state.broker.blocked:
         # Its result could not be written: refused before the receiver is called, as every write is.
@@ -815,7 +807,7 @@ async def rotate_secret(
     if_match: IfMatch = None,
 ) -> RotatedSecret:
     """A new secret signs from now on; the previous one keeps signing too until the overlap ends."""
-    before = _stored(state.registry, endpoint_id, caller)
+    before = caller.endpoint(state.registry, endpoint_id)
     base_version = _base_version(before, if_match)
     now = datetime.now(UTC)
     overlap_s = (
@@ -845,7 +837,7 @@ async def rotate_secret(
 async def _set_status(
     state: IngestState, endpoint_id: str, caller: Caller, status: EndpointStatus, if_match: str | None
 ) -> Endpoint:
-    before = _stored(state.registry, endpoint_id, caller)
+    before = caller.endpoint(state.registry, endpoint_id)
     polling.refuse_if_polling(before, "pausing and resuming deliveries")
     base_version = _base_version(before, if_match)
     after = before.model_copy(update={"status": status, "updated_at": datetime.now(UTC)})
@@ -883,7 +875,7 @@ async def delete_endpoint(
     ] = False,
     if_match: IfMatch = None,
 ) -> Response:
-    endpoint = _stored(state.registry, endpoint_id, caller)
+    endpoint = caller.endpoint(state.registry, endpoint_id)
     base_version = _base_version(endpoint, if_match)
     ready = await _ready_messages(state, endpoint)
     unacked = await _held_by_dispatchers(state, endpoint.id)

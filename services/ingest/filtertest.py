@@ -57,9 +57,7 @@ async def test_filter(spec: FilterTest, state: State, caller: Caller) -> FilterV
 async def test_endpoint_filter(
     endpoint_id: str, spec: EndpointFilterTest, state: State, caller: Caller
 ) -> FilterVerdict:
-    endpoint = state.registry.get(endpoint_id)
-    if endpoint is None or not caller.may_see(endpoint.tenant):
-        raise ApiError(404, "not_found", f"no endpoint {endpoint_id}")
+    endpoint = caller.endpoint(state.registry, endpoint_id)
     source = spec.filter or endpoint.filter
     if source is None:
         return FilterVerdict(matches=True)  # no filter: every event its patterns match

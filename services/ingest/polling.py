@@ -79,9 +79,7 @@ class RotatedPollToken(Model):
 async def rotate_poll_token(endpoint_id: str, state: State, caller: Caller) -> RotatedPollToken:
     """A new poll token for a polling endpoint, the old one void from now (a leaked token is revoked, not
     overlapped: unlike a signing secret, nothing signed with it is in flight)."""
-    endpoint = state.registry.get(endpoint_id)
-    if endpoint is None or not caller.may_see(endpoint.tenant):
-        raise ApiError(404, "not_found", f"no endpoint {endpoint_id}")
+    endpoint = caller.endpoint(state.registry, endpoint_id)
     if not endpoint.polling:
         raise ApiError(422, "not_polling", f"{endpoint_id} is a push endpoint: it has no poll token")
     token = new_token()

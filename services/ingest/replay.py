@@ -78,9 +78,7 @@ def accepted_time(message: Record, event: object) -> datetime | None:
 
 @router.post("/{endpoint_id}/replay", response_model=ReplayResult)
 async def replay(endpoint_id: str, request: ReplayRequest, state: State, caller: Caller) -> ReplayResult:
-    endpoint = state.registry.get(endpoint_id)
-    if endpoint is None or not caller.may_see(endpoint.tenant):
-        raise ApiError(404, "not_found", f"no endpoint {endpoint_id}")
+    endpoint = caller.endpoint(state.registry, endpoint_id)
     polling.refuse_if_polling(endpoint, "replay (poll from an earlier iterator instead)")
     until = request.until or datetime.now(UTC)
     if until < request.since:

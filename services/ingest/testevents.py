@@ -45,9 +45,7 @@ class TestEventAttempt(EndpointAttempt):
 async def send_test_event(
     endpoint_id: str, request: TestEventRequest, state: State, caller: Caller
 ) -> TestEventAttempt:
-    endpoint = state.registry.get(endpoint_id)
-    if endpoint is None or not caller.may_see(endpoint.tenant):
-        raise ApiError(404, "not_found", f"no endpoint {endpoint_id}")
+    endpoint = caller.endpoint(state.registry, endpoint_id)
     polling.refuse_if_polling(endpoint, "a test event")
     catalog = state.change_log.catalog
     data = request.data
