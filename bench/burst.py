@@ -44,10 +44,11 @@ import aio_pika
 from bench.lanes import QUORUM
 from bench.run import Services, events_exchange, percentile, start_sink, vhost
 from bench.slow_endpoints import log_lines, wait_for
-from hookline.shared import placement, registry, topology
-from hookline.shared.amqp import Broker, Publisher
-from hookline.shared.isolation import Isolation
-from hookline.shared.supervision import Supervisor
+from hookline.shared.broker import placement, topology
+from hookline.shared.broker.amqp import Broker, Publisher
+from hookline.shared.broker.isolation import Isolation
+from hookline.shared.runtime.supervision import Supervisor
+from hookline.shared.state import registry
 
 #: Item 3's line for the endpoints beside a burst.
 LATE_MS = 250.0

@@ -28,8 +28,8 @@ import orjson
 import uvloop
 
 from hookline.ingest.deliverylog import DeliveryLog
-from hookline.shared.headers import Header
-from hookline.shared.telemetry import AttemptRecord, batch
+from hookline.shared.contracts.headers import Header
+from hookline.shared.contracts.telemetry import AttemptRecord, batch
 
 ENDPOINTS = 1000
 TENANTS = 50

@@ -43,13 +43,14 @@ import httpx
 import uvloop
 
 from bench.run import TENANT, Sink, drain, publish_burst, rates, start_sink, stop
-from hookline.shared import registry, topology
-from hookline.shared.amqp import Broker, Publisher
-from hookline.shared.ids import new_id
-from hookline.shared.models import SigningSecret, StoredEndpoint
-from hookline.shared.signing import generate_secret
-from hookline.shared.supervision import Supervisor
-from hookline.shared.topology import Retention
+from hookline.shared.broker import topology
+from hookline.shared.broker.amqp import Broker, Publisher
+from hookline.shared.broker.topology import Retention
+from hookline.shared.contracts.ids import new_id
+from hookline.shared.contracts.models import SigningSecret, StoredEndpoint
+from hookline.shared.outbound.signing import generate_secret
+from hookline.shared.runtime.supervision import Supervisor
+from hookline.shared.state import registry
 
 ROOT = Path(__file__).resolve().parents[1]
 CLUSTER = ROOT / "scripts" / "start-rabbitmq-cluster.sh"

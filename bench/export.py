@@ -29,8 +29,8 @@ from bench.run import HOOKLINE, vhost
 _IN_MEMORY = """
 import asyncio, sys
 from datetime import UTC, datetime
-from hookline.shared import backup
-from hookline.shared.settings import CommonSettings, load
+from hookline.cli import backup
+from hookline.shared.runtime.settings import CommonSettings, load
 
 async def main():
     settings = load(CommonSettings)

@@ -1,6 +1,6 @@
 """What endpoint filters cost where events are fanned out: the CPU a dispatcher spends per event to
 screen it for 1, 10 and 100 filtered endpoints of its tenant (``screening.admitted``, the code the fan-out runs),
-against the parse every event already costs (``inbound.parse``), measured in the same run.
+against the parse every event already costs (``decoding.parse``), measured in the same run.
 
     python -m bench.filters [--events 2000]
 """
@@ -15,8 +15,8 @@ from typing import Any
 
 import orjson
 
-from hookline.dispatcher import inbound, screening
-from hookline.shared.models import SigningSecret, StoredEndpoint
+from hookline.dispatcher import decoding, screening
+from hookline.shared.contracts.models import SigningSecret, StoredEndpoint
 
 COUNTS = (1, 10, 100)
 NOW = datetime.now(UTC)
@@ -61,16 +61,16 @@ def _endpoints(count: int, *, filtered: bool) -> list[StoredEndpoint]:
     ]
 
 
-def _parse(body: bytes) -> inbound.Inbound:
-    parsed = inbound.parse(
+def _parse(body: bytes) -> decoding.Inbound:
+    parsed = decoding.parse(
         body, message_id=orjson.loads(body)["id"], content_type="application/json", exchange="events",
         routing_key="acme.order.created", headers=None, endpoint_tenant="acme", max_bytes=262_144,
     )  # fmt: skip
-    assert isinstance(parsed, inbound.Inbound)
+    assert isinstance(parsed, decoding.Inbound)
     return parsed
 
 
-def _us_per_event(parsed: list[inbound.Inbound], endpoints: list[StoredEndpoint]) -> float:
+def _us_per_event(parsed: list[decoding.Inbound], endpoints: list[StoredEndpoint]) -> float:
     started = time.process_time()
     for item in parsed:
         screening.admitted(item.event, endpoints)

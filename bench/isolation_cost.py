@@ -30,7 +30,7 @@ from aio_pika.abc import AbstractChannel, AbstractIncomingMessage, AbstractRobus
 
 from bench.lanes import QUORUM, STREAM
 from bench.run import percentile, vhost
-from hookline.shared import topology
+from hookline.shared.broker import topology
 
 #: An endpoint's queue of its own as hookline declares it (its dead letters to hookline's exchange).
 OWN_QUEUE = topology.endpoint_queue_arguments(single_consumer=False)

@@ -33,11 +33,12 @@ from bench.endpoint_scale import rss_mib
 from bench.registered import broker_status, publish_one_each, queue_count
 from bench.run import HOOKLINE, Services, free_port, start_sink, stop, vhost, wait_ready
 from bench.slow_endpoints import wait_for
-from hookline.shared import registry, topology
-from hookline.shared.amqp import Broker
-from hookline.shared.ids import new_id
-from hookline.shared.models import EndpointUpserted, SigningSecret, StoredEndpoint
-from hookline.shared.signing import generate_secret
+from hookline.shared.broker import topology
+from hookline.shared.broker.amqp import Broker
+from hookline.shared.contracts.ids import new_id
+from hookline.shared.contracts.models import EndpointUpserted, SigningSecret, StoredEndpoint
+from hookline.shared.outbound.signing import generate_secret
+from hookline.shared.state import registry
 
 IN_FLIGHT = 2_000
 BATCH = 500

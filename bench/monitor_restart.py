@@ -28,11 +28,11 @@ import aio_pika
 import uvloop
 
 from bench.run import HOOKLINE, TOKEN, free_port, rss_mib, vhost, wait_ready
-from hookline.shared import topology
-from hookline.shared.amqp import Broker
-from hookline.shared.deadletters import dead_letter_message
-from hookline.shared.models import DeadLetterReason
-from hookline.shared.telemetry import AttemptRecord, batch
+from hookline.shared.broker import topology
+from hookline.shared.broker.amqp import Broker
+from hookline.shared.contracts.deadletters import dead_letter_message
+from hookline.shared.contracts.models import DeadLetterReason
+from hookline.shared.contracts.telemetry import AttemptRecord, batch
 
 BATCH = 500  # records per telemetry message, as a busy dispatcher sends them
 WINDOW = 200  # confirms awaited together

@@ -35,12 +35,13 @@ import httpx
 import uvloop
 
 from bench.run import HOOKLINE, TOKEN, free_port, rss_mib, vhost, wait_ready
-from hookline.shared import registry, topology
-from hookline.shared.amqp import Broker, Publisher
-from hookline.shared.models import SigningSecret, StoredEndpoint
-from hookline.shared.signing import generate_secret
-from hookline.shared.supervision import Supervisor
-from hookline.shared.telemetry import AttemptRecord, Heartbeat, Outcome, batch
+from hookline.shared.broker import topology
+from hookline.shared.broker.amqp import Broker, Publisher
+from hookline.shared.contracts.models import SigningSecret, StoredEndpoint
+from hookline.shared.contracts.telemetry import AttemptRecord, Heartbeat, Outcome, batch
+from hookline.shared.outbound.signing import generate_secret
+from hookline.shared.runtime.supervision import Supervisor
+from hookline.shared.state import registry
 
 ENDPOINTS = 50
 TYPES = 2_000

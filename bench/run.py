@@ -48,7 +48,7 @@ import uvloop
 
 import bench.baseline
 from bench import versions
-from hookline.shared import topology
+from hookline.shared.broker import topology
 
 ROOT = Path(__file__).resolve().parents[1]
 HOOKLINE = str(Path(sys.executable).with_name("hookline"))
@@ -436,9 +436,9 @@ async def delay_accuracy(amqp_url: str) -> dict[str, Any]:
     from datetime import UTC, datetime
 
     from hookline.dispatcher.delays import Delays
-    from hookline.shared import topology
-    from hookline.shared.amqp import Broker, Publisher
-    from hookline.shared.models import SigningSecret, StoredEndpoint
+    from hookline.shared.broker import topology
+    from hookline.shared.broker.amqp import Broker, Publisher
+    from hookline.shared.contracts.models import SigningSecret, StoredEndpoint
 
     delays_s = [13, 1, 8, 2, 5, 3, 1, 13, 8, 5] * 5
     now = datetime.now(UTC)

@@ -13,8 +13,8 @@ from typing import Any
 import httpx
 
 from hookline.shared import __version__
-from hookline.shared.settings import ClientSettings
-from hookline.shared.status import AlertView, BrokerStatus, EndpointHealthView, Summary
+from hookline.shared.contracts.status import AlertView, BrokerStatus, EndpointHealthView, Summary
+from hookline.shared.runtime.settings import ClientSettings
 
 
 class ApiClient:

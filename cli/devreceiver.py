@@ -10,7 +10,8 @@ import time
 
 from aiohttp import web
 
-from hookline.shared import lifecycle, signing
+from hookline.shared.outbound import signing
+from hookline.shared.runtime import lifecycle
 
 TOLERANCE_S = 300
 

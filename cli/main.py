@@ -23,12 +23,12 @@ from typing import Any
 
 from hookline.cli import admin
 from hookline.shared import __version__
-from hookline.shared.models import DeadLetterReason
-from hookline.shared.telemetry import Outcome
+from hookline.shared.contracts.models import DeadLetterReason
+from hookline.shared.contracts.telemetry import Outcome
 
 
 def _start_ingest(_: argparse.Namespace) -> int:
-    from hookline.ingest.app import main
+    from hookline.ingest.service import main
 
     main()
     return 0
@@ -42,7 +42,7 @@ def _start_dispatcher(_: argparse.Namespace) -> int:
 
 
 def _start_monitor(_: argparse.Namespace) -> int:
-    from hookline.health_monitor.app import main
+    from hookline.health_monitor.service import main
 
     main()
     return 0
@@ -61,7 +61,7 @@ def _broker_setup(args: argparse.Namespace) -> int:
 
     from pydantic import ValidationError
 
-    from hookline.shared import brokersetup
+    from hookline.cli import brokersetup
 
     amqp_url = os.environ.get("HOOKLINE_AMQP_URL", "amqp://guest:guest@localhost:5672/")
     vhost = args.vhost or unquote(urlsplit(amqp_url.split(",")[0]).path[1:]) or "/"
@@ -94,9 +94,9 @@ def _export(_: argparse.Namespace) -> int:
     import asyncio
     from datetime import UTC, datetime
 
-    from hookline.shared import backup
-    from hookline.shared import logging as hookline_logging
-    from hookline.shared.settings import CommonSettings, load
+    from hookline.cli import backup
+    from hookline.shared.runtime import logging as hookline_logging
+    from hookline.shared.runtime.settings import CommonSettings, load
 
     settings = load(CommonSettings)
     hookline_logging.configure(service="backup", level="warning", output=sys.stderr.buffer)
@@ -125,9 +125,9 @@ def _import(args: argparse.Namespace) -> int:
     import asyncio
     from pathlib import Path
 
-    from hookline.shared import backup
-    from hookline.shared import logging as hookline_logging
-    from hookline.shared.settings import CommonSettings, load
+    from hookline.cli import backup
+    from hookline.shared.runtime import logging as hookline_logging
+    from hookline.shared.runtime.settings import CommonSettings, load
 
     settings = load(CommonSettings)
     hookline_logging.configure(service="backup", level="warning", output=sys.stderr.buffer)
@@ -238,7 +238,7 @@ def _service_commands(commands: argparse._SubParsersAction[argparse.ArgumentPars
         "broker-setup",
         help="create one RabbitMQ user per service and upstream, each with least privilege",
         description="Users hookline-ingest, hookline-dispatcher, hookline-monitor and each --upstream, "
-        "permitted only what they use (shared/permissions.py); prints new passwords and URLs once. "
+        "permitted only what they use (shared/broker/permissions.py); prints new passwords and URLs once. "
         "Passwords may be given as HOOKLINE_BROKER_PASSWORD_<USER> (16 characters at least).",
     )
     setup.add_argument("--vhost", help="default: the vhost of HOOKLINE_AMQP_URL")

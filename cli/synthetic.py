@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 from aiohttp import web
 
-from hookline.shared import lifecycle
+from hookline.shared.runtime import lifecycle
 
 HANG_S = 3600.0
 USAGE = "paths: /ok /status/<code> /slow/<ms> /flaky/<percent> /retry-after/<s> /hang /close"

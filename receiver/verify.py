@@ -1,4 +1,4 @@
-"""Verifying a delivery as Standard Webhooks defines it, the way hookline signs (hookline.shared.signing).
+"""Verifying a delivery as Standard Webhooks defines it, the way hookline signs (hookline.shared.outbound.signing).
 
 A delivery carries ``webhook-id``, ``webhook-timestamp`` (Unix seconds) and ``webhook-signature``: a space
 separated list of ``v1,<base64 HMAC-SHA256(key, "<id>.<timestamp>.<body>")>``, one per secret the sender

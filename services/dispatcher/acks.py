@@ -28,8 +28,8 @@ import time
 import aiormq
 from aio_pika.exceptions import ChannelInvalidStateError
 
-from hookline.dispatcher.incoming import Delivery, Incoming
-from hookline.shared.amqp import BROKER_ERRORS
+from hookline.dispatcher.consumed import Delivery, Incoming
+from hookline.shared.broker.amqp import BROKER_ERRORS
 
 #: How long settled acks wait for more to join them: one round of the event loop is often enough.
 ACK_BATCH_S = 0.002

@@ -1,10 +1,10 @@
 """Which queues this dispatcher consumes, kept in line with the endpoint log and the breakers.
 
-Every lane (:mod:`hookline.shared.topology`), always: a message from ``events`` is fanned out to the
+Every lane (:mod:`hookline.shared.broker.topology`), always: a message from ``events`` is fanned out to the
 tenant's endpoints (fanout.py), one addressed to an endpoint is handled for it. Every holding lane,
 always: each message there is a held endpoint's copy (isolated past the bound on queues of their own),
 the next one of a half-open breaker's taken as its probe by the replica named. And for every endpoint
-with a queue of its own (:mod:`hookline.shared.placement`), and only those:
+with a queue of its own (:mod:`hookline.shared.broker.placement`), and only those:
 - its current queue is consumed for delivery while the endpoint is active, verified and its breaker
   is closed (an open breaker leaves its messages waiting in the queue); one dispatcher, named by the
   monitor, takes the half-open probe with ``basic.get``;
@@ -37,12 +37,12 @@ import aiormq
 import structlog
 from aio_pika.abc import AbstractChannel, AbstractQueue
 
-from hookline.dispatcher import fanout, incoming, metrics
+from hookline.dispatcher import consumed, fanout, metrics
 from hookline.dispatcher.admission import Standing
+from hookline.dispatcher.consumed import Delivery, Incoming
 from hookline.dispatcher.handler import Handler, handle_safely
-from hookline.dispatcher.incoming import Delivery, Incoming
-from hookline.shared import addressing, topology
-from hookline.shared.amqp import (
+from hookline.shared.broker import topology
+from hookline.shared.broker.amqp import (
     BROKER_ERRORS,
     CALL_TIMEOUT_S,
     Broker,
@@ -51,11 +51,12 @@ from hookline.shared.amqp import (
     close_quietly,
     on_cancel,
 )
-from hookline.shared.control import BreakerState, BreakerView
-from hookline.shared.headers import Header
-from hookline.shared.models import EndpointStatus, StoredEndpoint
-from hookline.shared.registry import EndpointRegistry
-from hookline.shared.supervision import Loop
+from hookline.shared.contracts import addressing
+from hookline.shared.contracts.control import BreakerState, BreakerView
+from hookline.shared.contracts.headers import Header
+from hookline.shared.contracts.models import EndpointStatus, StoredEndpoint
+from hookline.shared.runtime.supervision import Loop
+from hookline.shared.state.registry import EndpointRegistry
 
 log = structlog.get_logger(__name__)
 
@@ -232,7 +233,7 @@ class Consumers:
     async def _attach_lanes(self) -> None:
         channel = await self._channel_for(self._lane_prefetch)
         for name in _consumed_lanes():
-            tag = await incoming.consume(channel, name, self._lane_callback(name), timeout_s=CALL_TIMEOUT_S)
+            tag = await consumed.consume(channel, name, self._lane_callback(name), timeout_s=CALL_TIMEOUT_S)
             self._lanes[name] = (tag, channel)
         log.info("lanes_attached", lanes=len(self._lanes), prefetch=self._lane_prefetch)
 
@@ -314,7 +315,7 @@ class Consumers:
                 # Breaker open, endpoint paused or gone, its cap changed, or the queue was left behind.
                 self._active.pop(queue_name)
                 with contextlib.suppress(*BROKER_ERRORS):
-                    await incoming.cancel(consumer.channel, consumer.tag, timeout_s=CALL_TIMEOUT_S)
+                    await consumed.cancel(consumer.channel, consumer.tag, timeout_s=CALL_TIMEOUT_S)
         for queue_name, want in wanted.items():
             if queue_name not in self._active:
                 await self._attach(queue_name, want)
@@ -376,7 +377,7 @@ class Consumers:
             Mode.FORWARD: partial(self._forward, want.endpoint_id),
             Mode.GONE: partial(self._gone, want.endpoint_id),
         }[want.mode]
-        tag = await incoming.consume(channel, queue_name, callback, timeout_s=CALL_TIMEOUT_S)
+        tag = await consumed.consume(channel, queue_name, callback, timeout_s=CALL_TIMEOUT_S)
         self._active.add(queue_name, _Consumer(want, tag, channel))
         # With its tag: what the broker's cancel names, and `rabbitmqctl list_consumers` shows.
         log.info(
@@ -479,7 +480,7 @@ class Consumers:
                 log.error("lane_missing", queue=name, alert=True)
                 asyncio.get_running_loop().call_later(RECONCILE_RETRY_S, self._changed.put_nowait, _LANES)
                 continue
-            tag = await incoming.consume(channel, name, self._lane_callback(name), timeout_s=CALL_TIMEOUT_S)
+            tag = await consumed.consume(channel, name, self._lane_callback(name), timeout_s=CALL_TIMEOUT_S)
             self._lanes[name] = (tag, channel)
             log.info("lane_attached", queue=name, tag=tag)
 
@@ -504,7 +505,7 @@ class Consumers:
                 metrics.CONSUMERS_REATTACHED.inc()
                 del self._lanes[name]
                 with contextlib.suppress(*BROKER_ERRORS):
-                    await incoming.cancel(lane_channel, tag, timeout_s=CALL_TIMEOUT_S)
+                    await consumed.cancel(lane_channel, tag, timeout_s=CALL_TIMEOUT_S)
                 self._changed.put_nowait(_LANES)
             await asyncio.sleep(1 / CHECKS_PER_S)
         for name, consumer in self._active.items():
@@ -523,7 +524,7 @@ class Consumers:
                     metrics.CONSUMERS_REATTACHED.inc()
                 self._active.pop(name)
                 with contextlib.suppress(*BROKER_ERRORS):
-                    await incoming.cancel(consumer.channel, consumer.tag, timeout_s=CALL_TIMEOUT_S)
+                    await consumed.cancel(consumer.channel, consumer.tag, timeout_s=CALL_TIMEOUT_S)
                 self._changed.put_nowait(consumer.wanted.endpoint_id)
             await asyncio.sleep(1 / CHECKS_PER_S)
         await asyncio.sleep(max(0.0, started_s + every_s - time.monotonic()))
@@ -669,11 +670,11 @@ class Consumers:
         self._changed.put_nowait(None)
         for tag, channel in list(self._lanes.values()):
             with contextlib.suppress(*BROKER_ERRORS):
-                await incoming.cancel(channel, tag, timeout_s=CALL_TIMEOUT_S)
+                await consumed.cancel(channel, tag, timeout_s=CALL_TIMEOUT_S)
         for consumer in self._active.values():
             # A channel already gone has stopped delivering anyway.
             with contextlib.suppress(*BROKER_ERRORS):
-                await incoming.cancel(consumer.channel, consumer.tag, timeout_s=CALL_TIMEOUT_S)
+                await consumed.cancel(consumer.channel, consumer.tag, timeout_s=CALL_TIMEOUT_S)
 
     async def drain(self, grace_s: float) -> int:
         """Wait up to ``grace_s`` for in-flight deliveries; cancel the rest. Returns how many were cancelled.

@@ -1,5 +1,5 @@
 """Scheduling the next attempt: a copy of the message through the TTL delay hierarchy to its endpoint's
-address (:mod:`hookline.shared.addressing`), confirmed.
+address (:mod:`hookline.shared.contracts.addressing`), confirmed.
 
 The copy is a fresh message: our own headers travel (attempt, first attempt time, the trace context), the broker's
 ``x-death`` does not — RabbitMQ 3.x would take a second pass through a level queue for a cycle and
@@ -10,10 +10,10 @@ from __future__ import annotations
 
 from datetime import datetime
 
-from hookline.shared import addressing
-from hookline.shared.amqp import Publisher
-from hookline.shared.headers import Header
-from hookline.shared.tracing import TraceContext
+from hookline.shared.broker.amqp import Publisher
+from hookline.shared.contracts import addressing
+from hookline.shared.contracts.headers import Header
+from hookline.shared.runtime.tracing import TraceContext
 
 
 class Delays:

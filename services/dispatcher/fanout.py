@@ -2,7 +2,7 @@
 settled.
 
 An event published to ``events`` reaches its tenant's lane once, however many of the tenant's endpoints
-subscribe to it (:mod:`hookline.shared.topology`). Here it is parsed and checked once, matched against
+subscribe to it (:mod:`hookline.shared.broker.topology`). Here it is parsed and checked once, matched against
 the tenant's endpoints, and handed to the :class:`~hookline.dispatcher.handler.Handler` once per
 endpoint as a :class:`Part`: a view of the lane message whose ack settles that endpoint's copy alone.
 The handler settles a part as it settles any message (delivered, retry scheduled with a confirm, dead
@@ -31,11 +31,11 @@ from typing import Any
 import aiormq
 import structlog
 
-from hookline.dispatcher import fences, inbound, screening
+from hookline.dispatcher import decoding, fences, screening
+from hookline.dispatcher.consumed import Delivery
 from hookline.dispatcher.handler import Handler, handle_safely
-from hookline.dispatcher.incoming import Delivery
-from hookline.shared import topology
-from hookline.shared.models import DeadLetterReason, StoredEndpoint
+from hookline.shared.broker import topology
+from hookline.shared.contracts.models import DeadLetterReason, StoredEndpoint
 
 log = structlog.get_logger(__name__)
 
@@ -121,7 +121,7 @@ async def fan_out(handler: Handler, message: Delivery) -> bool:
     tenant, event_type = _tenant_and_type(message.routing_key)
     targets = _targets(handler, message, tenant, event_type)
     parsed = await handler.parse_event(message, tenant=tenant)
-    if isinstance(parsed, inbound.Invalid):
+    if isinstance(parsed, decoding.Invalid):
         await handler.dead_letter_invalid(message, parsed, tenant=tenant, endpoints=targets)
         await handler.acks.ack(message)
         return True

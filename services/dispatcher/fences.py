@@ -14,7 +14,7 @@ from __future__ import annotations
 import enum
 from datetime import datetime, timedelta
 
-from hookline.shared.models import StoredEndpoint
+from hookline.shared.contracts.models import StoredEndpoint
 
 #: A lane message given out again may be fanned out this long after its endpoint left the lane
 #: (fanout.REDELIVERY_COUNTS_DELETED counts those endpoints as long), so second copies may come as late.
@@ -54,7 +54,7 @@ def leaving(endpoint: StoredEndpoint, fence_id: str | None) -> bool:
 
 def left(endpoint: StoredEndpoint, *, fence_id: str | None, at: datetime) -> StoredEndpoint | None:
     """The endpoint once its lane has passed the fence (None: nothing to change any more), for
-    :meth:`~hookline.shared.registry.ChangeLog.update`."""
+    :meth:`~hookline.shared.state.registry.ChangeLog.update`."""
     if not leaving(endpoint, fence_id):
         return None
     return endpoint.model_copy(update={"laned": False, "lane_fence": None, "left_lane_at": at})

@@ -30,34 +30,37 @@ from typing import cast
 import structlog
 from opentelemetry.trace import SpanKind
 
-from hookline.dispatcher import fences, inbound, metrics, screening
+from hookline.dispatcher import decoding, fences, metrics, screening
 from hookline.dispatcher.acks import Acks
 from hookline.dispatcher.admission import CROWDED_IN_FLIGHT, Admission, Ended, Ledger, Standing, Ticket
 from hookline.dispatcher.backoff import Jitter, RetryPolicy, honoured_retry_after_s
+from hookline.dispatcher.consumed import Incoming
 from hookline.dispatcher.delays import Delays
-from hookline.dispatcher.incoming import Incoming
 from hookline.dispatcher.ordering import SubjectOrder
 from hookline.dispatcher.outcome import Ack, DeadLetter, Retry, Settlement, classify, settle
 from hookline.dispatcher.pacing import Pacer
+from hookline.dispatcher.reporting import Telemetry
 from hookline.dispatcher.settled import Settled
-from hookline.dispatcher.telemetry import Telemetry
 from hookline.dispatcher.turns import Turns
-from hookline.shared import __version__, addressing, signing, topology
-from hookline.shared.amqp import BROKER_ERRORS, CALL_TIMEOUT_S, Publisher
-from hookline.shared.control import BreakerCommand, BreakerState, BreakerView
-from hookline.shared.credentials import Credentials
-from hookline.shared.deadletters import dead_letter_message
-from hookline.shared.delivery import AttemptResult, DeliveryClient, ErrorKind
-from hookline.shared.headers import Header
-from hookline.shared.isolation import Isolation
-from hookline.shared.models import DeadLetterReason, Event, StoredEndpoint
-from hookline.shared.registry import ChangeLog, EndpointRegistry
-from hookline.shared.sealing import Sealer
-from hookline.shared.settings import DispatcherSettings
-from hookline.shared.telemetry import AttemptFields, Deferral, DeferralReason, Outcome, exchange
-from hookline.shared.tracing import Tracing
-from hookline.shared.transforms import Transformer, TransformFailedError
-from hookline.shared.webhook import webhook_request
+from hookline.shared import __version__
+from hookline.shared.broker import topology
+from hookline.shared.broker.amqp import BROKER_ERRORS, CALL_TIMEOUT_S, Publisher
+from hookline.shared.broker.isolation import Isolation
+from hookline.shared.contracts import addressing
+from hookline.shared.contracts.control import BreakerCommand, BreakerState, BreakerView
+from hookline.shared.contracts.deadletters import dead_letter_message
+from hookline.shared.contracts.headers import Header
+from hookline.shared.contracts.models import DeadLetterReason, Event, StoredEndpoint
+from hookline.shared.contracts.telemetry import AttemptFields, Deferral, DeferralReason, Outcome, exchange
+from hookline.shared.contracts.webhook import webhook_request
+from hookline.shared.outbound import signing
+from hookline.shared.outbound.credentials import Credentials
+from hookline.shared.outbound.delivery import AttemptResult, DeliveryClient, ErrorKind
+from hookline.shared.outbound.sealing import Sealer
+from hookline.shared.outbound.transforms import Transformer, TransformFailedError
+from hookline.shared.runtime.settings import DispatcherSettings
+from hookline.shared.runtime.tracing import Tracing
+from hookline.shared.state.registry import ChangeLog, EndpointRegistry
 
 log = structlog.get_logger(__name__)
 
@@ -120,7 +123,7 @@ def _subscribed(endpoint: StoredEndpoint, message: Incoming) -> bool:
     )
 
 
-def _order_key(event: Event, parsed: inbound.Inbound) -> int:
+def _order_key(event: Event, parsed: decoding.Inbound) -> int:
     """Where an ordered endpoint puts the event among those of its subject: the publisher's
     ``sequence`` when it gave one, else when this dispatcher first saw it (ns, kept across retries)."""
     if event.sequence is not None:
@@ -206,7 +209,7 @@ class Handler:
         message: Incoming,
         *,
         probe: bool = False,
-        parsed: inbound.Inbound | None = None,
+        parsed: decoding.Inbound | None = None,
         lane: bool = False,
         held: bool = False,
     ) -> bool:
@@ -257,7 +260,7 @@ class Handler:
         return await self._handle(endpoint, message, parsed, probe=probe, lane=False)
 
     async def _from_lane(
-        self, endpoint: StoredEndpoint, message: Incoming, parsed: inbound.Inbound | None
+        self, endpoint: StoredEndpoint, message: Incoming, parsed: decoding.Inbound | None
     ) -> bool:
         """A lane message's delivery: at most ``HOOKLINE_PREFETCH_PER_ENDPOINT`` of an endpoint's go at
         once here. One that waits for its turn longer than a twentieth of the slow line, for an endpoint
@@ -337,10 +340,10 @@ class Handler:
         finally:
             self._done_with(endpoint.id, turns)
 
-    async def parse_event(self, message: Incoming, *, tenant: str) -> inbound.Inbound | inbound.Invalid:
+    async def parse_event(self, message: Incoming, *, tenant: str) -> decoding.Inbound | decoding.Invalid:
         """The event in a message for one of ``tenant``'s endpoints, checked (the catalog's schema too,
         on an event's first hop)."""
-        parsed = inbound.parse(
+        parsed = decoding.parse(
             message.body,
             message_id=message.message_id,
             content_type=message.content_type,
@@ -350,10 +353,10 @@ class Handler:
             endpoint_tenant=tenant,
             max_bytes=self._settings.max_payload_bytes,
         )
-        if not isinstance(parsed, inbound.Inbound) or message.exchange != topology.EVENTS_EXCHANGE:
+        if not isinstance(parsed, decoding.Inbound) or message.exchange != topology.EVENTS_EXCHANGE:
             return parsed
         checked = self._catalog_check(parsed)
-        if isinstance(checked, inbound.Inbound):
+        if isinstance(checked, decoding.Inbound):
             return checked
         # Refused by this replica's view of the catalog, which may be behind: an operator relaxed the
         # schema, an ingest answered, and the upstream published at once. Read the log up to now first.
@@ -368,13 +371,13 @@ class Handler:
         self,
         endpoint: StoredEndpoint,
         message: Incoming,
-        parsed_before: inbound.Inbound | None,
+        parsed_before: decoding.Inbound | None,
         *,
         probe: bool,
         lane: bool,
     ) -> bool:
         parsed = parsed_before or await self.parse_event(message, tenant=endpoint.tenant)
-        if isinstance(parsed, inbound.Invalid):
+        if isinstance(parsed, decoding.Invalid):
             await self._dead_letter(
                 message, endpoint.id, endpoint.tenant, DeadLetterReason.INVALID_EVENT,
                 event_id=parsed.event_id, attempts=0, last_status=None, last_error=parsed.reason,
@@ -424,7 +427,7 @@ class Handler:
         self,
         message: Incoming,
         endpoint: StoredEndpoint,
-        parsed: inbound.Inbound,
+        parsed: decoding.Inbound,
         sequence: int | None,
         *,
         probe: bool,
@@ -477,7 +480,7 @@ class Handler:
         return ticket
 
     async def _settled_before(
-        self, message: Incoming, endpoint: StoredEndpoint, parsed: inbound.Inbound
+        self, message: Incoming, endpoint: StoredEndpoint, parsed: decoding.Inbound
     ) -> bool:
         """A redelivery of a message this replica settled, whose ack the broker never got, or a second
         copy of an event that came to it straight (both ways to an endpoint leaving its lane): acked
@@ -501,7 +504,7 @@ class Handler:
         )  # fmt: skip
         return True
 
-    def _catalog_check(self, parsed: inbound.Inbound) -> inbound.Inbound | inbound.Invalid:
+    def _catalog_check(self, parsed: decoding.Inbound) -> decoding.Inbound | decoding.Invalid:
         """An event published straight to AMQP, on its first hop, by its type's schema in the catalog (the
         ingest checked those it took over HTTP, and retries were checked on their first hop)."""
         event = parsed.event
@@ -509,7 +512,7 @@ class Handler:
         if violation is None:
             return parsed
         if violation.validation == "enforce":
-            return inbound.Invalid(
+            return decoding.Invalid(
                 f"does not match the schema of {event.type}: {violation.describe()}", event.id
             )
         log.warning("event_schema_mismatch", event_id=event.id, type=event.type, at=violation.pointers())
@@ -519,7 +522,7 @@ class Handler:
         self,
         message: Incoming,
         endpoint: StoredEndpoint,
-        parsed: inbound.Inbound,
+        parsed: decoding.Inbound,
         sequence: int | None,
         ticket: Ticket,
         *,
@@ -586,7 +589,7 @@ class Handler:
         )  # fmt: skip
         await self._apply(settlement, message, endpoint, parsed, first_attempt_at_s, result, sequence)
 
-    async def _cut(self, message: Incoming, endpoint: StoredEndpoint, parsed: inbound.Inbound) -> None:
+    async def _cut(self, message: Incoming, endpoint: StoredEndpoint, parsed: decoding.Inbound) -> None:
         """An attempt from a lane that outlived the slow line: not the endpoint's failure (no attempt is
         counted), its copy handed to the endpoint's queue of its own, where it goes out again with the
         endpoint's whole timeout (the receiver may have had the request: at least once). Past the bound
@@ -623,7 +626,7 @@ class Handler:
         )  # fmt: skip
 
     async def _isolate(self, endpoint: StoredEndpoint, reason: str) -> bool:
-        """Isolate the endpoint (shared/isolation.py: a queue of its own, or held in a holding lane past
+        """Isolate the endpoint (shared/broker/isolation.py: a queue of its own, or held in a holding lane past
         the bound); whether it is isolated now."""
         if self._isolation is None:
             return False
@@ -665,7 +668,7 @@ class Handler:
     def _report(
         self,
         endpoint: StoredEndpoint,
-        parsed: inbound.Inbound,
+        parsed: decoding.Inbound,
         outcome: Outcome,
         settlement: Settlement,
         result: AttemptResult,
@@ -717,7 +720,7 @@ class Handler:
     async def _gate(
         self,
         endpoint: StoredEndpoint,
-        parsed: inbound.Inbound,
+        parsed: decoding.Inbound,
         sequence: int | None,
         *,
         probe: bool,
@@ -750,7 +753,7 @@ class Handler:
         self,
         message: Incoming,
         endpoint: StoredEndpoint,
-        parsed: inbound.Inbound,
+        parsed: decoding.Inbound,
         sequence: int | None,
         delay_s: float,
         reason: DeferralReason,
@@ -809,7 +812,9 @@ class Handler:
         self._policies[endpoint.id] = (endpoint.updated_at, policy)
         return policy
 
-    async def _attempt(self, endpoint: StoredEndpoint, parsed: inbound.Inbound, body: bytes) -> AttemptResult:
+    async def _attempt(
+        self, endpoint: StoredEndpoint, parsed: decoding.Inbound, body: bytes
+    ) -> AttemptResult:
         event = parsed.event
         transformed = None
         if endpoint.transform is not None:  # the endpoint's version now: a PATCH changes later bodies
@@ -865,7 +870,7 @@ class Handler:
         settlement: Settlement,
         message: Incoming,
         endpoint: StoredEndpoint,
-        parsed: inbound.Inbound,
+        parsed: decoding.Inbound,
         first_attempt_at_s: float,
         result: AttemptResult,
         sequence: int | None,
@@ -1026,7 +1031,12 @@ class Handler:
         await self.acks.ack(message)
 
     async def dead_letter_invalid(
-        self, message: Incoming, invalid: inbound.Invalid, *, tenant: str, endpoints: Sequence[StoredEndpoint]
+        self,
+        message: Incoming,
+        invalid: decoding.Invalid,
+        *,
+        tenant: str,
+        endpoints: Sequence[StoredEndpoint],
     ) -> None:
         """What an upstream published to ``events`` is not an event: one ``invalid_event`` dead letter per
         endpoint it was meant for (one without an endpoint when it matches none), never dropped."""
@@ -1041,7 +1051,7 @@ class Handler:
             )  # fmt: skip
 
     async def dead_letter_part(
-        self, message: Incoming, endpoint: StoredEndpoint, reason: DeadLetterReason, parsed: inbound.Inbound
+        self, message: Incoming, endpoint: StoredEndpoint, reason: DeadLetterReason, parsed: decoding.Inbound
     ) -> None:
         """One endpoint's copy of a lane message kept as a dead letter (the caller acks the message)."""
         await self._dead_letter(
@@ -1096,7 +1106,7 @@ async def handle_safely(
     message: Incoming,
     *,
     probe: bool = False,
-    parsed: inbound.Inbound | None = None,
+    parsed: decoding.Inbound | None = None,
     lane: bool = False,
     held: bool = False,
 ) -> bool:

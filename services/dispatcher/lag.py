@@ -5,7 +5,7 @@ That is how long anything ready in the process waited for the loop then — ever
 message. Unloaded it is a fraction of a millisecond; tens of milliseconds say the dispatcher is short
 of CPU (more replicas, or fewer on this machine), and a delivery that is late while this is not was late
 before it reached the process (the broker, or the connection: see ``_unbounded_frames`` in
-:mod:`hookline.shared.amqp`, found that way).
+:mod:`hookline.shared.broker.amqp`, found that way).
 
 A tick ``LATE_LOGGED_S`` late or more is logged (``loop_ran_late``, at most every ``LOGGED_EVERY_S``)
 with what the loop's thread did meanwhile (:func:`why_late`): it *ran* (too much work in this replica:

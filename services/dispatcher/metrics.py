@@ -1,4 +1,4 @@
-"""The dispatcher's Prometheus metrics (served by :mod:`hookline.shared.probes`)."""
+"""The dispatcher's Prometheus metrics (served by :mod:`hookline.shared.runtime.probes`)."""
 
 from __future__ import annotations
 

@@ -14,9 +14,9 @@ from dataclasses import dataclass
 from datetime import datetime
 
 from hookline.dispatcher.backoff import GiveUp, RetryPolicy, decide, honoured_retry_after_s
-from hookline.shared.delivery import ErrorKind
-from hookline.shared.models import DeadLetterReason
-from hookline.shared.telemetry import Outcome
+from hookline.shared.contracts.models import DeadLetterReason
+from hookline.shared.contracts.telemetry import Outcome
+from hookline.shared.outbound.delivery import ErrorKind
 
 _PERMANENT_ERRORS = frozenset({ErrorKind.REFUSED_TARGET, ErrorKind.INVALID_URL, ErrorKind.TRANSFORM})
 _RETRIED_4XX = frozenset({408, 429})

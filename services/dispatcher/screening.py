@@ -1,4 +1,4 @@
-"""An event screened by its endpoints' filters (:mod:`hookline.shared.filters`) where it is fanned out,
+"""An event screened by its endpoints' filters (:mod:`hookline.shared.outbound.filters`) where it is fanned out,
 so that an endpoint whose filter it does not match gets no copy of its own: no queue write, no delivery.
 The event's CEL variables are built once per event, only when one of its endpoints has a filter, and
 hold only what those filters read (:class:`filters.Needs`)."""
@@ -11,8 +11,8 @@ import cel
 import structlog
 
 from hookline.dispatcher import metrics
-from hookline.shared import filters
-from hookline.shared.models import Event, StoredEndpoint
+from hookline.shared.contracts.models import Event, StoredEndpoint
+from hookline.shared.outbound import filters
 
 log = structlog.get_logger(__name__)
 

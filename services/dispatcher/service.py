@@ -3,7 +3,7 @@ of endpoints that have one of their own, and stops cleanly.
 
 Any number of replicas run side by side; each consumes every lane and every such queue (competing
 consumers), with per-endpoint limits so that one slow endpoint can hold at most that many of a
-replica's deliveries. Every long-running part is a supervised loop (:mod:`hookline.shared.supervision`): a broker
+replica's deliveries. Every long-running part is a supervised loop (:mod:`hookline.shared.runtime.supervision`): a broker
 restart or a closed connection makes them start over, and ``/readyz`` answers 503 until they are back.
 """
 
@@ -25,27 +25,29 @@ from functools import partial
 import structlog
 from pydantic import ValidationError
 
-from hookline.dispatcher import incoming, metrics
+from hookline.dispatcher import consumed, metrics
 from hookline.dispatcher.admission import Share
 from hookline.dispatcher.consumers import Consumers, check_consumers, expire_breakers, refit_prefetch
 from hookline.dispatcher.handler import USER_AGENT, Handler
 from hookline.dispatcher.lag import LagProbe
-from hookline.dispatcher.telemetry import Telemetry
-from hookline.shared import lifecycle, registry, topology
-from hookline.shared import logging as hookline_logging
-from hookline.shared.amqp import CALL_TIMEOUT_S, Broker, Publisher, passive_queue, until_closed
-from hookline.shared.control import BREAKER_LOOKBACK, BreakerView, control_record
-from hookline.shared.delivery import DeliveryClient
-from hookline.shared.isolation import Isolation
-from hookline.shared.models import error_summary
-from hookline.shared.probes import probe_server
-from hookline.shared.registry import ChangeLog, EndpointRegistry
-from hookline.shared.sealing import SealedSecretError, Sealer
-from hookline.shared.settings import DispatcherSettings, load
-from hookline.shared.streams import Record, StreamFollower, follow_synced
-from hookline.shared.supervision import Loop, Supervisor
-from hookline.shared.tracing import Tracing
-from hookline.shared.transforms import Transformer
+from hookline.dispatcher.reporting import Telemetry
+from hookline.shared.broker import topology
+from hookline.shared.broker.amqp import CALL_TIMEOUT_S, Broker, Publisher, passive_queue, until_closed
+from hookline.shared.broker.isolation import Isolation
+from hookline.shared.broker.streams import Record, StreamFollower, follow_synced
+from hookline.shared.contracts.control import BREAKER_LOOKBACK, BreakerView, control_record
+from hookline.shared.contracts.models import error_summary
+from hookline.shared.outbound.delivery import DeliveryClient
+from hookline.shared.outbound.sealing import SealedSecretError, Sealer
+from hookline.shared.outbound.transforms import Transformer
+from hookline.shared.runtime import lifecycle
+from hookline.shared.runtime import logging as hookline_logging
+from hookline.shared.runtime.probes import probe_server
+from hookline.shared.runtime.settings import DispatcherSettings, load
+from hookline.shared.runtime.supervision import Loop, Supervisor
+from hookline.shared.runtime.tracing import Tracing
+from hookline.shared.state import registry
+from hookline.shared.state.registry import ChangeLog, EndpointRegistry
 
 #: Transform worker processes per dispatcher, started at its first transform (each about 30 MiB).
 TRANSFORM_WORKERS = 2
@@ -79,7 +81,7 @@ async def _consume_unroutable(broker: Broker, consumers: Consumers, handler: Han
     """Retries whose endpoint is gone: any replica turns them into dead letters."""
     async with broker.channel(prefetch=32) as channel:
         await passive_queue(channel, topology.DELAY_UNROUTABLE)
-        await incoming.consume(
+        await consumed.consume(
             channel,
             topology.DELAY_UNROUTABLE,
             partial(consumers.track, "", handler.handle_unroutable),

@@ -9,9 +9,9 @@ from datetime import UTC, datetime
 
 from hookline.health_monitor.breaker import open_for_s
 from hookline.health_monitor.health import EndpointHealth, Health
-from hookline.shared.capacity import QUORUM_QUEUE_FILE_HANDLES, BrokerCapacity
-from hookline.shared.control import BreakerState
-from hookline.shared.models import EndpointStatus, StoredEndpoint
+from hookline.shared.broker.capacity import QUORUM_QUEUE_FILE_HANDLES, BrokerCapacity
+from hookline.shared.contracts.control import BreakerState
+from hookline.shared.contracts.models import EndpointStatus, StoredEndpoint
 
 AlertKey = tuple[str, str | None]
 

@@ -25,10 +25,10 @@ from datetime import UTC, datetime, timedelta
 import structlog
 from aio_pika.abc import AbstractChannel
 
-from hookline.shared import topology
-from hookline.shared.amqp import BROKER_ERRORS, Broker
-from hookline.shared.models import StoredEndpoint
-from hookline.shared.registry import ChangeLog, EndpointRegistry
+from hookline.shared.broker import topology
+from hookline.shared.broker.amqp import BROKER_ERRORS, Broker
+from hookline.shared.contracts.models import StoredEndpoint
+from hookline.shared.state.registry import ChangeLog, EndpointRegistry
 
 log = structlog.get_logger(__name__)
 

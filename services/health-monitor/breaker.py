@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from hookline.shared.control import BreakerState
+from hookline.shared.contracts.control import BreakerState
 
 __all__ = ["Breaker", "BreakerPolicy", "BreakerState", "open_for_s", "record", "tick"]
 

@@ -14,8 +14,8 @@ from collections import OrderedDict
 from collections.abc import Iterable
 
 from hookline.health_monitor.alerts import Alert
-from hookline.shared.ids import id_time_s
-from hookline.shared.telemetry import AttemptRecord, Outcome
+from hookline.shared.contracts.ids import id_time_s
+from hookline.shared.contracts.telemetry import AttemptRecord, Outcome
 
 CANARY_TYPE = "hookline.canary"
 KEEP = 100  # canaries remembered: enough for the late alert, bounded whatever the interval

@@ -36,9 +36,9 @@ from hookline.health_monitor.breaker import Breaker
 from hookline.health_monitor.health import EndpointHealth, Health, HealthPolicy, TypeHealth
 from hookline.health_monitor.sketch import LatencySketch
 from hookline.health_monitor.stats import RollingStats, Stats
-from hookline.shared.control import BreakerCommand, BreakerState
-from hookline.shared.statefiles import StateFile, StateFileReplacedError
-from hookline.shared.telemetry import Heartbeat
+from hookline.shared.contracts.control import BreakerCommand, BreakerState
+from hookline.shared.contracts.telemetry import Heartbeat
+from hookline.shared.state.statefiles import StateFile, StateFileReplacedError
 
 __all__ = [
     "FORMAT_VERSION", "AlertState", "CheckpointError", "CheckpointStore", "Unsent", "dump", "dump_alerts",
@@ -290,7 +290,7 @@ class CheckpointStore:
 
     Use it as ``async with CheckpointStore(path) as store``. SQLite runs on one worker thread of the
     store's own, never on the event loop; one thread also keeps the writes in the order they were asked.
-    A file found damaged is set aside (:mod:`hookline.shared.statefiles`): at start the monitor then
+    A file found damaged is set aside (:mod:`hookline.shared.state.statefiles`): at start the monitor then
     rebuilds its statistics from the telemetry log; in use, the next save writes the whole checkpoint
     into the fresh file.
     """

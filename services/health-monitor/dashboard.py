@@ -24,11 +24,11 @@ from hookline.health_monitor import sparkline
 from hookline.health_monitor.ingest_api import IngestApi, IngestApiError
 from hookline.health_monitor.monitor import Monitor
 from hookline.health_monitor.sessions import COOKIE, Session, Sessions
-from hookline.health_monitor.status import endpoint_view, status
-from hookline.shared.api import ApiError
-from hookline.shared.control import BreakerState
-from hookline.shared.models import DeadLetterReason, EventState
-from hookline.shared.status import EndpointHealthView
+from hookline.health_monitor.statusapi import endpoint_view, status
+from hookline.shared.contracts.control import BreakerState
+from hookline.shared.contracts.models import DeadLetterReason, EventState
+from hookline.shared.contracts.status import EndpointHealthView
+from hookline.shared.runtime.api import ApiError
 
 log = structlog.get_logger(__name__)
 router = APIRouter(prefix="/ui", include_in_schema=False)

@@ -8,7 +8,7 @@ work, and on a small machine the other lanes' latency. With a direct route the b
 straight into the endpoint's queue (``docs/decisions.md``, "Direct routes").
 
 An endpoint is routed directly while it is isolated with a queue of its own and
-:func:`~hookline.shared.placement.direct_patterns` allows it: not ordered, and no other endpoint of its
+:func:`~hookline.shared.broker.placement.direct_patterns` allows it: not ordered, and no other endpoint of its
 tenant names an overlapping pattern. Each switch keeps every event on at least one way in, in this
 order (a monitor stopped half-way leaves a state the next leader finishes or undoes):
 
@@ -37,11 +37,11 @@ from dataclasses import dataclass, field
 import structlog
 
 from hookline.health_monitor.bindings import Bindings
-from hookline.shared import placement, topology
-from hookline.shared.amqp import BROKER_ERRORS, Broker
-from hookline.shared.models import DirectRoute, StoredEndpoint
-from hookline.shared.registry import ChangeLog
-from hookline.shared.supervision import Loop
+from hookline.shared.broker import placement, topology
+from hookline.shared.broker.amqp import BROKER_ERRORS, Broker
+from hookline.shared.contracts.models import DirectRoute, StoredEndpoint
+from hookline.shared.runtime.supervision import Loop
+from hookline.shared.state.registry import ChangeLog
 
 log = structlog.get_logger(__name__)
 

@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 from hookline.health_monitor import breaker as breakers
 from hookline.health_monitor.breaker import Breaker, BreakerPolicy
 from hookline.health_monitor.stats import RollingStats, Stats
-from hookline.shared.control import BreakerCommand, BreakerSnapshot, BreakerState
-from hookline.shared.telemetry import (
+from hookline.shared.contracts.control import BreakerCommand, BreakerSnapshot, BreakerState
+from hookline.shared.contracts.telemetry import (
     ASIDE_KINDS,
     AttemptRecord,
     Deferral,

@@ -42,22 +42,43 @@ from hookline.health_monitor.direct import Direct
 from hookline.health_monitor.health import EndpointHealth, Health, HealthPolicy
 from hookline.health_monitor.placements import Placements
 from hookline.health_monitor.sinks import AlertSinks
-from hookline.shared import addressing, notifications, topology
-from hookline.shared.amqp import BROKER_ERRORS, CALL_TIMEOUT_S, Broker, Publisher, QueueProbe, until_closed
-from hookline.shared.capacity import BrokerCapacity, CapacityReader
-from hookline.shared.control import BreakerCommand, BreakerState, BreakerView, ControlRecord, control_record
-from hookline.shared.deadletters import DeadLetterIndex
-from hookline.shared.envelope import event_message
-from hookline.shared.heldpublishes import HeldPublishes
-from hookline.shared.ids import new_id
-from hookline.shared.isolation import Isolation
-from hookline.shared.models import EndpointDeleted, EndpointStatus, Event, StoredEndpoint, error_summary
-from hookline.shared.registry import ChangeLog, StaleWriteError
-from hookline.shared.settings import MonitorSettings
-from hookline.shared.streams import Record, StreamFollower, follow_synced, offset_of
-from hookline.shared.supervision import Loop, Supervisor
-from hookline.shared.telemetry import AttemptRecord, batch
-from hookline.shared.views import follow_view
+from hookline.shared.broker import topology
+from hookline.shared.broker.amqp import (
+    BROKER_ERRORS,
+    CALL_TIMEOUT_S,
+    Broker,
+    Publisher,
+    QueueProbe,
+    until_closed,
+)
+from hookline.shared.broker.capacity import BrokerCapacity, CapacityReader
+from hookline.shared.broker.heldpublishes import HeldPublishes
+from hookline.shared.broker.isolation import Isolation
+from hookline.shared.broker.streams import Record, StreamFollower, follow_synced, offset_of
+from hookline.shared.broker.views import follow_view
+from hookline.shared.contracts import addressing
+from hookline.shared.contracts.control import (
+    BreakerCommand,
+    BreakerState,
+    BreakerView,
+    ControlRecord,
+    control_record,
+)
+from hookline.shared.contracts.deadletters import DeadLetterIndex
+from hookline.shared.contracts.envelope import event_message
+from hookline.shared.contracts.ids import new_id
+from hookline.shared.contracts.models import (
+    EndpointDeleted,
+    EndpointStatus,
+    Event,
+    StoredEndpoint,
+    error_summary,
+)
+from hookline.shared.contracts.telemetry import AttemptRecord, batch
+from hookline.shared.runtime.settings import MonitorSettings
+from hookline.shared.runtime.supervision import Loop, Supervisor
+from hookline.shared.state import notifications
+from hookline.shared.state.registry import ChangeLog, StaleWriteError
 
 log = structlog.get_logger(__name__)
 

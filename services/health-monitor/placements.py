@@ -1,4 +1,4 @@
-"""The leading monitor's part in where endpoints are delivered from (:mod:`hookline.shared.placement`):
+"""The leading monitor's part in where endpoints are delivered from (:mod:`hookline.shared.broker.placement`):
 an endpoint is isolated before its breaker opens, taken back to its lane once the reason has gone and
 its queue has stayed empty, and its queue of its own removed once nothing can reach it any more.
 
@@ -10,7 +10,7 @@ one before holds for every live dispatcher:
    its direct route switched off first if it had one (direct.py);
 2. every live dispatcher has applied that record (heartbeats carry the change-log offset applied);
 3. the queue is unbound from the delay exchange: a retry or deferral still addressed to it now comes back
-   unroutable and is forwarded to the lane (:mod:`hookline.shared.addressing`);
+   unroutable and is forwarded to the lane (:mod:`hookline.shared.contracts.addressing`);
 4. it has stayed empty, with nothing of its endpoint unacked at any dispatcher, for the grace period;
 5. it is deleted, and a placement record says so (nobody consumes or counts it from then on).
 
@@ -33,12 +33,12 @@ import structlog
 
 from hookline.health_monitor.direct import Direct
 from hookline.health_monitor.health import Health
-from hookline.shared import placement, topology
-from hookline.shared.amqp import BROKER_ERRORS, CALL_TIMEOUT_S, Broker
-from hookline.shared.control import BreakerState
-from hookline.shared.isolation import Isolation
-from hookline.shared.models import StoredEndpoint
-from hookline.shared.registry import ChangeLog
+from hookline.shared.broker import placement, topology
+from hookline.shared.broker.amqp import BROKER_ERRORS, CALL_TIMEOUT_S, Broker
+from hookline.shared.broker.isolation import Isolation
+from hookline.shared.contracts.control import BreakerState
+from hookline.shared.contracts.models import StoredEndpoint
+from hookline.shared.state.registry import ChangeLog
 
 log = structlog.get_logger(__name__)
 

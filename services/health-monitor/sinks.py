@@ -28,8 +28,8 @@ import orjson
 import prometheus_client
 import structlog
 
-from hookline.shared import signing
-from hookline.shared.delivery import DeliveryClient
+from hookline.shared.outbound import signing
+from hookline.shared.outbound.delivery import DeliveryClient
 
 log = structlog.get_logger(__name__)
 

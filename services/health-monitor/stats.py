@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from hookline.health_monitor.sketch import LatencySketch
-from hookline.shared.telemetry import AttemptRecord, Outcome
+from hookline.shared.contracts.telemetry import AttemptRecord, Outcome
 
 AUTH_STATUSES = frozenset({401, 403})
 

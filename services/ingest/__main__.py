@@ -1,5 +1,5 @@
 """``python -m hookline.ingest`` starts the service, as ``hookline ingest`` does."""
 
-from hookline.ingest.app import main
+from hookline.ingest.service import main
 
 main()

@@ -2,7 +2,7 @@
 like every delivery, and recorded in the telemetry stream like the dispatchers' attempts, so that the
 delivery log has them. Beside the event's course (ASIDE_KINDS): no retry follows them. An attempt made
 while the broker refuses publishes (an alarm) is still made, and its record held until the broker takes
-it (:mod:`hookline.shared.heldpublishes`)."""
+it (:mod:`hookline.shared.broker.heldpublishes`)."""
 
 from __future__ import annotations
 
@@ -15,13 +15,10 @@ from datetime import UTC, datetime
 import aio_pika
 import structlog
 
-from hookline.shared import signing, topology
-from hookline.shared.credentials import Credentials
-from hookline.shared.delivery import AttemptResult, ErrorKind
-from hookline.shared.heldpublishes import HeldPublishes
-from hookline.shared.models import StoredEndpoint
-from hookline.shared.sealing import Sealer
-from hookline.shared.telemetry import (
+from hookline.shared.broker import topology
+from hookline.shared.broker.heldpublishes import HeldPublishes
+from hookline.shared.contracts.models import StoredEndpoint
+from hookline.shared.contracts.telemetry import (
     AttemptKind,
     AttemptRecord,
     Deferral,
@@ -30,8 +27,12 @@ from hookline.shared.telemetry import (
     batch,
     exchange,
 )
-from hookline.shared.transforms import Transformer, TransformFailedError
-from hookline.shared.webhook import webhook_request
+from hookline.shared.contracts.webhook import webhook_request
+from hookline.shared.outbound import signing
+from hookline.shared.outbound.credentials import Credentials
+from hookline.shared.outbound.delivery import AttemptResult, ErrorKind
+from hookline.shared.outbound.sealing import Sealer
+from hookline.shared.outbound.transforms import Transformer, TransformFailedError
 
 log = structlog.get_logger(__name__)
 

@@ -11,7 +11,7 @@ local view (SQLite) that ``GET /v1/audit`` reads; a tenant token sees its own te
 A record is written after its change succeeded, so that a refused change leaves none; should the broker
 refuse the record then (an alarm that began meanwhile, or a resend by hand, which an alarm does not
 stop), the change stands and the record is held until the broker takes it
-(:mod:`hookline.shared.heldpublishes`).
+(:mod:`hookline.shared.broker.heldpublishes`).
 """
 
 from __future__ import annotations
@@ -29,12 +29,12 @@ from pydantic import AwareDatetime, TypeAdapter
 
 from hookline.ingest.auth import Caller, Principal
 from hookline.ingest.state import ingest_state
-from hookline.shared import permissions, topology
-from hookline.shared.api import ApiError
-from hookline.shared.heldpublishes import HeldPublishes
-from hookline.shared.ids import new_id
-from hookline.shared.models import ErrorDetail, Model
-from hookline.shared.views import RowView, StreamMessage, ViewSchema
+from hookline.shared.broker import permissions, topology
+from hookline.shared.broker.heldpublishes import HeldPublishes
+from hookline.shared.broker.views import RowView, StreamMessage, ViewSchema
+from hookline.shared.contracts.ids import new_id
+from hookline.shared.contracts.models import ErrorDetail, Model
+from hookline.shared.runtime.api import ApiError
 
 log = structlog.get_logger(__name__)
 

@@ -14,10 +14,10 @@ from typing import Annotated
 from fastapi import APIRouter, Depends, Request
 
 from hookline.ingest.state import State
-from hookline.shared.api import ApiError
-from hookline.shared.bearer import UNAUTHORIZED_MESSAGE
-from hookline.shared.models import Model, PortalGrant, StoredEndpoint
-from hookline.shared.registry import EndpointRegistry
+from hookline.shared.contracts.models import Model, PortalGrant, StoredEndpoint
+from hookline.shared.runtime.api import ApiError
+from hookline.shared.runtime.bearer import UNAUTHORIZED_MESSAGE
+from hookline.shared.state.registry import EndpointRegistry
 
 #: What a customer portal session may call (method, route): its tenant's endpoints, their deliveries and
 #: dead letters, and the event-type catalog; never publishing, tokens, quotas or the catalog's writes.

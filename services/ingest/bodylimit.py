@@ -6,7 +6,7 @@ from collections.abc import Mapping
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from hookline.shared.api import ApiError, error_response
+from hookline.shared.runtime.api import ApiError, error_response
 
 
 class BodyLimit:

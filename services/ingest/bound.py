@@ -9,8 +9,8 @@ created on another replica at that moment binds it itself (each ingest binds wha
 
 from __future__ import annotations
 
-from hookline.shared.models import StoredEndpoint
-from hookline.shared.registry import EndpointRegistry
+from hookline.shared.contracts.models import StoredEndpoint
+from hookline.shared.state.registry import EndpointRegistry
 
 
 class BoundPatterns:

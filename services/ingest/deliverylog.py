@@ -1,6 +1,6 @@
 """The delivery log: every event accepted and every attempt made, queryable by event, endpoint and time.
 
-Two durable views (:class:`~hookline.shared.views.RowView`, SQLite beside the ingest's other views):
+Two durable views (:class:`~hookline.shared.broker.views.RowView`, SQLite beside the ingest's other views):
 the events, from the event log stream (``hookline.events.log``: id, tenant, type, subject, when, and
 the offset to read the event back from), and the attempts, from the telemetry stream the dispatchers
 already publish (one record per attempt, with timings and the start of the receiver's answer, sealed
@@ -23,11 +23,11 @@ import orjson
 import structlog
 from pydantic import ValidationError
 
-from hookline.shared import topology
-from hookline.shared.headers import Header
-from hookline.shared.models import Model
-from hookline.shared.telemetry import AttemptRecord, Deferral, Heartbeat, batch
-from hookline.shared.views import RowView, StreamMessage, ViewSchema
+from hookline.shared.broker import topology
+from hookline.shared.broker.views import RowView, StreamMessage, ViewSchema
+from hookline.shared.contracts.headers import Header
+from hookline.shared.contracts.models import Model
+from hookline.shared.contracts.telemetry import AttemptRecord, Deferral, Heartbeat, batch
 
 log = structlog.get_logger(__name__)
 

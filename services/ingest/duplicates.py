@@ -30,7 +30,7 @@ from typing import TypeAlias
 
 from hookline.ingest.deliverylog import Acceptance, DeliveryLog
 from hookline.ingest.schemas import EventIn
-from hookline.shared.ids import derived_id
+from hookline.shared.contracts.ids import derived_id
 
 #: How long this replica remembers its own acceptances: far longer than its log takes to see them.
 RECENT_S = 30.0

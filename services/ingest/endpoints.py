@@ -44,14 +44,14 @@ from hookline.ingest.schemas import (
 )
 from hookline.ingest.state import IngestState, Registry, State
 from hookline.ingest.verification import verify
-from hookline.shared import addressing, credentials, notifications, placement, topology
-from hookline.shared.amqp import Broker, QueueProbe
-from hookline.shared.api import ApiError, broker_unavailable, invalid_input
-from hookline.shared.capacity import QUORUM_QUEUE_FILE_HANDLES
-from hookline.shared.catalog import Catalog
-from hookline.shared.headers import Header as Headers
-from hookline.shared.ids import new_id
-from hookline.shared.models import (
+from hookline.shared.broker import placement, topology
+from hookline.shared.broker.amqp import Broker, QueueProbe
+from hookline.shared.broker.capacity import QUORUM_QUEUE_FILE_HANDLES
+from hookline.shared.broker.streams import Record, read_until_now
+from hookline.shared.contracts import addressing
+from hookline.shared.contracts.headers import Header as Headers
+from hookline.shared.contracts.ids import new_id
+from hookline.shared.contracts.models import (
     Endpoint,
     EndpointDeleted,
     EndpointStatus,
@@ -61,12 +61,15 @@ from hookline.shared.models import (
     SigningSecret,
     StoredEndpoint,
 )
-from hookline.shared.registry import Stale, StaleWriteError
-from hookline.shared.settings import IngestSettings
-from hookline.shared.signing import generate_secret
-from hookline.shared.streams import Record, read_until_now
-from hookline.shared.targets import registration_refusal
-from hookline.shared.telemetry import Heartbeat, batch
+from hookline.shared.contracts.telemetry import Heartbeat, batch
+from hookline.shared.outbound import credentials
+from hookline.shared.outbound.signing import generate_secret
+from hookline.shared.outbound.targets import registration_refusal
+from hookline.shared.runtime.api import ApiError, broker_unavailable, invalid_input
+from hookline.shared.runtime.settings import IngestSettings
+from hookline.shared.state import notifications
+from hookline.shared.state.catalog import Catalog
+from hookline.shared.state.registry import Stale, StaleWriteError
 
 log = structlog.get_logger(__name__)
 router = APIRouter(prefix="/v1/endpoints", tags=["endpoints"])

@@ -17,15 +17,16 @@ from hookline.ingest.deliverylog import Acceptance
 from hookline.ingest.duplicates import IDEMPOTENCY_KEY_MAX, event_id_for_key, request_digest
 from hookline.ingest.schemas import BatchAccepted, BatchIn, BatchItem, EventAccepted, EventIn
 from hookline.ingest.state import IngestState, State
-from hookline.shared import topology, tracing
-from hookline.shared.amqp import BROKER_ERRORS, BrokerBlockedError, Publisher
-from hookline.shared.api import ApiError, broker_unavailable, invalid_input
-from hookline.shared.catalog import Catalog
-from hookline.shared.envelope import event_message
-from hookline.shared.ids import new_id
-from hookline.shared.models import ErrorDetail, Event, EventFields
-from hookline.shared.notifications import OPERATOR_TENANT
-from hookline.shared.tracing import TraceContext
+from hookline.shared.broker import topology
+from hookline.shared.broker.amqp import BROKER_ERRORS, BrokerBlockedError, Publisher
+from hookline.shared.contracts.envelope import event_message
+from hookline.shared.contracts.ids import new_id
+from hookline.shared.contracts.models import ErrorDetail, Event, EventFields
+from hookline.shared.runtime import tracing
+from hookline.shared.runtime.api import ApiError, broker_unavailable, invalid_input
+from hookline.shared.runtime.tracing import TraceContext
+from hookline.shared.state.catalog import Catalog
+from hookline.shared.state.notifications import OPERATOR_TENANT
 
 log = structlog.get_logger(__name__)
 router = APIRouter(prefix="/v1/events", tags=["events"])

@@ -15,10 +15,9 @@ from hookline.ingest.audit import AuditTrail, Trail
 from hookline.ingest.auth import Caller
 from hookline.ingest.schemas import EventTypeList, EventTypeUpdate
 from hookline.ingest.state import Changes, Settings
-from hookline.shared import __version__, catalog
-from hookline.shared.api import ApiError, invalid_input
-from hookline.shared.ids import new_id
-from hookline.shared.models import (
+from hookline.shared import __version__
+from hookline.shared.contracts.ids import new_id
+from hookline.shared.contracts.models import (
     ErrorDetail,
     EventTypeCreate,
     EventTypeDeleted,
@@ -26,8 +25,10 @@ from hookline.shared.models import (
     EventTypeUpserted,
     Model,
 )
-from hookline.shared.registry import ChangeLog, StaleEventTypeError
-from hookline.shared.settings import IngestSettings
+from hookline.shared.runtime.api import ApiError, invalid_input
+from hookline.shared.runtime.settings import IngestSettings
+from hookline.shared.state import catalog
+from hookline.shared.state.registry import ChangeLog, StaleEventTypeError
 
 log = structlog.get_logger(__name__)
 router = APIRouter(tags=["event types"])

@@ -1,7 +1,7 @@
 """Trying a filter before relying on it: ``POST /v1/filters/test {"filter", "event" | "event_id"}`` and
 ``POST /v1/endpoints/{id}/filter/test {"filter"?, "event" | "event_id"}`` (the endpoint's current
 filter unless one is given) → ``{"matches", "error"}``, as the dispatchers would decide
-(:mod:`hookline.shared.filters`, one definition). ``event_id`` names a recent event, read back from the
+(:mod:`hookline.shared.outbound.filters`, one definition). ``event_id`` names a recent event, read back from the
 event log (the dashboard's and the portal's "try it on a recent event"). Nothing is sent."""
 
 from __future__ import annotations
@@ -15,10 +15,11 @@ from pydantic import Field, model_validator
 from hookline.ingest.auth import Caller, Principal
 from hookline.ingest.schemas import EndpointFilter
 from hookline.ingest.state import IngestState, State
-from hookline.shared import filters, topology
-from hookline.shared.api import ApiError
-from hookline.shared.models import Model
-from hookline.shared.streams import read_at
+from hookline.shared.broker import topology
+from hookline.shared.broker.streams import read_at
+from hookline.shared.contracts.models import Model
+from hookline.shared.outbound import filters
+from hookline.shared.runtime.api import ApiError
 
 router = APIRouter(tags=["filters"])
 READ_TIMEOUT_S = 10.0

@@ -31,13 +31,14 @@ from hookline.ingest.attempts import ATTEMPTER_ID, signing_keys
 from hookline.ingest.auth import Caller
 from hookline.ingest.deliverylog import LoggedEvent
 from hookline.ingest.state import IngestState, State
-from hookline.shared import filters, topology
-from hookline.shared.amqp import BROKER_ERRORS
-from hookline.shared.api import ApiError, broker_unavailable
-from hookline.shared.models import Model, StoredEndpoint
-from hookline.shared.streams import read_many
-from hookline.shared.telemetry import AttemptRecord, Outcome
-from hookline.shared.webhook import webhook_request
+from hookline.shared.broker import topology
+from hookline.shared.broker.amqp import BROKER_ERRORS
+from hookline.shared.broker.streams import read_many
+from hookline.shared.contracts.models import Model, StoredEndpoint
+from hookline.shared.contracts.telemetry import AttemptRecord, Outcome
+from hookline.shared.contracts.webhook import webhook_request
+from hookline.shared.outbound import filters
+from hookline.shared.runtime.api import ApiError, broker_unavailable
 
 log = structlog.get_logger(__name__)
 router = APIRouter(prefix="/v1/endpoints", tags=["polling"])  # the poll route: its own credential

@@ -22,10 +22,10 @@ from pydantic import AwareDatetime, Field
 from hookline.ingest.audit import Trail
 from hookline.ingest.auth import Caller, Principal
 from hookline.ingest.state import Changes, Registry, Settings
-from hookline.shared import tenants
-from hookline.shared.api import ApiError
-from hookline.shared.ids import new_id
-from hookline.shared.models import ErrorDetail, Model, PortalGrant, StoredToken, Tenant
+from hookline.shared.contracts.ids import new_id
+from hookline.shared.contracts.models import ErrorDetail, Model, PortalGrant, StoredToken, Tenant
+from hookline.shared.runtime.api import ApiError
+from hookline.shared.state import tenants
 
 log = structlog.get_logger(__name__)
 router = APIRouter(prefix="/v1/portal", tags=["portal"])  # behind the API's tokens

@@ -27,10 +27,10 @@ from hookline.ingest.audit import Trail
 from hookline.ingest.auth import Caller
 from hookline.ingest.deliverylog import DAY_S, DeliveryLog
 from hookline.ingest.state import Changes, Settings, ingest_state
-from hookline.shared.api import ApiError
-from hookline.shared.models import Model, Tenant, TenantQuota
-from hookline.shared.registry import EndpointRegistry
-from hookline.shared.tenants import NO_QUOTA, Tenants
+from hookline.shared.contracts.models import Model, Tenant, TenantQuota
+from hookline.shared.runtime.api import ApiError
+from hookline.shared.state.registry import EndpointRegistry
+from hookline.shared.state.tenants import NO_QUOTA, Tenants
 
 #: What Retry-After says when only a deletion (or the admin) makes room.
 ENDPOINTS_RETRY_AFTER_S = 60

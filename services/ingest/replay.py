@@ -20,11 +20,12 @@ from hookline.ingest import polling
 from hookline.ingest.auth import Caller
 from hookline.ingest.resend import Resend, resend
 from hookline.ingest.state import State
-from hookline.shared import filters, topology
-from hookline.shared.api import ApiError
-from hookline.shared.headers import Header
-from hookline.shared.models import Model, StoredEndpoint
-from hookline.shared.streams import Record, read_until_now
+from hookline.shared.broker import topology
+from hookline.shared.broker.streams import Record, read_until_now
+from hookline.shared.contracts.headers import Header
+from hookline.shared.contracts.models import Model, StoredEndpoint
+from hookline.shared.outbound import filters
+from hookline.shared.runtime.api import ApiError
 
 log = structlog.get_logger(__name__)
 router = APIRouter(prefix="/v1/endpoints", tags=["endpoints"])

@@ -1,6 +1,6 @@
 """The dispatchers this ingest hears from, and how far each has read the endpoint change log.
 
-A dispatcher fans a lane message out to the endpoints it knows (:mod:`hookline.shared.topology`), so an
+A dispatcher fans a lane message out to the endpoints it knows (:mod:`hookline.shared.broker.topology`), so an
 endpoint created (or given new patterns) a moment ago would miss an event taken by a replica whose copy
 of the change log is a few milliseconds behind. Each dispatcher says, in a heartbeat sent at once when
 it applies an endpoint's record, the offset it has applied; the ingest answers a new endpoint (and binds
@@ -18,7 +18,7 @@ import asyncio
 import contextlib
 import time
 
-from hookline.shared.telemetry import Heartbeat
+from hookline.shared.contracts.telemetry import Heartbeat
 
 #: Heartbeats come every 5 s: a dispatcher silent for two of them is not waited for.
 LIVE_S = 12.0

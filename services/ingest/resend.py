@@ -1,5 +1,5 @@
 """Putting events back on their way to one endpoint (redrive, replay): to its address
-(:mod:`hookline.shared.addressing`), same event id, fresh attempt budget."""
+(:mod:`hookline.shared.contracts.addressing`), same event id, fresh attempt budget."""
 
 from __future__ import annotations
 
@@ -9,12 +9,12 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Literal
 
-from hookline.shared import addressing
-from hookline.shared.amqp import Publisher
-from hookline.shared.headers import Header
-from hookline.shared.isolation import Isolation
-from hookline.shared.placement import Reason
-from hookline.shared.registry import EndpointRegistry
+from hookline.shared.broker.amqp import Publisher
+from hookline.shared.broker.isolation import Isolation
+from hookline.shared.broker.placement import Reason
+from hookline.shared.contracts import addressing
+from hookline.shared.contracts.headers import Header
+from hookline.shared.state.registry import EndpointRegistry
 
 #: Confirms awaited together; enough to keep the broker busy without holding thousands of futures.
 WINDOW = 200

@@ -1,5 +1,5 @@
 """The ingest API's request and response bodies (what only the ingest reads or writes); the records the
-services share (an event, an endpoint, the change log's) are in :mod:`hookline.shared.models`."""
+services share (an event, an endpoint, the change log's) are in :mod:`hookline.shared.contracts.models`."""
 
 from __future__ import annotations
 
@@ -8,9 +8,7 @@ from typing import Annotated, Any, Self
 
 from pydantic import AfterValidator, AwareDatetime, Field, StringConstraints, model_validator
 
-from hookline.shared import filters, transforms
-from hookline.shared.api import ApiError
-from hookline.shared.models import (
+from hookline.shared.contracts.models import (
     BodyFormat,
     CustomHeaders,
     Endpoint,
@@ -34,6 +32,8 @@ from hookline.shared.models import (
     Url,
     Validation,
 )
+from hookline.shared.outbound import filters, transforms
+from hookline.shared.runtime.api import ApiError
 
 
 class EventIn(EventFields):

@@ -9,18 +9,18 @@ from fastapi import Depends, Request
 
 from hookline.ingest.deliverylog import DeliveryLog
 from hookline.ingest.duplicates import Duplicates
-from hookline.shared.amqp import Broker, Publisher
-from hookline.shared.capacity import CapacityReader
-from hookline.shared.control import BreakerView
-from hookline.shared.deadletters import DeadLetterIndex
-from hookline.shared.isolation import Isolation
-from hookline.shared.registry import ChangeLog, EndpointRegistry
-from hookline.shared.sealing import Sealer
-from hookline.shared.settings import IngestSettings
-from hookline.shared.streams import StreamFollower
-from hookline.shared.supervision import Supervisor
-from hookline.shared.tracing import Tracing
-from hookline.shared.views import RowView
+from hookline.shared.broker.amqp import Broker, Publisher
+from hookline.shared.broker.capacity import CapacityReader
+from hookline.shared.broker.isolation import Isolation
+from hookline.shared.broker.streams import StreamFollower
+from hookline.shared.broker.views import RowView
+from hookline.shared.contracts.control import BreakerView
+from hookline.shared.contracts.deadletters import DeadLetterIndex
+from hookline.shared.outbound.sealing import Sealer
+from hookline.shared.runtime.settings import IngestSettings
+from hookline.shared.runtime.supervision import Supervisor
+from hookline.shared.runtime.tracing import Tracing
+from hookline.shared.state.registry import ChangeLog, EndpointRegistry
 
 if TYPE_CHECKING:
     # Their modules import this one (audit and quotas for their routes' dependencies).

@@ -20,10 +20,10 @@ from hookline.ingest.auth import Caller
 from hookline.ingest.events import catalog_warnings
 from hookline.ingest.state import State
 from hookline.ingest.tracking import EndpointAttempt, attempt_view
-from hookline.shared.api import ApiError
-from hookline.shared.ids import new_id
-from hookline.shared.models import Event, EventType, Model
-from hookline.shared.sealing import SealedSecretError
+from hookline.shared.contracts.ids import new_id
+from hookline.shared.contracts.models import Event, EventType, Model
+from hookline.shared.outbound.sealing import SealedSecretError
+from hookline.shared.runtime.api import ApiError
 
 log = structlog.get_logger(__name__)
 router = APIRouter(prefix="/v1/endpoints", tags=["endpoints"])

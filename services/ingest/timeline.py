@@ -11,11 +11,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from datetime import UTC, datetime
 
-from hookline.shared.control import BreakerCommand, BreakerState
-from hookline.shared.deadletters import DeadLetterItem
-from hookline.shared.filters import Verdict
-from hookline.shared.models import EndpointStatus, EventState, Model, StoredEndpoint
-from hookline.shared.telemetry import ASIDE_KINDS, AttemptRecord, Deferral, Outcome
+from hookline.shared.contracts.control import BreakerCommand, BreakerState
+from hookline.shared.contracts.deadletters import DeadLetterItem
+from hookline.shared.contracts.models import EndpointStatus, EventState, Model, StoredEndpoint
+from hookline.shared.contracts.telemetry import ASIDE_KINDS, AttemptRecord, Deferral, Outcome
+from hookline.shared.outbound.filters import Verdict
 
 
 class Standing(Model):

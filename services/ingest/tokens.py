@@ -13,12 +13,12 @@ from pydantic import AwareDatetime, Field
 from hookline.ingest.audit import Trail
 from hookline.ingest.auth import Caller
 from hookline.ingest.state import Changes, Settings
-from hookline.shared import tenants
-from hookline.shared.api import ApiError
-from hookline.shared.ids import new_id
-from hookline.shared.models import ErrorDetail, Model, PortalGrant, StoredToken, Tenant
-from hookline.shared.notifications import OPERATOR_TENANT
-from hookline.shared.registry import ChangeLog
+from hookline.shared.contracts.ids import new_id
+from hookline.shared.contracts.models import ErrorDetail, Model, PortalGrant, StoredToken, Tenant
+from hookline.shared.runtime.api import ApiError
+from hookline.shared.state import tenants
+from hookline.shared.state.notifications import OPERATOR_TENANT
+from hookline.shared.state.registry import ChangeLog
 
 router = APIRouter(prefix="/v1/tokens", tags=["tokens"])
 

@@ -18,12 +18,13 @@ from hookline.ingest.auth import Caller, Principal
 from hookline.ingest.deliverylog import LoggedEvent
 from hookline.ingest.state import IngestState, State
 from hookline.ingest.timeline import filtered_out, standing
-from hookline.shared import filters, topology
-from hookline.shared.api import ApiError
-from hookline.shared.models import Event, EventState, Model, StoredEndpoint
-from hookline.shared.sealing import RESPONSE_PURPOSE, SealedSecretError, Sealer
-from hookline.shared.streams import read_at
-from hookline.shared.telemetry import AttemptKind, AttemptRecord
+from hookline.shared.broker import topology
+from hookline.shared.broker.streams import read_at
+from hookline.shared.contracts.models import Event, EventState, Model, StoredEndpoint
+from hookline.shared.contracts.telemetry import AttemptKind, AttemptRecord
+from hookline.shared.outbound import filters
+from hookline.shared.outbound.sealing import RESPONSE_PURPOSE, SealedSecretError, Sealer
+from hookline.shared.runtime.api import ApiError
 
 log = structlog.get_logger(__name__)
 router = APIRouter(tags=["delivery log"])

@@ -1,7 +1,7 @@
 """Trying a transform before relying on it: ``POST /v1/transforms/test {"transform", "event"}`` →
 ``{"output"}`` (the body an endpoint with it would be sent) or ``{"error"}`` (why none would be: the
 copy would be a ``transform_failed`` dead letter), run as deliveries run it: in a worker process, with
-the same time and size limits (:mod:`hookline.shared.transforms`). Nothing is sent."""
+the same time and size limits (:mod:`hookline.shared.outbound.transforms`). Nothing is sent."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ from fastapi import APIRouter
 
 from hookline.ingest.schemas import EndpointTransform
 from hookline.ingest.state import State
-from hookline.shared.models import Model
-from hookline.shared.transforms import TransformFailedError
+from hookline.shared.contracts.models import Model
+from hookline.shared.outbound.transforms import TransformFailedError
 
 router = APIRouter(tags=["transforms"])
 

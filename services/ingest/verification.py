@@ -8,8 +8,8 @@ import secrets
 from datetime import UTC, datetime
 
 from hookline.ingest.attempts import Attempts
-from hookline.shared.ids import new_id
-from hookline.shared.models import Event, StoredEndpoint, Verification
+from hookline.shared.contracts.ids import new_id
+from hookline.shared.contracts.models import Event, StoredEndpoint, Verification
 
 VERIFICATION_TYPE = "hookline.endpoint.verification"
 

@@ -1,4 +1,4 @@
-"""The outbox relay's Prometheus metrics (served by :mod:`hookline.shared.probes`)."""
+"""The outbox relay's Prometheus metrics (served by :mod:`hookline.shared.runtime.probes`)."""
 
 from __future__ import annotations
 

@@ -16,7 +16,7 @@ from datetime import UTC, datetime
 import orjson
 from pydantic import ValidationError
 
-from hookline.shared.models import Event, error_summary
+from hookline.shared.contracts.models import Event, error_summary
 
 #: A subject is the tenant's: two tenants' "order_1" are two subjects.
 SubjectKey = tuple[str, str]

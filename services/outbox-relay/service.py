@@ -1,6 +1,6 @@
 """The outbox relay process: ``hookline outbox-relay --dsn postgresql://…`` (any number of replicas).
 
-Three supervised loops (:mod:`hookline.shared.supervision`), each with its own PostgreSQL connection,
+Three supervised loops (:mod:`hookline.shared.runtime.supervision`), each with its own PostgreSQL connection,
 started over after a lost database or broker: ``relay`` publishes, ``listen`` wakes it on NOTIFY,
 ``watch`` reads the lag and deletes sent rows past their retention. ``/readyz`` answers 503 while one
 is down.
@@ -16,12 +16,12 @@ import structlog
 
 from hookline.outbox_relay import schema
 from hookline.outbox_relay.relay import Relay
-from hookline.shared import lifecycle
-from hookline.shared import logging as hookline_logging
-from hookline.shared.amqp import Broker, Publisher
-from hookline.shared.probes import probe_server
-from hookline.shared.settings import OutboxRelaySettings, load
-from hookline.shared.supervision import Supervisor
+from hookline.shared.broker.amqp import Broker, Publisher
+from hookline.shared.runtime import lifecycle
+from hookline.shared.runtime import logging as hookline_logging
+from hookline.shared.runtime.probes import probe_server
+from hookline.shared.runtime.settings import OutboxRelaySettings, load
+from hookline.shared.runtime.supervision import Supervisor
 
 log = structlog.get_logger(__name__)
 

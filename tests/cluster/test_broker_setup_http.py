@@ -15,7 +15,7 @@ import aio_pika
 import aiormq
 import pytest
 
-from hookline.shared.permissions import USERS, Role
+from hookline.shared.broker.permissions import USERS, Role
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(300)]
 
@@ -86,9 +86,9 @@ def test_broker_setup_through_the_management_api(management_node: str) -> None:
     assert upstream_url.startswith(f"amqp://orders:{users['orders']['password']}@127.0.0.1:{PORT}/hookline")
 
     # The ingest's user declares the topology (as the ingest does), then the upstream publishes.
-    from hookline.shared import topology
-    from hookline.shared.amqp import Broker
-    from hookline.shared.settings import Retention
+    from hookline.shared.broker import topology
+    from hookline.shared.broker.amqp import Broker
+    from hookline.shared.runtime.settings import Retention
 
     async def run() -> None:
         ingest_url = f"amqp://hookline-ingest:ingest-password-0123456789@127.0.0.1:{PORT}/hookline"

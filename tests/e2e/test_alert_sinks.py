@@ -13,7 +13,7 @@ from support.receiver import Received, Receiver, Reply
 from support.system import System, tenant
 from support.waiting import eventually
 
-from hookline.shared import signing
+from hookline.shared.outbound import signing
 
 pytestmark = pytest.mark.e2e
 

@@ -24,11 +24,13 @@ from support.receiver import Received, Receiver, Reply
 from support.system import tenant
 from support.waiting import eventually
 
-from hookline.shared import ids, tenants, topology
-from hookline.shared.amqp import Broker as AmqpBroker
-from hookline.shared.models import StoredToken, TokenUpserted
-from hookline.shared.permissions import USERS, Role
-from hookline.shared.topology import Retention
+from hookline.shared.broker import topology
+from hookline.shared.broker.amqp import Broker as AmqpBroker
+from hookline.shared.broker.permissions import USERS, Role
+from hookline.shared.broker.topology import Retention
+from hookline.shared.contracts import ids
+from hookline.shared.contracts.models import StoredToken, TokenUpserted
+from hookline.shared.state import tenants
 
 pytestmark = pytest.mark.e2e
 
@@ -209,7 +211,7 @@ async def test_a_tenants_upstream_publishes_only_its_tenants_routing_keys(setup:
     assert not await _refused(setup.urls[setup.any_upstream], _publish("events", "beta.order.created"))
 
 
-# Each service is refused what only another role does (the matrix in shared/permissions.py).
+# Each service is refused what only another role does (the matrix in shared/broker/permissions.py).
 FORBIDDEN_TO_ROLES = [
     (Role.DISPATCHER, "publish an event", _publish("events", "acme.order.created")),
     (Role.DISPATCHER, "forge a breaker command", _publish(topology.CONTROL_EXCHANGE, "")),

@@ -19,7 +19,7 @@ from support.system import System, tenant
 from support.waiting import eventually
 
 from hookline.dispatcher.handler import HELD_RECHECK_S
-from hookline.shared import topology
+from hookline.shared.broker import topology
 
 pytestmark = pytest.mark.e2e
 

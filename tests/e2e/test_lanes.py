@@ -23,8 +23,9 @@ from support.receiver import Received, Receiver, Reply
 from support.system import System, tenant
 from support.waiting import eventually
 
-from hookline.shared import addressing, topology
-from hookline.shared.headers import Header
+from hookline.shared.broker import topology
+from hookline.shared.contracts import addressing
+from hookline.shared.contracts.headers import Header
 
 pytestmark = pytest.mark.e2e
 

@@ -15,7 +15,8 @@ from support.receiver import Received, Receiver, Reply
 from support.system import System, tenant
 from support.waiting import eventually
 
-from hookline.shared import notifications, topology
+from hookline.shared.broker import topology
+from hookline.shared.state import notifications
 
 pytestmark = pytest.mark.e2e
 

@@ -29,7 +29,12 @@ from support.receiver import Received, Receiver, Reply
 from support.system import System, tenant
 from support.waiting import eventually
 
-from hookline.shared.settings import DispatcherSettings, IngestSettings, MonitorSettings, OutboxRelaySettings
+from hookline.shared.runtime.settings import (
+    DispatcherSettings,
+    IngestSettings,
+    MonitorSettings,
+    OutboxRelaySettings,
+)
 
 pytestmark = pytest.mark.e2e
 

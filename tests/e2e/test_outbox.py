@@ -29,7 +29,7 @@ from support.receiver import Receiver
 from support.system import System, tenant
 from support.waiting import eventually
 
-from hookline.shared.permissions import upstream_grant
+from hookline.shared.broker.permissions import upstream_grant
 
 pytestmark = pytest.mark.e2e
 

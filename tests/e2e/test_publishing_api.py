@@ -19,7 +19,7 @@ from support.receiver import Receiver
 from support.system import System, tenant
 from support.waiting import eventually
 
-from hookline.shared.ids import id_time_s
+from hookline.shared.contracts.ids import id_time_s
 
 pytestmark = pytest.mark.e2e
 

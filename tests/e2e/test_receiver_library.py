@@ -24,7 +24,7 @@ from support.system import System, tenant
 from support.waiting import eventually
 
 from hookline.receiver import Delivery, SQLiteStore
-from hookline.shared import signing
+from hookline.shared.outbound import signing
 
 pytestmark = pytest.mark.e2e
 
@@ -223,7 +223,7 @@ async def test_large_bodies_arrive_gzipped_numbered_and_verify_once_inflated(
         assert arrived[large]["webhook-sequence"] == "7"
         assert "content-encoding" not in arrived[small]
         assert "webhook-sequence" not in arrived[small]
-        # The ingest's resend goes the same way (one definition of the request: shared/webhook.py).
+        # The ingest's resend goes the same way (one definition of the request: shared/contracts/webhook.py).
         async with api(system) as client:
             await eventually(
                 lambda: _logged(client, large), explain=lambda: f"{large} not in the delivery log"

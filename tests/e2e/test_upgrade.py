@@ -29,10 +29,10 @@ from support.amqp import event, publish_event
 from support.receiver import Received, Receiver, Reply
 from support.waiting import eventually
 
-from hookline.shared import topology
-from hookline.shared.amqp import Broker
-from hookline.shared.models import EndpointUpserted, SigningSecret, StoredEndpoint
-from hookline.shared.signing import generate_secret
+from hookline.shared.broker import topology
+from hookline.shared.broker.amqp import Broker
+from hookline.shared.contracts.models import EndpointUpserted, SigningSecret, StoredEndpoint
+from hookline.shared.outbound.signing import generate_secret
 
 pytestmark = pytest.mark.e2e
 

@@ -14,9 +14,9 @@ import pytest
 from aio_pika.abc import AbstractChannel, AbstractQueue
 from support.waiting import eventually
 
-from hookline.dispatcher import incoming
+from hookline.dispatcher import consumed
 from hookline.dispatcher.acks import Acks
-from hookline.dispatcher.incoming import Delivery
+from hookline.dispatcher.consumed import Delivery
 
 pytestmark = pytest.mark.integration
 
@@ -70,7 +70,7 @@ async def _consume(
         await send_nack(delivery_tag, multiple=multiple, **kwargs)
 
     raw.basic_nack = delayed  # type: ignore[method-assign]
-    await incoming.consume(channel, queue_name, on_message, timeout_s=10)
+    await consumed.consume(channel, queue_name, on_message, timeout_s=10)
     return channel, frames
 
 

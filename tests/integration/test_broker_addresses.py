@@ -13,7 +13,7 @@ import pytest
 from support.proxy import TcpProxy
 from support.waiting import eventually
 
-from hookline.shared.amqp import BROKER_ERRORS, NACKED_CHANNELS_REOPENED, Broker, Publisher
+from hookline.shared.broker.amqp import BROKER_ERRORS, NACKED_CHANNELS_REOPENED, Broker, Publisher
 
 pytestmark = pytest.mark.integration
 

@@ -1,6 +1,6 @@
 """The channels of a broker session take what the broker sends them without waiting for each other:
 aiormq hands a channel's frames over through a queue of 10, and a full one stops the connection's reader
-for every channel (shared/amqp.py). The effect is measured by ``bench/burst.py``; here, that the bound
+for every channel (shared/broker/amqp.py). The effect is measured by ``bench/burst.py``; here, that the bound
 is gone on every kind of channel the services open, with the aiormq installed."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import aio_pika
 import pytest
 from support.waiting import eventually
 
-from hookline.shared.amqp import Broker
+from hookline.shared.broker.amqp import Broker
 
 pytestmark = pytest.mark.integration
 

@@ -17,8 +17,8 @@ from aio_pika.abc import AbstractIncomingMessage
 from support import broker as test_broker
 from support.waiting import eventually
 
-from hookline.shared import topology
-from hookline.shared.amqp import CALL_TIMEOUT_S, Broker, BrokerBlockedError, Publisher
+from hookline.shared.broker import topology
+from hookline.shared.broker.amqp import CALL_TIMEOUT_S, Broker, BrokerBlockedError, Publisher
 
 pytestmark = [pytest.mark.integration, pytest.mark.serial]
 

@@ -17,10 +17,10 @@ from support import broker as test_broker
 from support.changelog import following
 from support.waiting import eventually
 
-from hookline.shared import registry, topology
-from hookline.shared.amqp import Broker
-from hookline.shared.ids import new_id
-from hookline.shared.models import (
+from hookline.shared.broker import topology
+from hookline.shared.broker.amqp import Broker
+from hookline.shared.contracts.ids import new_id
+from hookline.shared.contracts.models import (
     EndpointDeleted,
     EndpointStatus,
     EndpointUpserted,
@@ -30,7 +30,8 @@ from hookline.shared.models import (
     StoredEndpoint,
     StoredToken,
 )
-from hookline.shared.signing import generate_secret
+from hookline.shared.outbound.signing import generate_secret
+from hookline.shared.state import registry
 
 pytestmark = pytest.mark.integration
 NOW = datetime.now(UTC)

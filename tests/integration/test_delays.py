@@ -19,11 +19,12 @@ from support.amqp import read_stream
 from support.broker import Broker as BrokerUnderTest
 
 from hookline.dispatcher.delays import Delays
-from hookline.shared import addressing, topology
-from hookline.shared.amqp import Broker, Publisher
-from hookline.shared.deadletters import read_item
-from hookline.shared.headers import Header
-from hookline.shared.models import DeadLetterReason, SigningSecret, StoredEndpoint
+from hookline.shared.broker import topology
+from hookline.shared.broker.amqp import Broker, Publisher
+from hookline.shared.contracts import addressing
+from hookline.shared.contracts.deadletters import read_item
+from hookline.shared.contracts.headers import Header
+from hookline.shared.contracts.models import DeadLetterReason, SigningSecret, StoredEndpoint
 
 pytestmark = pytest.mark.integration
 NOW = datetime.now(UTC)

@@ -16,10 +16,11 @@ from support.changelog import following
 
 from hookline.health_monitor.bindings import Bindings
 from hookline.health_monitor.direct import Direct
-from hookline.shared import registry, topology
-from hookline.shared.amqp import Broker
-from hookline.shared.models import DirectRoute, EndpointUpserted, SigningSecret, StoredEndpoint
-from hookline.shared.signing import generate_secret
+from hookline.shared.broker import topology
+from hookline.shared.broker.amqp import Broker
+from hookline.shared.contracts.models import DirectRoute, EndpointUpserted, SigningSecret, StoredEndpoint
+from hookline.shared.outbound.signing import generate_secret
+from hookline.shared.state import registry
 
 pytestmark = pytest.mark.integration
 NOW = datetime.now(UTC)

@@ -10,7 +10,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from hookline.shared.delivery import DeliveryClient, ErrorKind
+from hookline.shared.outbound.delivery import DeliveryClient, ErrorKind
 
 pytestmark = pytest.mark.integration
 

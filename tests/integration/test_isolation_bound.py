@@ -11,9 +11,9 @@ from support.amqp import queue_exists
 from support.changelog import following
 from support.factories import stored_endpoint
 
-from hookline.shared import topology
-from hookline.shared.isolation import DECLARING_AT_ONCE, Isolation
-from hookline.shared.models import StoredEndpoint
+from hookline.shared.broker import topology
+from hookline.shared.broker.isolation import DECLARING_AT_ONCE, Isolation
+from hookline.shared.contracts.models import StoredEndpoint
 
 pytestmark = pytest.mark.integration
 BOUND = 3

@@ -15,10 +15,11 @@ from support.changelog import following
 
 from hookline.health_monitor import bindings as bindings_module
 from hookline.health_monitor.bindings import Bindings
-from hookline.shared import registry, topology
-from hookline.shared.amqp import Broker
-from hookline.shared.models import EndpointDeleted, EndpointUpserted, SigningSecret, StoredEndpoint
-from hookline.shared.signing import generate_secret
+from hookline.shared.broker import topology
+from hookline.shared.broker.amqp import Broker
+from hookline.shared.contracts.models import EndpointDeleted, EndpointUpserted, SigningSecret, StoredEndpoint
+from hookline.shared.outbound.signing import generate_secret
+from hookline.shared.state import registry
 
 pytestmark = pytest.mark.integration
 NOW = datetime.now(UTC)

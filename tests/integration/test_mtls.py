@@ -17,10 +17,10 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
-from hookline.shared.credentials import Credentials, certificate_problem, stored_auth
-from hookline.shared.delivery import DeliveryClient, ErrorKind
-from hookline.shared.models import MtlsAuth, StoredEndpoint
-from hookline.shared.sealing import Sealer
+from hookline.shared.contracts.models import MtlsAuth, StoredEndpoint
+from hookline.shared.outbound.credentials import Credentials, certificate_problem, stored_auth
+from hookline.shared.outbound.delivery import DeliveryClient, ErrorKind
+from hookline.shared.outbound.sealing import Sealer
 
 pytestmark = pytest.mark.integration
 

@@ -17,8 +17,8 @@ import pytest
 from support import broker as test_broker
 from support.waiting import eventually
 
-from hookline.shared import topology
-from hookline.shared.amqp import on_cancel
+from hookline.shared.broker import topology
+from hookline.shared.broker.amqp import on_cancel
 
 pytestmark = pytest.mark.integration
 ARGUMENTS = {"x-queue-type": "quorum", "x-single-active-consumer": True}

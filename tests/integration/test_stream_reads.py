@@ -7,8 +7,8 @@ from __future__ import annotations
 import aio_pika
 import pytest
 
-from hookline.shared import streams
-from hookline.shared.amqp import Broker
+from hookline.shared.broker import streams
+from hookline.shared.broker.amqp import Broker
 
 pytestmark = pytest.mark.integration
 STREAM = "reads.stream"

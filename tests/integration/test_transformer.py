@@ -8,7 +8,7 @@ import asyncio
 import orjson
 import pytest
 
-from hookline.shared.transforms import Transformer, TransformFailedError
+from hookline.shared.outbound.transforms import Transformer, TransformFailedError
 
 pytestmark = pytest.mark.integration
 

@@ -16,14 +16,14 @@ import pytest
 from structlog.testing import capture_logs
 from support.waiting import eventually
 
-from hookline.shared import topology
-from hookline.shared.amqp import Broker, Publisher
-from hookline.shared.deadletters import DeadLetterIndex, dead_letter_message
-from hookline.shared.models import DeadLetterReason
-from hookline.shared.statefiles import StateFileReplacedError
-from hookline.shared.streams import StreamFollower, follow_synced
-from hookline.shared.supervision import Supervisor
-from hookline.shared.views import follow_view
+from hookline.shared.broker import topology
+from hookline.shared.broker.amqp import Broker, Publisher
+from hookline.shared.broker.streams import StreamFollower, follow_synced
+from hookline.shared.broker.views import follow_view
+from hookline.shared.contracts.deadletters import DeadLetterIndex, dead_letter_message
+from hookline.shared.contracts.models import DeadLetterReason
+from hookline.shared.runtime.supervision import Supervisor
+from hookline.shared.state.statefiles import StateFileReplacedError
 
 pytestmark = pytest.mark.integration
 #: Enough dead letters (with their error texts) that the file spans a few hundred pages.

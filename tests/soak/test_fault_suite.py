@@ -55,7 +55,7 @@ from support.logs import logged
 from support.proxy import TcpProxy
 from support.waiting import eventually
 
-from hookline.shared.amqp import BROKER_ERRORS
+from hookline.shared.broker.amqp import BROKER_ERRORS
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(360)]  # a hard stop; every wait below is bounded
 

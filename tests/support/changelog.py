@@ -6,9 +6,10 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
-from hookline.shared import registry, topology
-from hookline.shared.amqp import Broker, Publisher
-from hookline.shared.supervision import Supervisor
+from hookline.shared.broker import topology
+from hookline.shared.broker.amqp import Broker, Publisher
+from hookline.shared.runtime.supervision import Supervisor
+from hookline.shared.state import registry
 
 
 @asynccontextmanager

@@ -6,8 +6,8 @@ from __future__ import annotations
 from datetime import UTC, datetime
 from typing import Any
 
-from hookline.shared.models import SigningSecret, StoredEndpoint
-from hookline.shared.telemetry import AttemptRecord
+from hookline.shared.contracts.models import SigningSecret, StoredEndpoint
+from hookline.shared.contracts.telemetry import AttemptRecord
 
 CREATED = datetime(2026, 12, 1, tzinfo=UTC)
 SECRET = "whsec_" + "A" * 44

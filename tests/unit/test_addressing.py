@@ -7,8 +7,9 @@ from typing import Any
 import pytest
 
 from hookline.dispatcher.handler import carried_headers
-from hookline.shared import addressing, topology
-from hookline.shared.headers import Header
+from hookline.shared.broker import topology
+from hookline.shared.contracts import addressing
+from hookline.shared.contracts.headers import Header
 
 
 class _Message:

@@ -7,7 +7,7 @@ from datetime import UTC, datetime
 import pytest
 
 from hookline.ingest.audit import changes_between, redact_url
-from hookline.shared.models import SigningSecret, StoredEndpoint
+from hookline.shared.contracts.models import SigningSecret, StoredEndpoint
 
 NOW = datetime(2026, 12, 1, tzinfo=UTC)
 

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 from support.factories import CREATED, stored_endpoint
 
-from hookline.shared.backup import BackupError, Export, Snapshot, key_problem, parse, plan, restored
-from hookline.shared.models import (
+from hookline.cli.backup import BackupError, Export, Snapshot, key_problem, parse, plan, restored
+from hookline.shared.contracts.models import (
     EndpointStatus,
     EndpointUpserted,
     EventTypeInfo,
@@ -20,9 +20,9 @@ from hookline.shared.models import (
     StoredToken,
     TenantQuota,
 )
-from hookline.shared.registry import EndpointRegistry
-from hookline.shared.registrystore import RegistryStore
-from hookline.shared.sealing import Sealer
+from hookline.shared.outbound.sealing import Sealer
+from hookline.shared.state.registry import EndpointRegistry
+from hookline.shared.state.registrystore import RegistryStore
 
 A, B = "ep_" + "A" * 26, "ep_" + "B" * 26
 SEALED = "enc:v2:" + "x" * 60

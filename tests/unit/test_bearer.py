@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from hookline.shared.bearer import presents_token
+from hookline.shared.runtime.bearer import presents_token
 
 ADMIN = "admin-token-0123456789"
 METRICS = "metrics-token-0123456789"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from hookline.health_monitor.alerts import AlertPolicy, broker_alerts
-from hookline.shared.capacity import BrokerCapacity
+from hookline.shared.broker.capacity import BrokerCapacity
 
 POLICY = AlertPolicy(broker_disk_headroom_bytes=5_000_000_000, broker_fd_ratio=0.8)
 GB = 1_000_000_000

@@ -5,8 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 from hookline.health_monitor.canary import CANARY_TYPE, CanaryBook
-from hookline.shared.ids import encode_ulid
-from hookline.shared.telemetry import AttemptRecord
+from hookline.shared.contracts.ids import encode_ulid
+from hookline.shared.contracts.telemetry import AttemptRecord
 
 T0 = 1_800_000_000.0
 EP = "ep_" + "1" * 26

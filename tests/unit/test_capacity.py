@@ -18,7 +18,7 @@ import pytest
 from aiohttp import web
 from structlog.testing import capture_logs
 
-from hookline.shared.capacity import (
+from hookline.shared.broker.capacity import (
     BrokerCapacity,
     CapacityReader,
     CapacityUnreadableError,

@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 
-from hookline.shared import catalog
-from hookline.shared.models import EventTypeDeleted, EventTypeInfo, EventTypeUpserted
+from hookline.shared.contracts.models import EventTypeDeleted, EventTypeInfo, EventTypeUpserted
+from hookline.shared.state import catalog
 
 NOW = datetime(2026, 12, 1, tzinfo=UTC)
 ORDER_SCHEMA = {

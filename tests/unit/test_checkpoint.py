@@ -36,8 +36,8 @@ from hookline.health_monitor.health import (
     TypeHealth,
 )
 from hookline.health_monitor.stats import RollingStats
-from hookline.shared.control import BreakerCommand, BreakerState
-from hookline.shared.telemetry import AttemptRecord, Heartbeat
+from hookline.shared.contracts.control import BreakerCommand, BreakerState
+from hookline.shared.contracts.telemetry import AttemptRecord, Heartbeat
 
 POLICY = HealthPolicy(breaker=BreakerPolicy(failure_threshold=5, cooldown_s=60, max_cooldown_s=600))
 NOW = 1_700_000_000.0 + 1_800  # half past an hour: the day window starts 23.5 h back

@@ -7,8 +7,8 @@ from typing import Any
 import pytest
 
 from hookline.cli.admin import status_text
-from hookline.shared.control import BreakerState
-from hookline.shared.status import AlertView, EndpointHealthView, Percentiles, Summary
+from hookline.shared.contracts.control import BreakerState
+from hookline.shared.contracts.status import AlertView, EndpointHealthView, Percentiles, Summary
 
 SUMMARY: dict[str, Any] = {
     "pending": 3, "awaiting_retry": 2, "in_flight": 1, "dead_letter": 4, "delivered_last_hour": 1200,

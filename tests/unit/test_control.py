@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from hookline.shared.control import BreakerCommand, BreakerSnapshot, BreakerState, BreakerView
+from hookline.shared.contracts.control import BreakerCommand, BreakerSnapshot, BreakerState, BreakerView
 
 EP1 = "ep_" + "1" * 26
 EP2 = "ep_" + "2" * 26

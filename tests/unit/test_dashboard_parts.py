@@ -7,8 +7,8 @@ import pytest
 from hookline.health_monitor.dashboard import EndpointRow, _page, ranked
 from hookline.health_monitor.sessions import Sessions
 from hookline.health_monitor.sparkline import points
-from hookline.shared.control import BreakerState
-from hookline.shared.status import EndpointHealthView, Percentiles
+from hookline.shared.contracts.control import BreakerState
+from hookline.shared.contracts.status import EndpointHealthView, Percentiles
 
 
 def test_a_session_lives_until_it_expires_or_is_closed() -> None:

@@ -18,7 +18,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from structlog.testing import capture_logs
 
-from hookline.shared.deadletters import (
+from hookline.shared.broker.topology import delay_routing_key, route_exchange
+from hookline.shared.broker.views import ViewSchema, ViewStore, continues, rebuild_reason
+from hookline.shared.contracts.deadletters import (
     REDRIVEN_HEADER,
     DeadLetterAnalysis,
     DeadLetterIndex,
@@ -28,9 +30,7 @@ from hookline.shared.deadletters import (
     offset_of,
     read_item,
 )
-from hookline.shared.models import DeadLetterReason
-from hookline.shared.topology import delay_routing_key, route_exchange
-from hookline.shared.views import ViewSchema, ViewStore, continues, rebuild_reason
+from hookline.shared.contracts.models import DeadLetterReason
 
 NOW = datetime(2026, 11, 29, 18, 0, tzinfo=UTC)
 BODY = b'{"id": "evt_1", "type": "order.created", "tenant": "acme"}'

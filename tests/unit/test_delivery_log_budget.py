@@ -11,8 +11,8 @@ from typing import Any
 import orjson
 
 from hookline.ingest.deliverylog import DeliveryLog
-from hookline.shared.headers import Header
-from hookline.shared.telemetry import AttemptRecord, batch
+from hookline.shared.contracts.headers import Header
+from hookline.shared.contracts.telemetry import AttemptRecord, batch
 
 NOW_S = 1_800_000_000.0
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 
 from hookline.cli.devreceiver import _verdict
-from hookline.shared import signing
+from hookline.shared.outbound import signing
 
 
 def test_verdicts() -> None:

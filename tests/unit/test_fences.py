@@ -9,7 +9,7 @@ from support.factories import stored_endpoint
 
 from hookline.dispatcher import fences
 from hookline.dispatcher.fences import Verdict
-from hookline.shared.models import StoredEndpoint
+from hookline.shared.contracts.models import StoredEndpoint
 
 AT = datetime(2026, 12, 5, tzinfo=UTC)
 LEAVING = stored_endpoint(ordered=True, straight=True, lane_fence="fence_a", version=4)

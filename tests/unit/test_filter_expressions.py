@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from hookline.shared.filters import MAX_CHARS, FilterError, Needs, Verdict, check, compiled, context
+from hookline.shared.outbound.filters import MAX_CHARS, FilterError, Needs, Verdict, check, compiled, context
 
 EVENT: dict[str, Any] = {
     "id": "evt_1",

@@ -5,8 +5,8 @@ from __future__ import annotations
 import aio_pika
 import prometheus_client
 
-from hookline.shared.amqp import Broker, Publisher
-from hookline.shared.heldpublishes import HeldPublishes
+from hookline.shared.broker.amqp import Broker, Publisher
+from hookline.shared.broker.heldpublishes import HeldPublishes
 
 
 def _dropped() -> float:

@@ -5,7 +5,7 @@ import time
 
 import pytest
 
-from hookline.shared.ids import derived_id, encode_ulid, id_time_s, new_id
+from hookline.shared.contracts.ids import derived_id, encode_ulid, id_time_s, new_id
 
 
 def test_ulid_encoding_of_known_values() -> None:

@@ -31,10 +31,10 @@ import yaml
 from pydantic import AliasChoices, AliasPath, ValidationError
 from pydantic_settings import BaseSettings
 
+from hookline.cli.brokersetup import MIN_PASSWORD_LENGTH, Upstream, password_variable, wanted_users
 from hookline.cli.main import build_parser
-from hookline.shared.brokersetup import MIN_PASSWORD_LENGTH, Upstream, password_variable, wanted_users
-from hookline.shared.permissions import USERS, Role
-from hookline.shared.settings import DispatcherSettings, IngestSettings, MonitorSettings
+from hookline.shared.broker.permissions import USERS, Role
+from hookline.shared.runtime.settings import DispatcherSettings, IngestSettings, MonitorSettings
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy" / "kubernetes"
 NAMESPACE = "hookline"
@@ -273,7 +273,7 @@ def setup_users(args: argparse.Namespace) -> list[str]:
 
 
 def vhost_of(url: str) -> str:
-    """The vhost a service connects to (hookline.shared.amqp.Broker) or broker-setup grants on."""
+    """The vhost a service connects to (hookline.shared.broker.amqp.Broker) or broker-setup grants on."""
     return urlsplit(url.split(",")[0].strip()).path.lstrip("/") or "/"
 
 

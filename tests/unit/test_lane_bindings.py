@@ -8,8 +8,8 @@ from support.factories import stored_endpoint
 
 from hookline.health_monitor.bindings import Bindings
 from hookline.ingest.bound import BoundPatterns
-from hookline.shared import topology
-from hookline.shared.models import (
+from hookline.shared.broker import topology
+from hookline.shared.contracts.models import (
     DirectRoute,
     EndpointDeleted,
     EndpointDrained,
@@ -18,7 +18,7 @@ from hookline.shared.models import (
     PlacementSet,
     StoredEndpoint,
 )
-from hookline.shared.registry import EndpointRegistry
+from hookline.shared.state.registry import EndpointRegistry
 
 NOW = datetime(2026, 12, 2, tzinfo=UTC)
 EP1, EP2 = ("ep_" + str(n) * 26 for n in (1, 2))

@@ -10,7 +10,7 @@ import pytest
 
 SCRIPT = """
 import os, sys
-from hookline.shared import lifecycle
+from hookline.shared.runtime import lifecycle
 
 async def main() -> None:
     print(os.nice(0) - int(sys.argv[1]))
@@ -30,7 +30,7 @@ def test_a_service_runs_at_the_niceness_it_was_given_more(nice: int) -> None:
 
 GC_SCRIPT = """
 import gc
-from hookline.shared import lifecycle
+from hookline.shared.runtime import lifecycle
 
 async def main() -> None:
     print(*gc.get_threshold())
@@ -40,7 +40,7 @@ lifecycle.run(main)
 
 
 def test_a_service_runs_with_the_collector_s_thresholds_raised() -> None:
-    from hookline.shared.lifecycle import GC_THRESHOLDS
+    from hookline.shared.runtime.lifecycle import GC_THRESHOLDS
 
     done = subprocess.run([sys.executable, "-c", GC_SCRIPT], capture_output=True, text=True, check=True)
     assert tuple(int(n) for n in done.stdout.split()) == GC_THRESHOLDS

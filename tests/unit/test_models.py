@@ -10,7 +10,7 @@ import pytest
 from pydantic import ValidationError
 
 from hookline.ingest.schemas import EndpointCreate, EndpointUpdate, EventIn
-from hookline.shared.models import Event
+from hookline.shared.contracts.models import Event
 
 BASE = {
     "id": "evt_1",
@@ -176,7 +176,7 @@ def test_endpoint_update_cannot_change_the_tenant() -> None:
 
 
 def test_error_summaries_name_the_field_and_never_show_the_input() -> None:
-    from hookline.shared.models import error_summary
+    from hookline.shared.contracts.models import error_summary
 
     secret_value = "whsec_" + "S" * 44
     with pytest.raises(ValidationError) as caught:

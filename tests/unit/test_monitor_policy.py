@@ -13,8 +13,8 @@ from support.factories import attempt_record, stored_endpoint
 
 from hookline.health_monitor.alerts import Alert, AlertPolicy, evaluate
 from hookline.health_monitor.health import PROBE_ACK_S, PROBE_TIMEOUT_S, Health, HealthPolicy, prober_for
-from hookline.shared.models import EndpointStatus
-from hookline.shared.telemetry import Heartbeat
+from hookline.shared.contracts.models import EndpointStatus
+from hookline.shared.contracts.telemetry import Heartbeat
 
 NOW_S = 1_800_000_000.0
 EP = "ep_" + "1" * 26

@@ -11,9 +11,9 @@ import pytest
 from hookline.health_monitor.alerts import AlertPolicy, _failing
 from hookline.health_monitor.breaker import Breaker
 from hookline.health_monitor.health import EndpointHealth
-from hookline.shared.control import BreakerState
-from hookline.shared.models import EndpointStatus, Event, SigningSecret, StoredEndpoint
-from hookline.shared.notifications import (
+from hookline.shared.contracts.control import BreakerState
+from hookline.shared.contracts.models import EndpointStatus, Event, SigningSecret, StoredEndpoint
+from hookline.shared.state.notifications import (
     OPERATOR_TENANT,
     Notice,
     notice_for,

@@ -16,7 +16,7 @@ from hookline.outbox_relay.rows import (
     prepare,
     publish_order,
 )
-from hookline.shared.models import Event
+from hookline.shared.contracts.models import Event
 
 CREATED = datetime(2026, 12, 1, 10, 0, tzinfo=UTC)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from hookline.dispatcher.outcome import Outcome, classify
-from hookline.shared.delivery import ErrorKind
+from hookline.shared.outbound.delivery import ErrorKind
 
 
 @pytest.mark.parametrize(
@@ -54,7 +54,7 @@ from datetime import UTC, datetime  # noqa: E402
 
 from hookline.dispatcher.backoff import Jitter, RetryPolicy  # noqa: E402
 from hookline.dispatcher.outcome import Ack, DeadLetter, Retry, Settlement, settle  # noqa: E402
-from hookline.shared.models import DeadLetterReason  # noqa: E402
+from hookline.shared.contracts.models import DeadLetterReason  # noqa: E402
 
 POLICY = RetryPolicy(schedule_s=(30, 120), retention_s=3600, max_attempts=5, jitter=Jitter.NONE)
 NOW = datetime(2026, 11, 29, 18, 0, tzinfo=UTC)

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
+from hookline.dispatcher.decoding import Inbound
 from hookline.dispatcher.handler import _order_key
-from hookline.dispatcher.inbound import Inbound
 from hookline.dispatcher.ordering import STALE_S, SubjectOrder
 from hookline.dispatcher.pacing import Pacer
-from hookline.shared.models import Event
+from hookline.shared.contracts.models import Event
 
 
 def test_the_rate_limit_spaces_deliveries() -> None:

@@ -8,10 +8,15 @@ from pathlib import Path
 
 import yaml
 
+from hookline.cli.brokersetup import password_variable
 from hookline.cli.main import build_parser
-from hookline.shared.brokersetup import password_variable
-from hookline.shared.permissions import USERS, Role
-from hookline.shared.settings import DispatcherSettings, IngestSettings, MonitorSettings, OutboxRelaySettings
+from hookline.shared.broker.permissions import USERS, Role
+from hookline.shared.runtime.settings import (
+    DispatcherSettings,
+    IngestSettings,
+    MonitorSettings,
+    OutboxRelaySettings,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 HOOKLINE = str(Path(sys.executable).with_name("hookline"))
@@ -86,7 +91,7 @@ def test_every_compose_setting_is_a_real_setting() -> None:
     for name, service in _compose()["services"].items():
         for variable in service.get("environment", {}):
             if name == "broker-setup" and variable.startswith("HOOKLINE_BROKER_PASSWORD_"):
-                continue  # broker-setup's own (shared/brokersetup.py)
+                continue  # broker-setup's own (cli/brokersetup.py)
             if variable.startswith("HOOKLINE_"):
                 assert variable in known, (name, variable)
 

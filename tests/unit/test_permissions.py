@@ -10,9 +10,7 @@ from typing import Any
 
 import pytest
 
-from hookline.cli.main import build_parser
-from hookline.shared import topology
-from hookline.shared.brokersetup import (
+from hookline.cli.brokersetup import (
     MIN_PASSWORD_LENGTH,
     PasswordError,
     SetupError,
@@ -23,7 +21,9 @@ from hookline.shared.brokersetup import (
     setup,
     wanted_users,
 )
-from hookline.shared.permissions import GRANTS, NOTHING, USERS, Role, names, upstream_grant
+from hookline.cli.main import build_parser
+from hookline.shared.broker import topology
+from hookline.shared.broker.permissions import GRANTS, NOTHING, USERS, Role, names, upstream_grant
 
 ENDPOINT_QUEUE = topology.endpoint_queue("ep_01JD0000000000000000000000", 3)
 ROUTE = topology.route_exchange("ep_01JD0000000000000000000000")

@@ -8,8 +8,8 @@ from typing import Any
 import pytest
 from support.factories import stored_endpoint
 
-from hookline.shared import placement
-from hookline.shared.models import DirectRoute, EndpointStatus, Placement
+from hookline.shared.broker import placement
+from hookline.shared.contracts.models import DirectRoute, EndpointStatus, Placement
 
 NOW = datetime(2026, 12, 2, tzinfo=UTC)
 

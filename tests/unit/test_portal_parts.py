@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from hookline.health_monitor.portal import Look
-from hookline.ingest.app import create_app
 from hookline.ingest.auth import PORTAL_ROUTES
-from hookline.shared.settings import IngestSettings, MonitorSettings
+from hookline.ingest.service import create_app
+from hookline.shared.runtime.settings import IngestSettings, MonitorSettings
 
 TOKEN = "a-token-of-the-tests-0123456789"
 

@@ -1,4 +1,4 @@
-"""The probes' answers, decided once in shared/probes.py for both adapters (the aiohttp probe server of
+"""The probes' answers, decided once in shared/runtime/probes.py for both adapters (the aiohttp probe server of
 the dispatcher and the outbox relay, the FastAPI routes of the ingest and the monitor)."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from hookline.shared.probes import liveness, readiness, unauthorized
+from hookline.shared.runtime.probes import liveness, readiness, unauthorized
 
 BROKER = "broker: not connected"
 LOOP = "consumers: down (the channel closed)"

@@ -46,7 +46,7 @@ from hookline.receiver import (
 from hookline.receiver.flask import webhook
 from hookline.receiver.redis import AsyncRedisStore, RedisStore
 from hookline.receiver.verify import MAX_INFLATED_BYTES, signing_keys
-from hookline.shared import signing
+from hookline.shared.outbound import signing
 
 SECRET = signing.generate_secret()
 OLD_SECRET = signing.generate_secret()

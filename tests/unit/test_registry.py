@@ -6,13 +6,13 @@ from datetime import UTC, datetime
 
 import pytest
 
-from hookline.shared.models import (
+from hookline.shared.contracts.models import (
     EndpointDeleted,
     EndpointUpserted,
     SigningSecret,
     StoredEndpoint,
 )
-from hookline.shared.registry import EndpointRegistry, Stale
+from hookline.shared.state.registry import EndpointRegistry, Stale
 
 NOW = datetime(2026, 11, 29, tzinfo=UTC)
 

@@ -1,4 +1,4 @@
-"""The registry kept in a local file (shared/registrystore.py): what a restart reads back, the bounded
+"""The registry kept in a local file (shared/state/registrystore.py): what a restart reads back, the bounded
 caches, and a damaged file."""
 
 from __future__ import annotations
@@ -10,9 +10,7 @@ from pathlib import Path
 import pytest
 from support.waiting import eventually
 
-from hookline.shared import registry as registry_module
-from hookline.shared import registrystore
-from hookline.shared.models import (
+from hookline.shared.contracts.models import (
     EndpointDeleted,
     EndpointDrained,
     EndpointUpserted,
@@ -21,9 +19,11 @@ from hookline.shared.models import (
     SigningSecret,
     StoredEndpoint,
 )
-from hookline.shared.notifications import OPERATOR_TENANT, notifier_of
-from hookline.shared.registry import EndpointRegistry
-from hookline.shared.registrystore import RegistryStore
+from hookline.shared.state import registry as registry_module
+from hookline.shared.state import registrystore
+from hookline.shared.state.notifications import OPERATOR_TENANT, notifier_of
+from hookline.shared.state.registry import EndpointRegistry
+from hookline.shared.state.registrystore import RegistryStore
 
 NOW = datetime(2026, 12, 2, tzinfo=UTC)
 IDENTITY = "vhost/hookline.endpoints/1"

@@ -9,7 +9,7 @@ from typing import Any
 
 from support.factories import stored_endpoint
 
-from hookline.shared.models import (
+from hookline.shared.contracts.models import (
     EndpointDeleted,
     EndpointDrained,
     EndpointStatus,
@@ -18,7 +18,7 @@ from hookline.shared.models import (
     PlacementSet,
     StoredEndpoint,
 )
-from hookline.shared.registry import EndpointRegistry, Stale
+from hookline.shared.state.registry import EndpointRegistry, Stale
 
 NOW = datetime(2026, 12, 2, tzinfo=UTC)
 EP1, EP2, EP3 = ("ep_" + str(n) * 26 for n in (1, 2, 3))

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from hookline.ingest.replay import selects
-from hookline.shared.models import SigningSecret, StoredEndpoint
+from hookline.shared.contracts.models import SigningSecret, StoredEndpoint
 
 T0 = datetime(2026, 11, 29, 18, 0, tzinfo=UTC)
 ENDPOINT = StoredEndpoint(

@@ -6,7 +6,7 @@ import asyncio
 import time
 
 from hookline.ingest.replicas import LIVE_S, Replicas
-from hookline.shared.telemetry import Heartbeat
+from hookline.shared.contracts.telemetry import Heartbeat
 
 
 def _beat(

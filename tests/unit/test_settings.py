@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 from pydantic_settings import BaseSettings
 
-from hookline.shared.amqp import broker_urls
-from hookline.shared.settings import (
+from hookline.shared.broker.amqp import broker_urls
+from hookline.shared.runtime.settings import (
     ClientSettings,
     DispatcherSettings,
     IngestSettings,

@@ -7,7 +7,7 @@ import base64
 import pytest
 from standardwebhooks.webhooks import Webhook, WebhookVerificationError
 
-from hookline.shared import signing
+from hookline.shared.outbound import signing
 
 SPEC_SECRET = "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw"
 SPEC_ID = "msg_p5jXN8AQM9LWM0D4loKWxJek"

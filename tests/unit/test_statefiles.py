@@ -17,8 +17,8 @@ import pytest
 from structlog.testing import capture_logs
 
 from hookline.health_monitor.checkpoint import CheckpointStore
-from hookline.shared.statefiles import StateFile, StateFileReplacedError, damaged
-from hookline.shared.views import ViewSchema, ViewStore
+from hookline.shared.broker.views import ViewSchema, ViewStore
+from hookline.shared.state.statefiles import StateFile, StateFileReplacedError, damaged
 
 SCHEMA = ViewSchema(version=1, statements=["CREATE TABLE things (n INTEGER PRIMARY KEY, label TEXT)"])
 #: Enough rows that the table spans far more pages than a freshly opened connection has read.

@@ -13,8 +13,8 @@ from collections.abc import AsyncIterator, Callable
 import pytest
 from support.waiting import eventually
 
-from hookline.shared import supervision
-from hookline.shared.supervision import Loop, Supervisor
+from hookline.shared.runtime import supervision
+from hookline.shared.runtime.supervision import Loop, Supervisor
 
 
 @pytest.fixture

@@ -6,7 +6,12 @@ import ipaddress
 
 import pytest
 
-from hookline.shared.targets import address_refusal, literal_refusal, registration_refusal, url_refusal
+from hookline.shared.outbound.targets import (
+    address_refusal,
+    literal_refusal,
+    registration_refusal,
+    url_refusal,
+)
 
 REFUSED = [
     "127.0.0.1",
@@ -109,7 +114,7 @@ async def test_registration_accepts_a_public_literal() -> None:
 )
 async def test_hosts_are_checked_as_aiohttp_will_connect_to_them(url: str) -> None:
     assert await registration_refusal(url, allow_http=False, allow_private=False) is not None
-    from hookline.shared.delivery import DeliveryClient
+    from hookline.shared.outbound.delivery import DeliveryClient
 
     client = DeliveryClient(max_connections=1, user_agent="t", allow_http=False, allow_private=False)
     assert client.refusal(url) is not None

@@ -7,9 +7,9 @@ from typing import get_type_hints
 
 import orjson
 
-from hookline.shared.delivery import AttemptResult, Timings
-from hookline.shared.sealing import Sealer
-from hookline.shared.telemetry import AttemptFields, AttemptRecord, batch, exchange
+from hookline.shared.contracts.telemetry import AttemptFields, AttemptRecord, batch, exchange
+from hookline.shared.outbound.delivery import AttemptResult, Timings
+from hookline.shared.outbound.sealing import Sealer
 
 
 def test_the_wire_fields_are_the_model_fields() -> None:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from datetime import UTC, datetime, timedelta
 
-from hookline.shared.models import PortalGrant, QuotaSet, StoredToken, TenantQuota, TokenUpserted
-from hookline.shared.tenants import (
+from hookline.shared.contracts.models import PortalGrant, QuotaSet, StoredToken, TenantQuota, TokenUpserted
+from hookline.shared.state.tenants import (
     NO_QUOTA,
     PORTAL_LINK_PREFIX,
     PORTAL_SESSION_PREFIX,

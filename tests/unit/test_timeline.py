@@ -8,10 +8,10 @@ from typing import Any
 import pytest
 
 from hookline.ingest.timeline import standing
-from hookline.shared.control import BreakerCommand, BreakerState
-from hookline.shared.deadletters import DeadLetterItem
-from hookline.shared.models import DeadLetterReason, EndpointStatus, SigningSecret, StoredEndpoint
-from hookline.shared.telemetry import AttemptRecord, Deferral
+from hookline.shared.contracts.control import BreakerCommand, BreakerState
+from hookline.shared.contracts.deadletters import DeadLetterItem
+from hookline.shared.contracts.models import DeadLetterReason, EndpointStatus, SigningSecret, StoredEndpoint
+from hookline.shared.contracts.telemetry import AttemptRecord, Deferral
 
 NOW_S = 1_800_000_000.0
 EP = "ep_" + "1" * 26

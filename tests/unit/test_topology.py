@@ -8,8 +8,8 @@ from datetime import UTC, datetime
 
 import pytest
 
-from hookline.shared import topology
-from hookline.shared.models import StoredEndpoint
+from hookline.shared.broker import topology
+from hookline.shared.contracts.models import StoredEndpoint
 
 
 def test_binding_keys_prefix_every_pattern_with_the_tenant() -> None:

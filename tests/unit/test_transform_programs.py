@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from hookline.shared.transforms import MAX_CHARS, TransformError, check
+from hookline.shared.outbound.transforms import MAX_CHARS, TransformError, check
 
 
 @pytest.mark.parametrize(

@@ -9,9 +9,9 @@ import pytest
 from support.factories import stored_endpoint
 
 from hookline.receiver import verify
-from hookline.shared import signing
-from hookline.shared.models import SigningSecret, StoredEndpoint
-from hookline.shared.webhook import webhook_request
+from hookline.shared.contracts.models import SigningSecret, StoredEndpoint
+from hookline.shared.contracts.webhook import webhook_request
+from hookline.shared.outbound import signing
 
 SECRET = signing.generate_secret()
 KEY = signing.secret_key(SECRET)
