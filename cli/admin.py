@@ -11,10 +11,21 @@ import json
 from typing import Any
 
 import httpx
+from pydantic import SecretStr
+from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from hookline.shared import __version__
 from hookline.shared.contracts.status import AlertView, BrokerStatus, EndpointHealthView, Summary
-from hookline.shared.runtime.settings import ClientSettings
+
+
+class ClientSettings(BaseSettings):
+    """What the ``hookline`` admin commands need to reach the APIs."""
+
+    model_config = SettingsConfigDict(env_prefix="HOOKLINE_", extra="ignore", frozen=True)
+
+    api_token: SecretStr | None = None
+    ingest_url: str = "http://127.0.0.1:8000"
+    monitor_url: str = "http://127.0.0.1:8001"
 
 
 class ApiClient:

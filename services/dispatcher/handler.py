@@ -40,6 +40,7 @@ from hookline.dispatcher.ordering import SubjectOrder
 from hookline.dispatcher.outcome import Ack, DeadLetter, Retry, Settlement, classify, settle
 from hookline.dispatcher.pacing import Pacer
 from hookline.dispatcher.reporting import Telemetry
+from hookline.dispatcher.settings import DispatcherSettings
 from hookline.dispatcher.settled import Settled
 from hookline.dispatcher.turns import Turns
 from hookline.shared import __version__
@@ -58,7 +59,6 @@ from hookline.shared.outbound.credentials import Credentials
 from hookline.shared.outbound.delivery import AttemptResult, DeliveryClient, ErrorKind
 from hookline.shared.outbound.sealing import Sealer
 from hookline.shared.outbound.transforms import Transformer, TransformFailedError
-from hookline.shared.runtime.settings import DispatcherSettings
 from hookline.shared.runtime.tracing import Tracing
 from hookline.shared.state.registry import ChangeLog, EndpointRegistry
 

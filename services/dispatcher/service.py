@@ -31,6 +31,7 @@ from hookline.dispatcher.consumers import Consumers, check_consumers, expire_bre
 from hookline.dispatcher.handler import USER_AGENT, Handler
 from hookline.dispatcher.lag import LagProbe
 from hookline.dispatcher.reporting import Telemetry
+from hookline.dispatcher.settings import DispatcherSettings
 from hookline.shared.broker import topology
 from hookline.shared.broker.amqp import CALL_TIMEOUT_S, Broker, Publisher, passive_queue, until_closed
 from hookline.shared.broker.isolation import Isolation
@@ -43,7 +44,7 @@ from hookline.shared.outbound.transforms import Transformer
 from hookline.shared.runtime import lifecycle
 from hookline.shared.runtime import logging as hookline_logging
 from hookline.shared.runtime.probes import probe_server
-from hookline.shared.runtime.settings import DispatcherSettings, load
+from hookline.shared.runtime.settings import load
 from hookline.shared.runtime.supervision import Loop, Supervisor
 from hookline.shared.runtime.tracing import Tracing
 from hookline.shared.state import registry

@@ -41,6 +41,7 @@ from hookline.health_monitor.canary import CANARY_TYPE, CanaryBook
 from hookline.health_monitor.direct import Direct
 from hookline.health_monitor.health import EndpointHealth, Health, HealthPolicy
 from hookline.health_monitor.placements import Placements
+from hookline.health_monitor.settings import MonitorSettings
 from hookline.health_monitor.sinks import AlertSinks
 from hookline.shared.broker import topology
 from hookline.shared.broker.amqp import (
@@ -64,7 +65,6 @@ from hookline.shared.contracts.control import (
     ControlRecord,
     control_record,
 )
-from hookline.shared.contracts.deadletters import DeadLetterIndex
 from hookline.shared.contracts.envelope import event_message
 from hookline.shared.contracts.ids import new_id
 from hookline.shared.contracts.models import (
@@ -75,9 +75,9 @@ from hookline.shared.contracts.models import (
     error_summary,
 )
 from hookline.shared.contracts.telemetry import AttemptRecord, batch
-from hookline.shared.runtime.settings import MonitorSettings
 from hookline.shared.runtime.supervision import Loop, Supervisor
 from hookline.shared.state import notifications
+from hookline.shared.state.deadletterindex import DeadLetterIndex
 from hookline.shared.state.registry import ChangeLog, StaleWriteError
 
 log = structlog.get_logger(__name__)

@@ -34,10 +34,10 @@ from hookline.health_monitor.dashboard import (
 )
 from hookline.health_monitor.ingest_api import IngestApi, IngestApiError
 from hookline.health_monitor.monitor import Monitor
+from hookline.health_monitor.settings import MonitorSettings
 from hookline.health_monitor.statusapi import endpoint_view
 from hookline.shared.contracts.models import DeadLetterReason
 from hookline.shared.runtime.api import ApiError
-from hookline.shared.runtime.settings import MonitorSettings
 
 log = structlog.get_logger(__name__)
 router = APIRouter(prefix="/portal", include_in_schema=False)

@@ -14,6 +14,7 @@ from hookline.health_monitor import dashboard, portal, statusapi
 from hookline.health_monitor.ingest_api import IngestApi
 from hookline.health_monitor.monitor import Monitor, monitoring
 from hookline.health_monitor.sessions import Sessions
+from hookline.health_monitor.settings import MonitorSettings
 from hookline.health_monitor.sinks import AlertSinks, Sink, parse_sinks
 from hookline.shared import __version__
 from hookline.shared.broker import topology
@@ -23,7 +24,7 @@ from hookline.shared.outbound.delivery import DeliveryClient
 from hookline.shared.runtime import lifecycle
 from hookline.shared.runtime import logging as hookline_logging
 from hookline.shared.runtime.api import bearer_token_guard, install_error_handlers, probes_router, serve
-from hookline.shared.runtime.settings import MonitorSettings, load, metrics_tokens
+from hookline.shared.runtime.settings import load, metrics_tokens
 from hookline.shared.runtime.supervision import Supervisor
 from hookline.shared.state import registry
 

@@ -42,6 +42,7 @@ from hookline.ingest.schemas import (
     RotatedSecret,
     RotateSecret,
 )
+from hookline.ingest.settings import IngestSettings
 from hookline.ingest.state import IngestState, Registry, State
 from hookline.ingest.verification import verify
 from hookline.shared.broker import placement, topology
@@ -66,7 +67,6 @@ from hookline.shared.outbound import credentials
 from hookline.shared.outbound.signing import generate_secret
 from hookline.shared.outbound.targets import registration_refusal
 from hookline.shared.runtime.api import ApiError, broker_unavailable, invalid_input
-from hookline.shared.runtime.settings import IngestSettings
 from hookline.shared.state import notifications
 from hookline.shared.state.catalog import Catalog
 from hookline.shared.state.registry import Stale, StaleWriteError

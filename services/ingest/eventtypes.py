@@ -14,6 +14,7 @@ from pydantic import ValidationError
 from hookline.ingest.audit import AuditTrail, Trail
 from hookline.ingest.auth import Caller
 from hookline.ingest.schemas import EventTypeList, EventTypeUpdate
+from hookline.ingest.settings import IngestSettings
 from hookline.ingest.state import Changes, Settings
 from hookline.shared import __version__
 from hookline.shared.contracts.ids import new_id
@@ -26,7 +27,6 @@ from hookline.shared.contracts.models import (
     Model,
 )
 from hookline.shared.runtime.api import ApiError, invalid_input
-from hookline.shared.runtime.settings import IngestSettings
 from hookline.shared.state import catalog
 from hookline.shared.state.registry import ChangeLog, StaleEventTypeError
 

@@ -39,6 +39,7 @@ from hookline.ingest.bound import BoundPatterns
 from hookline.ingest.deliverylog import DeliveryLog
 from hookline.ingest.duplicates import Duplicates
 from hookline.ingest.replicas import Replicas
+from hookline.ingest.settings import IngestSettings
 from hookline.ingest.state import IngestState
 from hookline.shared import __version__
 from hookline.shared.broker import topology
@@ -49,7 +50,6 @@ from hookline.shared.broker.isolation import Isolation
 from hookline.shared.broker.streams import Record, StreamFollower, follow_synced
 from hookline.shared.broker.views import RowView, follow_view
 from hookline.shared.contracts.control import BREAKER_LOOKBACK, BreakerView, control_record
-from hookline.shared.contracts.deadletters import DeadLetterIndex
 from hookline.shared.contracts.models import error_summary
 from hookline.shared.outbound.credentials import Credentials
 from hookline.shared.outbound.delivery import DeliveryClient
@@ -58,10 +58,11 @@ from hookline.shared.outbound.transforms import Transformer
 from hookline.shared.runtime import lifecycle
 from hookline.shared.runtime import logging as hookline_logging
 from hookline.shared.runtime.api import install_error_handlers, probes_router, serve
-from hookline.shared.runtime.settings import IngestSettings, load, metrics_tokens
+from hookline.shared.runtime.settings import load, metrics_tokens
 from hookline.shared.runtime.supervision import Loop, Supervisor
 from hookline.shared.runtime.tracing import Tracing
 from hookline.shared.state import registry
+from hookline.shared.state.deadletterindex import DeadLetterIndex
 
 log = structlog.get_logger(__name__)
 

@@ -9,17 +9,17 @@ from fastapi import Depends, Request
 
 from hookline.ingest.deliverylog import DeliveryLog
 from hookline.ingest.duplicates import Duplicates
+from hookline.ingest.settings import IngestSettings
 from hookline.shared.broker.amqp import Broker, Publisher
 from hookline.shared.broker.capacity import CapacityReader
 from hookline.shared.broker.isolation import Isolation
 from hookline.shared.broker.streams import StreamFollower
 from hookline.shared.broker.views import RowView
 from hookline.shared.contracts.control import BreakerView
-from hookline.shared.contracts.deadletters import DeadLetterIndex
 from hookline.shared.outbound.sealing import Sealer
-from hookline.shared.runtime.settings import IngestSettings
 from hookline.shared.runtime.supervision import Supervisor
 from hookline.shared.runtime.tracing import Tracing
+from hookline.shared.state.deadletterindex import DeadLetterIndex
 from hookline.shared.state.registry import ChangeLog, EndpointRegistry
 
 if TYPE_CHECKING:

@@ -30,11 +30,11 @@ from hookline.outbox_relay.rows import (
     prepare,
     publish_order,
 )
+from hookline.outbox_relay.settings import OutboxRelaySettings
 from hookline.shared.broker import topology
 from hookline.shared.broker.amqp import BROKER_ERRORS, CALL_TIMEOUT_S, Publisher
 from hookline.shared.contracts.envelope import event_message
 from hookline.shared.runtime import tracing
-from hookline.shared.runtime.settings import OutboxRelaySettings
 from hookline.shared.runtime.supervision import Loop
 
 log = structlog.get_logger(__name__)

@@ -16,11 +16,12 @@ import structlog
 
 from hookline.outbox_relay import schema
 from hookline.outbox_relay.relay import Relay
+from hookline.outbox_relay.settings import OutboxRelaySettings
 from hookline.shared.broker.amqp import Broker, Publisher
 from hookline.shared.runtime import lifecycle
 from hookline.shared.runtime import logging as hookline_logging
 from hookline.shared.runtime.probes import probe_server
-from hookline.shared.runtime.settings import OutboxRelaySettings, load
+from hookline.shared.runtime.settings import load
 from hookline.shared.runtime.supervision import Supervisor
 
 log = structlog.get_logger(__name__)

@@ -1,7 +1,8 @@
 """Settings, read once from ``HOOKLINE_*`` environment variables at a service's start and passed down.
 
-Each service has its own class so that a dispatcher never needs the API token and the ingest never
-needs a metrics port; the fields they share live in :class:`CommonSettings`. A bad value stops the
+Each service has its own class, in the service (``hookline.ingest.settings`` and so on), so that a
+dispatcher never needs the API token and the ingest never needs a metrics port; the fields they share
+live here in :class:`CommonSettings`, and the rules two services apply alike (tokens, delivery policy). A bad value stops the
 service with one line naming the variable (:func:`load`).
 """
 
@@ -9,14 +10,14 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Annotated, Any, Literal, TypeVar
+from typing import Annotated, Any, Literal, Protocol, TypeVar
 from urllib.parse import urlsplit
 
 from pydantic import AfterValidator, Field, SecretStr, ValidationError, ValidationInfo, field_validator
-from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from hookline.shared.broker.topology import Retention
-from hookline.shared.outbound import sealing, signing
+from hookline.shared.outbound import sealing
 
 LogLevel = Literal["debug", "info", "warning", "error"]
 
@@ -172,7 +173,7 @@ class DeliveryPolicySettings(CommonSettings):
 
 
 #: HOOKLINE_METRICS_TOKEN of the ingest and the monitor (the dispatcher, having no API token, differs).
-_METRICS_READER_DESCRIPTION = (
+METRICS_READER_DESCRIPTION = (
     "A read-only bearer token for Prometheus scrapes of /metrics (at least 16 characters); "
     "unset: the API token."
 )
@@ -190,329 +191,20 @@ def _metrics_token(value: SecretStr | None) -> SecretStr | None:
 MetricsToken = Annotated[SecretStr | None, AfterValidator(_metrics_token)]
 
 
-class IngestSettings(DeliveryPolicySettings):
-    api_token: ApiToken = Field(description="Admin bearer token for the HTTP API (at least 16 characters).")
-    metrics_token: MetricsToken = Field(None, description=_METRICS_READER_DESCRIPTION)
-    tenant_tokens: SecretStr | None = Field(
-        None,
-        description="tenant:token pairs, comma separated: a token that sees and publishes for its tenant only.",
-    )
-    secret_rotation_overlap_s: int = Field(
-        86_400, ge=0, description="How long a rotated-out secret keeps signing."
-    )
-    ingest_host: str = "127.0.0.1"
-    ingest_port: int = Field(8000, ge=0, le=65535)
-    max_payload_bytes: int = Field(262_144, ge=1024, le=16 * 1024 * 1024)
-    max_batch_bytes: int = Field(
-        4_194_304, ge=1024, le=256 * 1024 * 1024, description="Largest POST /v1/events/batch body."
-    )
-    registry_wait_s: float = Field(
-        10.0, gt=0, description="How long a write waits to be read back from the log."
-    )
-    delivery_log_retention_s: float = Field(
-        604_800.0, gt=0, description="How long the delivery log keeps events and attempts."
-    )
-    delivery_log_max_bytes: int = Field(
-        10_000_000_000,
-        ge=10_000_000,
-        description="The delivery log's files stay under this; past it the oldest rows go first.",
-    )
-    dedupe_window_s: float = Field(
-        86_400.0,
-        ge=0,
-        description="A POST /v1/events repeating an id (or Idempotency-Key) accepted this recently publishes "
-        "nothing and answers 200 duplicate (0: off).",
-    )
-    portal_url: str = Field(
-        "http://127.0.0.1:8001",
-        description="The health monitor's address as customers' browsers reach it: portal links start with it.",
-    )
-    broker_fd_reserve: int = Field(
-        100,
-        ge=0,
-        description="File handles a new endpoint must leave the broker (each quorum queue takes one), else 503.",
-    )
+class ServesAnApi(Protocol):
+    """Settings of a service with an admin API and ``/metrics`` (the ingest, the monitor)."""
 
-    @field_validator("dedupe_window_s")
-    @classmethod
-    def _dedupe_within_the_log(cls, value: float, info: ValidationInfo) -> float:
-        # Duplicates are found in the delivery log's events: it must keep them for the whole window.
-        retention_s = info.data.get("delivery_log_retention_s")
-        if retention_s is not None and value > retention_s:
-            raise ValueError(
-                "must not exceed HOOKLINE_DELIVERY_LOG_RETENTION_S (duplicates are looked up in the delivery log)"
-            )
-        return value
+    @property
+    def api_token(self) -> SecretStr: ...
+    @property
+    def metrics_token(self) -> SecretStr | None: ...
 
 
-class DispatcherSettings(DeliveryPolicySettings):
-    dispatcher_metrics_host: str = "127.0.0.1"
-    dispatcher_metrics_port: int = Field(8002, ge=0, le=65535, description="0 picks a free port.")
-    metrics_token: MetricsToken = Field(
-        None,
-        description="A bearer token the metrics port's /metrics then requires (at least 16 characters); "
-        "unset: open, as the dispatcher has no API token.",
-    )
-    prefetch_per_endpoint: int = Field(
-        16,
-        ge=1,
-        le=1000,
-        description="Deliveries one dispatcher holds per endpoint (past it, from a lane, the endpoint is "
-        "backlogged and gets a queue of its own); while the dispatcher's event loop runs late, 8 of them under "
-        "way at once.",
-    )
-    lane_prefetch: int = Field(
-        256,
-        ge=1,
-        le=2000,
-        description="Lane messages one dispatcher holds per lane at once (each fanned out).",
-    )
-    http_max_connections: int = Field(
-        512,
-        ge=4,
-        description="Attempts (each an outbound connection) one dispatcher has under way at once.",
-    )
-    slow_share: float = Field(
-        0.25,
-        ge=0.05,
-        le=0.75,
-        description="Of those, the share slow endpoints may start attempts in; the rest is kept for "
-        "endpoints that answer.",
-    )
-    slow_attempt_s: float = Field(
-        2.0,
-        gt=0,
-        le=30,
-        description="An endpoint whose answer takes this long, or whose attempt has waited this long, is slow.",
-    )
-    retry_schedule_s: Annotated[tuple[float, ...], NoDecode] = Field(
-        (30.0, 120.0, 600.0, 1800.0, 7200.0, 21600.0),
-        description="Retry step lengths in seconds; the last one repeats.",
-    )
-    retention_s: float = Field(259_200.0, gt=0, description="How long an event is retried before it is dead.")
-    max_attempts: int | None = Field(
-        None, ge=1, description="Attempts before an event is dead (none: retention only)."
-    )
-    retry_jitter: Literal["full", "none"] = Field(
-        "full", description="full: each delay uniform in [0, step]."
-    )
-    retry_after_cap_s: float = Field(
-        3600.0, ge=0, description="Longest delay a Retry-After header can ask for."
-    )
-    max_payload_bytes: int = Field(262_144, ge=1024, le=16 * 1024 * 1024)
-    order_hold_s: float = Field(
-        60.0,
-        gt=0,
-        description="Ordered endpoints: how long after it was due an earlier event still holds its subject back.",
-    )
-    consumer_check_s: float = Field(
-        60.0,
-        gt=0,
-        description="How often each queue a dispatcher consumes is checked with the broker (a consumer the "
-        "broker dropped without a cancel reaching the dispatcher is attached again).",
-    )
-    breaker_lease_s: float = Field(
-        30.0,
-        ge=10,
-        description="An open breaker no health monitor renewed for this long is closed (monitors renew every 5 s).",
-    )
-
-    @field_validator("retry_schedule_s", mode="before")
-    @classmethod
-    def _parse_schedule(cls, value: object) -> object:
-        if isinstance(value, str):
-            try:
-                return tuple(float(part) for part in value.split(",") if part.strip())
-            except ValueError:
-                raise ValueError("must be comma-separated numbers of seconds") from None
-        return value
-
-    @field_validator("retry_schedule_s")
-    @classmethod
-    def _schedule_positive(cls, value: tuple[float, ...]) -> tuple[float, ...]:
-        if not value or any(step <= 0 for step in value):
-            raise ValueError("must list at least one positive step")
-        return value
-
-
-class OutboxRelaySettings(CommonSettings):
-    """``hookline outbox-relay``: publishes an upstream's outbox table (services/outbox-relay)."""
-
-    outbox_dsn: SecretStr | None = Field(
-        None,
-        validate_default=True,
-        description="The upstream's PostgreSQL (postgresql://user:password@host/db); or --dsn.",
-    )
-    outbox_batch_size: int = Field(
-        500, ge=1, le=10_000, description="Rows one relay claims, publishes and marks sent at a time."
-    )
-    outbox_poll_s: float = Field(
-        5.0,
-        gt=0,
-        description="Longest wait between looks at the table: NOTIFY wakes the relay at once, this is "
-        "the safety net.",
-    )
-    outbox_retention_s: float = Field(
-        86_400.0, ge=0, description="How long sent rows are kept before they are deleted (0: at once)."
-    )
-    outbox_lag_alert_s: float = Field(
-        60.0, gt=0, description="The oldest unsent row older than this: the outbox_lagging alert."
-    )
-    outbox_metrics_host: str = "127.0.0.1"
-    outbox_metrics_port: int = Field(8003, ge=0, le=65535, description="0 picks a free port.")
-    metrics_token: MetricsToken = Field(
-        None, description="A bearer token the metrics port's /metrics then requires (at least 16 characters)."
-    )
-    max_payload_bytes: int = Field(262_144, ge=1024, le=16 * 1024 * 1024)
-
-    @field_validator("outbox_dsn")
-    @classmethod
-    def _postgres_url(cls, value: SecretStr | None) -> SecretStr | None:
-        if value is None:
-            raise ValueError("name the outbox's database: --dsn postgresql://user:password@host/db")
-        if not value.get_secret_value().startswith(("postgresql://", "postgres://")):
-            raise ValueError("must be a postgresql:// URL")
-        return value
-
-
-class MonitorSettings(CommonSettings):
-    api_token: ApiToken = Field(description="Bearer token for the status API (the same as the ingest's).")
-    metrics_token: MetricsToken = Field(None, description=_METRICS_READER_DESCRIPTION)
-    monitor_host: str = "127.0.0.1"
-    monitor_port: int = Field(8001, ge=0, le=65535)
-    breaker_failure_threshold: int = Field(10, ge=1, description="Consecutive failures that open a breaker.")
-    breaker_cooldown_s: float = Field(
-        300.0, gt=0, description="Open time before the first probe; doubles per failed probe."
-    )
-    breaker_max_cooldown_s: float = Field(3600.0, gt=0)
-    breaker_slow_threshold: int = Field(
-        3, ge=1, description="The threshold for endpoints whose p95 is over 5 s."
-    )
-    slow_p95_ms: float = Field(
-        2000.0, gt=0, description="p95 over the last 5 minutes that flags an endpoint as slow."
-    )
-    very_slow_p95_ms: float = Field(
-        5000.0, gt=0, description="p95 above which the breaker threshold is lowered."
-    )
-    disable_after_s: float = Field(
-        259_200.0, gt=0, description="An endpoint whose breaker stays open this long is disabled."
-    )
-    oldest_pending_alert_s: float = Field(1800.0, gt=0)
-    metrics_max_endpoints: int = Field(
-        500, ge=0,
-        description="Endpoints with series of their own in /metrics: those needing attention, the slowest, the busiest.",
-    )  # fmt: skip
-    tick_s: float = Field(1.0, gt=0, le=60, description="How often breakers and alerts are evaluated.")
-    queue_poll_s: float = Field(
-        5.0,
-        gt=0,
-        description="How often queue depths are read and missing queues and streams declared again.",
-    )
-    broker_poll_s: float = Field(
-        10.0, gt=0, description="How often the broker's alarms, free disk and file handles are read."
-    )
-    broker_disk_headroom_bytes: int = Field(
-        5_000_000_000,
-        ge=0,
-        description="Free disk above the broker's own limit under which broker_disk_low fires.",
-    )
-    broker_fd_ratio: float = Field(
-        0.8,
-        gt=0,
-        le=1,
-        description="Share of the broker's file handles in use (or queues per handle) that fires an alert.",
-    )
-    canary_interval_s: float = Field(
-        0.0,
-        ge=0,
-        description="A canary event every this many seconds to the canary tenant's endpoints (0: off).",
-    )
-    canary_tenant: str = Field("canary", description="The tenant canaries are published for.")
-    canary_late_s: float = Field(
-        60.0, gt=0, description="A canary not delivered within this fires canary_late."
-    )
-    alert_webhook_urls: str | None = Field(
-        None,
-        description="Operator alert sinks: [alerts=][slack+]URL, space or comma separated (README, Operations).",
-    )
-    alert_webhook_secret: SecretStr | None = Field(
-        None, description="A whsec_ secret that signs what plain alert sinks receive."
-    )
-    retired_queue_grace_s: float = Field(
-        300.0,
-        gt=0,
-        description="A queue an endpoint left (moved or deleted) is removed after staying empty this long.",
-    )
-    max_tracked_types: int = Field(
-        1000,
-        ge=1,
-        description="Event types with statistics of their own (GET /v1/types/health); the others count "
-        "together as the type (other).",
-    )
-    notifier_grace_s: float = Field(
-        300.0,
-        gt=0,
-        description="A notifier no endpoint names any more (its notify_url changed or went) is removed "
-        "after this long.",
-    )
-    ingest_url: str = Field(
-        "http://127.0.0.1:8000",
-        description="Where the dashboard (/ui/) reaches the ingest API, with the logged-in user's token.",
-    )
-    portal_frame_ancestors: str = Field(
-        "",
-        description="Origins that may show the customer portal in a frame, space separated "
-        "(https://app.example.com); empty: none (the portal opens as a page of its own).",
-    )
-    portal_brand_name: str = Field("Webhooks", max_length=80, description="The portal's title.")
-    portal_logo_url: str | None = Field(
-        None, description="An https:// (or http://) image the portal shows beside its title."
-    )
-    portal_accent: str = Field(
-        "#3867d6", pattern=r"^#[0-9a-fA-F]{6}$", description="The portal's accent colour, #rrggbb."
-    )
-
-    @field_validator("portal_frame_ancestors")
-    @classmethod
-    def _origins(cls, value: str) -> str:
-        for origin in value.split():
-            parts = urlsplit(origin)
-            if parts.scheme not in ("http", "https") or not parts.netloc or parts.path not in ("", "/"):
-                raise ValueError(f"{origin!r} is not an origin (scheme://host[:port])")
-        return value
-
-    @field_validator("portal_logo_url")
-    @classmethod
-    def _logo(cls, value: str | None) -> str | None:
-        if value is not None and (
-            urlsplit(value).scheme not in ("http", "https") or not urlsplit(value).netloc
-        ):
-            raise ValueError("must be an http:// or https:// URL")
-        return value
-
-    @field_validator("alert_webhook_secret")
-    @classmethod
-    def _whsec(cls, value: SecretStr | None) -> SecretStr | None:
-        if value is not None:
-            signing.secret_key(value.get_secret_value())  # raises, naming what is wrong
-        return value
-
-
-def metrics_tokens(settings: IngestSettings | MonitorSettings) -> tuple[str, ...]:
+def metrics_tokens(settings: ServesAnApi) -> tuple[str, ...]:
     """What ``/metrics`` of the ingest or the monitor accepts: the admin token, which may read anything
     anyway, and the read-only metrics token when there is one (what Prometheus should hold)."""
     read_only = (settings.metrics_token.get_secret_value(),) if settings.metrics_token else ()
     return (settings.api_token.get_secret_value(), *read_only)
-
-
-class ClientSettings(BaseSettings):
-    """What the ``hookline`` admin commands need to reach the APIs."""
-
-    model_config = SettingsConfigDict(env_prefix="HOOKLINE_", extra="ignore", frozen=True)
-
-    api_token: SecretStr | None = None
-    ingest_url: str = "http://127.0.0.1:8000"
-    monitor_url: str = "http://127.0.0.1:8001"
 
 
 SettingsT = TypeVar("SettingsT", bound=BaseSettings)

@@ -29,12 +29,10 @@ from support.receiver import Received, Receiver, Reply
 from support.system import System, tenant
 from support.waiting import eventually
 
-from hookline.shared.runtime.settings import (
-    DispatcherSettings,
-    IngestSettings,
-    MonitorSettings,
-    OutboxRelaySettings,
-)
+from hookline.dispatcher.settings import DispatcherSettings
+from hookline.health_monitor.settings import MonitorSettings
+from hookline.ingest.settings import IngestSettings
+from hookline.outbox_relay.settings import OutboxRelaySettings
 
 pytestmark = pytest.mark.e2e
 

@@ -20,9 +20,10 @@ from hookline.shared.broker import topology
 from hookline.shared.broker.amqp import Broker, Publisher
 from hookline.shared.broker.streams import StreamFollower, follow_synced
 from hookline.shared.broker.views import follow_view
-from hookline.shared.contracts.deadletters import DeadLetterIndex, dead_letter_message
+from hookline.shared.contracts.deadletters import dead_letter_message
 from hookline.shared.contracts.models import DeadLetterReason
 from hookline.shared.runtime.supervision import Supervisor
+from hookline.shared.state.deadletterindex import DeadLetterIndex
 from hookline.shared.state.statefiles import StateFileReplacedError
 
 pytestmark = pytest.mark.integration

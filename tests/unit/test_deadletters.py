@@ -23,7 +23,6 @@ from hookline.shared.broker.views import ViewSchema, ViewStore, continues, rebui
 from hookline.shared.contracts.deadletters import (
     REDRIVEN_HEADER,
     DeadLetterAnalysis,
-    DeadLetterIndex,
     DeadLetterItem,
     dead_letter_message,
     item_id,
@@ -31,6 +30,7 @@ from hookline.shared.contracts.deadletters import (
     read_item,
 )
 from hookline.shared.contracts.models import DeadLetterReason
+from hookline.shared.state.deadletterindex import DeadLetterIndex
 
 NOW = datetime(2026, 11, 29, 18, 0, tzinfo=UTC)
 BODY = b'{"id": "evt_1", "type": "order.created", "tenant": "acme"}'

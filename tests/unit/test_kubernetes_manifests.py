@@ -33,8 +33,10 @@ from pydantic_settings import BaseSettings
 
 from hookline.cli.brokersetup import MIN_PASSWORD_LENGTH, Upstream, password_variable, wanted_users
 from hookline.cli.main import build_parser
+from hookline.dispatcher.settings import DispatcherSettings
+from hookline.health_monitor.settings import MonitorSettings
+from hookline.ingest.settings import IngestSettings
 from hookline.shared.broker.permissions import USERS, Role
-from hookline.shared.runtime.settings import DispatcherSettings, IngestSettings, MonitorSettings
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy" / "kubernetes"
 NAMESPACE = "hookline"

@@ -10,13 +10,11 @@ import yaml
 
 from hookline.cli.brokersetup import password_variable
 from hookline.cli.main import build_parser
+from hookline.dispatcher.settings import DispatcherSettings
+from hookline.health_monitor.settings import MonitorSettings
+from hookline.ingest.settings import IngestSettings
+from hookline.outbox_relay.settings import OutboxRelaySettings
 from hookline.shared.broker.permissions import USERS, Role
-from hookline.shared.runtime.settings import (
-    DispatcherSettings,
-    IngestSettings,
-    MonitorSettings,
-    OutboxRelaySettings,
-)
 
 ROOT = Path(__file__).resolve().parents[2]
 HOOKLINE = str(Path(sys.executable).with_name("hookline"))

@@ -5,9 +5,10 @@ from __future__ import annotations
 import pytest
 
 from hookline.health_monitor.portal import Look
+from hookline.health_monitor.settings import MonitorSettings
 from hookline.ingest.auth import PORTAL_ROUTES
 from hookline.ingest.service import create_app
-from hookline.shared.runtime.settings import IngestSettings, MonitorSettings
+from hookline.ingest.settings import IngestSettings
 
 TOKEN = "a-token-of-the-tests-0123456789"
 

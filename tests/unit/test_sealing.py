@@ -10,10 +10,10 @@ import pytest
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from pydantic import ValidationError
 
+from hookline.ingest.settings import IngestSettings
 from hookline.shared.contracts.models import SigningSecret
 from hookline.shared.outbound.sealing import SealedSecretError, Sealer
 from hookline.shared.outbound.signing import generate_secret
-from hookline.shared.runtime.settings import IngestSettings
 
 
 def test_sealed_secrets_round_trip_and_fit_the_model() -> None:

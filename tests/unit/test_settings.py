@@ -8,16 +8,13 @@ from pathlib import Path
 import pytest
 from pydantic_settings import BaseSettings
 
+from hookline.cli.admin import ClientSettings
+from hookline.dispatcher.settings import DispatcherSettings
+from hookline.health_monitor.settings import MonitorSettings
+from hookline.ingest.settings import IngestSettings
+from hookline.outbox_relay.settings import OutboxRelaySettings
 from hookline.shared.broker.amqp import broker_urls
-from hookline.shared.runtime.settings import (
-    ClientSettings,
-    DispatcherSettings,
-    IngestSettings,
-    MonitorSettings,
-    OutboxRelaySettings,
-    load,
-    metrics_tokens,
-)
+from hookline.shared.runtime.settings import load, metrics_tokens
 
 
 def test_defaults_match_the_design(monkeypatch: pytest.MonkeyPatch) -> None:
