@@ -113,7 +113,7 @@ class Snapshot:
     def of(cls, change_log: registry.ChangeLog) -> Snapshot:
         """The state as of the last record applied (no await here: one offset, whatever arrives)."""
         return cls(
-            endpoints=sorted(change_log.registry.all(), key=lambda endpoint: endpoint.id),
+            endpoints=sorted(change_log.registry.rows.all(), key=lambda endpoint: endpoint.id),
             event_types=change_log.catalog.all(),
             tokens=sorted(change_log.tenants.tokens(), key=lambda token: token.id),
             quotas=dict(sorted(change_log.tenants.quotas().items())),
@@ -162,7 +162,7 @@ class Export:
         return {**self.rest.counts(), "endpoints": len(self.endpoints)}
 
     def lines(self, *, now: datetime) -> Iterator[bytes]:
-        return self.rest._lines(self.endpoints.every(), self.counts(), vhost=self.vhost, now=now)
+        return self.rest._lines(self.endpoints.rows.every(), self.counts(), vhost=self.vhost, now=now)
 
 
 def parse(lines: Iterable[bytes]) -> tuple[Header, Snapshot]:

@@ -227,8 +227,8 @@ class Consumers:
 
     def _endpoint_ids(self) -> list[str]:
         since = datetime.now(UTC) - DELETED_DRAIN_WINDOW
-        live = [endpoint.id for endpoint in self._registry.with_queues()]
-        return live + [endpoint.id for endpoint in self._registry.deleted_with_queues_since(since)]
+        live = [endpoint.id for endpoint in self._registry.placements.with_queues()]
+        return live + [endpoint.id for endpoint in self._registry.deletions.deleted_with_queues_since(since)]
 
     async def _attach_lanes(self) -> None:
         channel = await self._channel_for(self._lane_prefetch)
@@ -326,13 +326,13 @@ class Consumers:
         if self._stopping:
             return {}
         if endpoint is None:
-            gone = self._registry.last_known(endpoint_id)
+            gone = self._registry.deletions.last_known(endpoint_id)
             if gone is None:
                 return {}
             return {name: _Wanted(endpoint_id, Mode.GONE, 1) for name in topology.endpoint_queues(gone)}
         wanted = {name: _Wanted(endpoint_id, Mode.FORWARD, 1) for name in endpoint.retired_queues}
         if (
-            self._registry.has_queue(endpoint_id)
+            self._registry.placements.has_queue(endpoint_id)
             and endpoint.status is EndpointStatus.ACTIVE
             and endpoint.verified
             and self._breakers.state(endpoint_id) is None
@@ -395,7 +395,9 @@ class Consumers:
             queue is not None
             or want.mode is not Mode.DELIVER
             or endpoint is None
-            or not self._registry.isolated(endpoint)  # back in its lane: its queue was removed once drained
+            or not self._registry.placements.isolated(
+                endpoint
+            )  # back in its lane: its queue was removed once drained
         ):
             self._missing_since_s.pop(queue_name, None)
             return queue
@@ -545,7 +547,9 @@ class Consumers:
         breaker = self._breakers.state(endpoint_id)
         if (
             endpoint is not None
-            and self._registry.has_queue(endpoint_id)  # a held one's probe comes from its holding lane
+            and self._registry.placements.has_queue(
+                endpoint_id
+            )  # a held one's probe comes from its holding lane
             and endpoint.status is EndpointStatus.ACTIVE
             and endpoint.verified
             and breaker is not None

@@ -191,14 +191,16 @@ def _targets(handler: Handler, message: Delivery, tenant: str, event_type: str) 
     whose fence has passed since, their copies kept as ``endpoint_gone`` dead letters (never lost; one
     published after the deletion is kept so too, never sent)."""
     registry = handler.registry
-    targets = registry.matching(tenant, event_type)
+    targets = registry.subscriptions.matching(tenant, event_type)
     within = REDELIVERY_COUNTS_DELETED if message.redelivered else LEFT_LANE_COUNTS
-    left = registry.left_lane(tenant, event_type, within=within)
+    left = registry.subscriptions.left_lane(tenant, event_type, within=within)
     if not message.redelivered:
         return (*targets, *left) if left else targets
     since = datetime.now(UTC) - REDELIVERY_COUNTS_DELETED
     known = {endpoint.id for endpoint in targets}
-    gone = [e for e in registry.deleted_matching(tenant, event_type, since=since) if e.id not in known]
+    gone = [
+        e for e in registry.deletions.deleted_matching(tenant, event_type, since=since) if e.id not in known
+    ]
     return (*targets, *left, *gone)
 
 

@@ -230,7 +230,7 @@ class Handler:
             metrics.UNSUBSCRIBED.inc()
             log.info("event_not_subscribed", endpoint_id=endpoint.id, event_id=message.message_id)
             return False
-        if lane and self._registry.isolated(endpoint):
+        if lane and self._registry.placements.isolated(endpoint):
             # Its events go to its queue of its own (a part of a lane message, or a message that came to
             # the lane before the endpoint was isolated). That queue bound to events (an ordered endpoint
             # leaving its lane, or left a moment ago: fences.py), the event most likely reached it that
@@ -318,7 +318,7 @@ class Handler:
         shares the lane only with others like it. Its breaker open, the copy waits in the delay queues
         until the probe is due (no hand-back cycle); otherwise it goes out with the endpoint's whole
         timeout, at most ``HOOKLINE_PREFETCH_PER_ENDPOINT`` of an endpoint's at once here."""
-        if not self._registry.held(endpoint):
+        if not self._registry.placements.held(endpoint):
             await self.hand_on(message, endpoint, reason="moved")  # back in its lane, or a queue of its own
             return False
         breaker = self._breakers.state(endpoint.id)
@@ -605,7 +605,7 @@ class Handler:
         else:
             await self._delays.schedule(
                 message.body, content_type=message.content_type, timestamp=message.timestamp,
-                event_id=event.id, endpoint_id=endpoint.id, destination=self._registry.address(endpoint),
+                event_id=event.id, endpoint_id=endpoint.id, destination=self._registry.placements.address(endpoint),
                 next_attempt=parsed.attempt, first_attempt_at_s=parsed.first_attempt_at_s or time.time(),
                 delay_s=int(SLOW_SHARE_DEFER_S), sequence=None, trace=parsed.trace,
             )  # fmt: skip
@@ -659,7 +659,7 @@ class Handler:
         await addressing.send(
             self._publisher,
             copy,
-            destination=destination or self._registry.address(endpoint),
+            destination=destination or self._registry.placements.address(endpoint),
             delay_s=delay_s,
         )
         await self.acks.ack(message)
@@ -771,7 +771,7 @@ class Handler:
             timestamp=message.timestamp,
             event_id=parsed.event.id,
             endpoint_id=endpoint.id,
-            destination=self._registry.address(endpoint),
+            destination=self._registry.placements.address(endpoint),
             next_attempt=parsed.attempt,
             first_attempt_at_s=parsed.first_attempt_at_s or time.time(),
             delay_s=max(1, math.ceil(delay_s)),
@@ -883,7 +883,7 @@ class Handler:
                 timestamp=message.timestamp,
                 event_id=event.id,
                 endpoint_id=endpoint.id,
-                destination=self._registry.address(endpoint),
+                destination=self._registry.placements.address(endpoint),
                 next_attempt=parsed.attempt + 1,
                 first_attempt_at_s=first_attempt_at_s,
                 delay_s=settlement.delay_s,
@@ -935,7 +935,7 @@ class Handler:
 
     async def gone(self, endpoint_id: str, message: Incoming) -> None:
         """A message of an endpoint that was deleted: kept as an ``endpoint_gone`` dead letter."""
-        gone = self._registry.last_known(endpoint_id)
+        gone = self._registry.deletions.last_known(endpoint_id)
         await self._dead_letter(
             message, endpoint_id, gone.tenant if gone else None, DeadLetterReason.ENDPOINT_GONE,
             event_id=message.message_id, attempts=0, last_status=None, last_error="the endpoint was deleted",
@@ -971,7 +971,11 @@ class Handler:
             )  # fmt: skip
             await self.acks.ack(message)
             return
-        if self._registry.isolated(endpoint) and not self._registry.held(endpoint) and self._isolation:
+        if (
+            self._registry.placements.isolated(endpoint)
+            and not self._registry.placements.held(endpoint)
+            and self._isolation
+        ):
             # Deleted by hand, or lost with a node: declared again once its consumers have been told.
             await asyncio.sleep(topology.REDECLARE_AFTER_S)
             await self._isolation.ensure_queue(endpoint)
@@ -983,7 +987,7 @@ class Handler:
             timestamp=message.timestamp,
             headers={**carried_headers(message), Header.FORWARDS: forwards + 1},
         )
-        await addressing.send(self._publisher, copy, destination=self._registry.address(endpoint))
+        await addressing.send(self._publisher, copy, destination=self._registry.placements.address(endpoint))
         await self.acks.ack(message)
         log.info(
             "message_forwarded", endpoint_id=endpoint.id, event_id=message.message_id, missing=destination
@@ -1001,7 +1005,7 @@ class Handler:
         version = (message.headers or {}).get(Header.FENCE_VERSION)
         verdict = fences.verdict(
             endpoint,
-            deleting=self._registry.deleting(endpoint_id),
+            deleting=self._registry.deletions.deleting(endpoint_id),
             fence_id=fence_id,
             fence_version=version if isinstance(version, int) else None,
         )

@@ -61,7 +61,7 @@ SECRETS_CHECKED = 100
 def _check_secrets_open(endpoint_registry: EndpointRegistry, sealer: Sealer) -> None:
     """A missing or wrong HOOKLINE_SECRET_KEY stops the dispatcher at start, rather than at every delivery."""
     # The first endpoints stand for all (one key seals every secret); a million need not be opened.
-    for endpoint in itertools.islice(endpoint_registry.every(), SECRETS_CHECKED):
+    for endpoint in itertools.islice(endpoint_registry.rows.every(), SECRETS_CHECKED):
         try:
             sealer.open(endpoint.secrets[0].value)
         except SealedSecretError as exc:

@@ -53,7 +53,7 @@ class Bindings:
         for endpoint in (before, after):
             if endpoint is None:
                 continue
-            still = registry.patterns_needed(endpoint.tenant)
+            still = registry.subscriptions.patterns_needed(endpoint.tenant)
             now_s = time.monotonic()
             for pattern in endpoint.event_types:
                 key = (endpoint.tenant, pattern)
@@ -68,7 +68,7 @@ class Bindings:
         dropped by an edit before this start, or by a deletion before that day, which a monitor running
         then would have unbound, is not known here: its binding stays, harmless.)"""
         since = datetime.now(UTC) - SEED_LOOKBACK
-        for gone in self.change_log.registry.deleted_since(since):
+        for gone in self.change_log.registry.deletions.deleted_since(since):
             self.on_change(gone, None)
 
     @property
@@ -98,7 +98,7 @@ class Bindings:
         direct route may have stopped before it bound it), so that no event of it goes nowhere."""
         await self.change_log.sync(timeout_s=self.timeout_s)
         registry = self.change_log.registry
-        gone = [(t, p) for t, p in keys if p not in registry.patterns_needed(t)]
+        gone = [(t, p) for t, p in keys if p not in registry.subscriptions.patterns_needed(t)]
         if not gone:
             return
         async with self.broker.channel() as channel:
@@ -107,7 +107,7 @@ class Bindings:
                 await topology.unbind_pattern(channel, tenant, pattern)
         await self.change_log.sync(timeout_s=self.timeout_s)
         # Named again meanwhile (an ingest was creating one): bound back at once.
-        again = [(t, p) for t, p in gone if p in registry.patterns_needed(t)]
+        again = [(t, p) for t, p in gone if p in registry.subscriptions.patterns_needed(t)]
         async with self.broker.channel() as channel:
             for tenant, pattern in again:
                 await topology.bind_patterns(channel, tenant, [pattern])
@@ -119,7 +119,7 @@ class Bindings:
 
 async def bind_direct_routes(channel: AbstractChannel, registry: EndpointRegistry, tenants: set[str]) -> None:
     """Every direct route the registry records for an endpoint of ``tenants``, bound (idempotent)."""
-    for endpoint_id, route in registry.directly_routed():
+    for endpoint_id, route in registry.placements.directly_routed():
         endpoint = registry.get(endpoint_id)
         if endpoint is not None and endpoint.tenant in tenants:
             await topology.bind_direct(channel, route.queue, endpoint.tenant, route.patterns)

@@ -112,7 +112,7 @@ class Direct:
         """Every direct route as :func:`placement.direct_patterns` wants it: switched off where it no
         longer fits, on where it is wanted, bound where this leader has not bound it yet."""
         registry = self.change_log.registry
-        for endpoint_id, route in registry.directly_routed():
+        for endpoint_id, route in registry.placements.directly_routed():
             endpoint = registry.get(endpoint_id)
             if endpoint is None:
                 await self._release(endpoint_id, route)
@@ -125,8 +125,8 @@ class Direct:
                 continue
             await self.switch_off(endpoint, route)
         switched: list[tuple[StoredEndpoint, tuple[str, ...]]] = []
-        for endpoint in registry.with_queues():
-            patterns = self.wanted(endpoint) if registry.direct(endpoint) is None else ()
+        for endpoint in registry.placements.with_queues():
+            patterns = self.wanted(endpoint) if registry.placements.direct(endpoint) is None else ()
             if patterns and await self._bind(endpoint, patterns):
                 switched.append((endpoint, patterns))
         if switched:
@@ -147,7 +147,7 @@ class Direct:
         is drained into dead letters and removed, and nothing published from now on is to reach it."""
         if route.queue in self._released:
             return
-        gone = self.change_log.registry.last_known(endpoint_id)
+        gone = self.change_log.registry.deletions.last_known(endpoint_id)
         if gone is not None:
             async with self.broker.channel() as channel:
                 await topology.unbind_direct(channel, route.queue, gone.tenant, route.patterns)
@@ -156,9 +156,16 @@ class Direct:
     def wanted(self, endpoint: StoredEndpoint) -> tuple[str, ...]:
         """The patterns the endpoint's queue of its own is to be bound to ``events`` for (none: its lane's)."""
         registry = self.change_log.registry
-        if not registry.isolated(endpoint) or registry.held(endpoint) or not registry.has_queue(endpoint.id):
+        if (
+            not registry.placements.isolated(endpoint)
+            or registry.placements.held(endpoint)
+            or not registry.placements.has_queue(endpoint.id)
+        ):
             return ()
-        others = [*registry.of_tenant(endpoint.tenant), *registry.deleting_of_tenant(endpoint.tenant)]
+        others = [
+            *registry.rows.of_tenant(endpoint.tenant),
+            *registry.deletions.deleting_of_tenant(endpoint.tenant),
+        ]
         return placement.direct_patterns(endpoint, others=others)
 
     async def _bind(self, endpoint: StoredEndpoint, patterns: tuple[str, ...]) -> bool:

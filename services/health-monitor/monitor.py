@@ -424,13 +424,13 @@ class Monitor:
         # Only endpoints with a queue of their own have a depth of their own; the others' events pass
         # through their lane (pending there, in lanes_pending).
         depths: dict[str, int | None] = {}
-        for endpoint in self.registry.with_queues():
-            if not self.registry.has_queue(endpoint.id):
+        for endpoint in self.registry.placements.with_queues():
+            if not self.registry.placements.has_queue(endpoint.id):
                 continue
             queue = topology.own_queue(endpoint)
             depth = depths[endpoint.id] = await self._probe.depth(queue)
             self.health.endpoint(endpoint.id).queue_depth = depth
-            if depth is None and self.registry.isolated(endpoint):
+            if depth is None and self.registry.placements.isolated(endpoint):
                 missing[queue] = endpoint.id
         for endpoint_id, health in self.health.endpoints.items():
             if endpoint_id not in depths:
@@ -464,7 +464,7 @@ class Monitor:
                 await self._rebind_lanes({name for name in missing if topology.is_lane(name)})
         for endpoint_id in {endpoint_id for endpoint_id in missing.values() if endpoint_id}:
             endpoint = self.registry.get(endpoint_id)
-            if endpoint is not None and self.registry.isolated(endpoint):
+            if endpoint is not None and self.registry.placements.isolated(endpoint):
                 async with self._broker.channel() as channel:
                     await topology.declare_own_queue(channel, endpoint)
                 self.direct.forget_bound()  # declared again without its direct route, if it had one
@@ -475,19 +475,23 @@ class Monitor:
         if not lanes:
             return
         async with self._broker.channel() as channel:
-            for tenant in self.registry.tenants():
+            for tenant in self.registry.rows.tenants():
                 if topology.lane_of(tenant) in lanes:
-                    await topology.bind_patterns(channel, tenant, self.registry.patterns_needed(tenant))
+                    await topology.bind_patterns(
+                        channel, tenant, self.registry.subscriptions.patterns_needed(tenant)
+                    )
         log.warning("lanes_bound_again", lanes=sorted(lanes))
 
     async def _sweep_retired(self) -> None:
         """Queues endpoints have left (a move, a deletion) are drained by the dispatchers; once one has
         stayed empty for the grace period, nothing can come back to it any more and it is removed."""
         since = datetime.now(UTC) - DELETED_WATCH_WINDOW
-        retired = [name for endpoint in self.registry.with_queues() for name in endpoint.retired_queues]
+        retired = [
+            name for endpoint in self.registry.placements.with_queues() for name in endpoint.retired_queues
+        ]
         retired += [
             name
-            for endpoint in self.registry.deleted_with_queues_since(since)
+            for endpoint in self.registry.deletions.deleted_with_queues_since(since)
             for name in topology.endpoint_queues(endpoint)
         ]
         now_s = time.monotonic()
@@ -522,14 +526,14 @@ class Monitor:
         while there are at most ``LISTED_WHOLE``, past that those with telemetry or a queue of their own
         (among a million, an idle endpoint says nothing)."""
         if tenant is not None:
-            return self.registry.of_tenant(tenant)
+            return self.registry.rows.of_tenant(tenant)
         if len(self.registry) <= LISTED_WHOLE:
-            return self.registry.all()
+            return self.registry.rows.all()
         return list(self._endpoints_to_evaluate({}, {}).values())
 
     def _unnamed_notifiers(self) -> list[StoredEndpoint]:
         return notifications.unnamed_notifiers(
-            self.registry.of_tenant(notifications.OPERATOR_TENANT), self.registry.notifier_named
+            self.registry.rows.of_tenant(notifications.OPERATOR_TENANT), self.registry.rows.notifier_named
         )
 
     async def _remove_notifier(self, notifier_id: str) -> None:
@@ -618,7 +622,7 @@ class Monitor:
     def _canary_endpoints(self) -> list[str]:
         return [
             endpoint.id
-            for endpoint in self.registry.of_tenant(self.settings.canary_tenant)
+            for endpoint in self.registry.rows.of_tenant(self.settings.canary_tenant)
             if endpoint.status is EndpointStatus.ACTIVE
         ]
 
@@ -675,7 +679,7 @@ class Monitor:
         walk over every registered endpoint."""
         ids = {*self.health.endpoints, *recent_dead_letters, *filter(None, missing.values())}
         found = {endpoint_id: e for endpoint_id in ids if (e := self.registry.get(endpoint_id)) is not None}
-        return {**found, **{endpoint.id: endpoint for endpoint in self.registry.with_queues()}}
+        return {**found, **{endpoint.id: endpoint for endpoint in self.registry.placements.with_queues()}}
 
     async def _current_alerts(self, *, now_s: float) -> dict[AlertKey, Alert]:
         recent = await self.dead_letters.counts_since(
@@ -733,7 +737,7 @@ class Monitor:
         self._unsent.hold(
             message,
             exchange=topology.DELAY_DELIVERY,
-            routing_key=topology.delay_routing_key(0, self.registry.address(notifier)),
+            routing_key=topology.delay_routing_key(0, self.registry.placements.address(notifier)),
             what="notification",
         )
 

@@ -97,11 +97,11 @@ class Placements:
             del self._leaving[endpoint_id]
         if not leader:
             return
-        for endpoint in registry.with_queues():
-            if not registry.has_queue(endpoint.id) or endpoint.id not in depths:
+        for endpoint in registry.placements.with_queues():
+            if not registry.placements.has_queue(endpoint.id) or endpoint.id not in depths:
                 continue
             empty_for_s = now_s - self._empty_since_s.get(endpoint.id, now_s)
-            if registry.isolated(endpoint):
+            if registry.placements.isolated(endpoint):
                 self._leaving.pop(endpoint.id, None)
                 if self._back_to_lane(endpoint, empty_for_s):
                     await self._place_inline(endpoint)
@@ -114,8 +114,8 @@ class Placements:
         once the bound has room while it stands."""
         now = datetime.now(UTC)
         promoted = 0
-        for endpoint in self.change_log.registry.held_endpoints():
-            current = self.change_log.registry.placement(endpoint.id)
+        for endpoint in self.change_log.registry.placements.held_endpoints():
+            current = self.change_log.registry.placements.placement(endpoint.id)
             assert current is not None
             held_for_s = (now - current.at).total_seconds()
             if not self._unacked_somewhere(endpoint.id) and self._back_to_lane(endpoint, held_for_s):
@@ -133,7 +133,7 @@ class Placements:
         """Whether an endpoint isolated at run time may go back to its lane (its own definition isolating
         it, it stays). ``empty_for_s``: how long its queue of its own has been empty (held: how long it
         has been held)."""
-        current = self.change_log.registry.placement(endpoint.id)
+        current = self.change_log.registry.placements.placement(endpoint.id)
         if placement.structural(endpoint) is not None or current is None or not current.isolated:
             return False
         if empty_for_s < self.grace_s:
@@ -149,14 +149,14 @@ class Placements:
         return True
 
     async def _place_inline(self, endpoint: StoredEndpoint) -> None:
-        current = self.change_log.registry.placement(endpoint.id)
+        current = self.change_log.registry.placements.placement(endpoint.id)
         reason = current.reason if current else ""
         try:
             # Routed directly, its lane is bound for it again first; meanwhile the direct routes wait,
             # so that none switches it on again before it is back in its lane.
             async with self.direct.lock:
                 await self.change_log.sync(timeout_s=self.timeout_s)
-                route = self.change_log.registry.direct(endpoint)
+                route = self.change_log.registry.placements.direct(endpoint)
                 if route is not None and not await self.direct.switch_off(endpoint, route):
                     return
                 await self.change_log.place(

@@ -50,7 +50,7 @@ def endpoint_view(
     health = monitor.health.endpoints.get(endpoint_id) or EndpointHealth()
     day = health.day.total(now_s=now_s)
     p95_recent = health.p95_recent_ms(now_s)
-    where = monitor.registry.placement(endpoint_id)
+    where = monitor.registry.placements.placement(endpoint_id)
     isolation = placement.reason(endpoint, where) if endpoint is not None else None
     return EndpointHealthView(
         endpoint_id=endpoint_id,
@@ -71,12 +71,12 @@ def endpoint_view(
         dead_lettered=day.dead_letters,
         retry_depth=day.max_attempt,
         # Without a queue of its own, nothing waits for this endpoint alone (its events pass its lane).
-        queue_depth=health.queue_depth if monitor.registry.has_queue(endpoint_id) else 0,
+        queue_depth=health.queue_depth if monitor.registry.placements.has_queue(endpoint_id) else 0,
         oldest_pending_age_s=health.oldest_pending_s(now_s),
         isolation=isolation,
-        held=endpoint is not None and monitor.registry.held(endpoint),
+        held=endpoint is not None and monitor.registry.placements.held(endpoint),
         routed_directly=endpoint is not None
-        and (endpoint.straight or monitor.registry.direct(endpoint) is not None),
+        and (endpoint.straight or monitor.registry.placements.direct(endpoint) is not None),
     )
 
 
@@ -125,7 +125,7 @@ async def endpoints_health(
 
 @router.get("/endpoints/{endpoint_id}/health", response_model=EndpointHealthView)
 async def endpoint_health(endpoint_id: str, monitor: State) -> EndpointHealthView:
-    endpoint = monitor.registry.last_known(endpoint_id)
+    endpoint = monitor.registry.deletions.last_known(endpoint_id)
     if endpoint is None and endpoint_id not in monitor.health.endpoints:
         raise ApiError(404, "not_found", f"no endpoint {endpoint_id}")
     return endpoint_view(monitor, endpoint_id, endpoint, time.time())

@@ -30,7 +30,7 @@ class BoundPatterns:
         del after  # a pattern named anew is bound by the request that names it
         if before is None:
             return
-        still = self._registry.patterns_needed(before.tenant)
+        still = self._registry.subscriptions.patterns_needed(before.tenant)
         for pattern in before.event_types:
             if pattern not in still:
                 self._bound.discard((before.tenant, pattern))

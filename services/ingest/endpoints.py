@@ -240,7 +240,7 @@ async def _handshake(state: IngestState, endpoint: StoredEndpoint) -> StoredEndp
 
 
 def _isolation(state: IngestState, endpoint: StoredEndpoint) -> str | None:
-    return placement.reason(endpoint, state.registry.placement(endpoint.id))
+    return placement.reason(endpoint, state.registry.placements.placement(endpoint.id))
 
 
 async def _own_queue_if_isolated(
@@ -249,11 +249,11 @@ async def _own_queue_if_isolated(
     """Before ``after`` is written: its queue of its own, when it will be isolated (its options, status
     or verification need one, or it has one already for another reason) and the broker has room; held
     past the bound (a holding lane), none."""
-    if _isolation(state, after) is None or state.registry.held(after):
+    if _isolation(state, after) is None or state.registry.placements.held(after):
         return
     if (
         before is None
-        or not state.registry.has_queue(before.id)
+        or not state.registry.placements.has_queue(before.id)
         or before.queue_generation != after.queue_generation
     ):
         await _check_capacity(state)
@@ -505,7 +505,7 @@ async def list_endpoints(
 ) -> EndpointList:
     tenant = caller.scope(tenant)
     # Ids are ULIDs, so id order is creation order and makes `after` a stable cursor.
-    selected = registry.page(tenant=tenant, after=after, limit=limit + 1)
+    selected = registry.rows.page(tenant=tenant, after=after, limit=limit + 1)
     page = selected[:limit]
     return EndpointList(
         data=[endpoint.public() for endpoint in page if caller.sees_endpoint(endpoint.id)],
@@ -614,7 +614,7 @@ async def _queues_for(
     next generation, and the one it had goes to ``retired_queues`` to be drained into its address."""
     if moving:
         retired = await _live_queues(state.broker, before.retired_queues)
-        if state.registry.has_queue(before.id):
+        if state.registry.placements.has_queue(before.id):
             retired.append(topology.own_queue(before))
         after = after.model_copy(
             update={"queue_generation": before.queue_generation + 1, "retired_queues": retired}
@@ -689,11 +689,11 @@ async def _check_capacity(state: IngestState) -> None:
     for it (RabbitMQ 3.x accounts three for every quorum queue; with its account full it stops accepting
     connections without a word), and the endpoints with one must be fewer than
     ``HOOKLINE_MAX_ENDPOINT_QUEUES``. Refused before anything is declared, so nothing is left behind."""
-    if state.registry.queued_count >= state.settings.max_endpoint_queues:
+    if state.registry.placements.queued_count >= state.settings.max_endpoint_queues:
         raise ApiError(
             503,
             "isolation_capacity",
-            f"{state.registry.queued_count} endpoints have a queue of their own, the most allowed "
+            f"{state.registry.placements.queued_count} endpoints have a queue of their own, the most allowed "
             f"(HOOKLINE_MAX_ENDPOINT_QUEUES={state.settings.max_endpoint_queues}); this endpoint needs one "
             "(a rate limit, max_in_flight, ordered, paused, or not verified)",
             headers={"Retry-After": str(CAPACITY_RETRY_AFTER_S)},
@@ -889,7 +889,7 @@ async def delete_endpoint(
             f"{ready} events are queued and {unacked} being delivered for this endpoint; "
             "delete with ?force=true to dead-letter them",
         )
-    route = state.registry.direct(endpoint)
+    route = state.registry.placements.direct(endpoint)
     # 1. The deletion, conditional like every change: from here on every dispatcher drains the
     #    endpoint's queues into endpoint_gone dead letters, including whatever comes back to them late
     #    (a nack, a crashed handler, a dispatcher that lost its channel); the monitor removes the
@@ -939,7 +939,7 @@ async def _ready_messages(state: IngestState, endpoint: StoredEndpoint) -> int:
     """Messages waiting in the endpoint's queues of its own (none without one: what is on its way to it
     from its lane is counted by the dispatchers, in their heartbeats)."""
     names = [*endpoint.retired_queues]
-    if state.registry.has_queue(endpoint.id):
+    if state.registry.placements.has_queue(endpoint.id):
         names.append(topology.own_queue(endpoint))
     async with QueueProbe(state.broker) as probe:
         return sum([await probe.depth(name) or 0 for name in names])

@@ -82,7 +82,7 @@ class Quotas:
         self._admitted: dict[str, deque[tuple[float, int]]] = {}  # tenant -> (when, bytes), recent
 
     def _endpoint_count(self, tenant: str) -> int:
-        return self._registry.count_of_tenant(tenant)
+        return self._registry.rows.count_of_tenant(tenant)
 
     def check_endpoints(self, tenant: str) -> None:
         limit = self._tenants.quota(tenant).max_endpoints

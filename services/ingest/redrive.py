@@ -64,7 +64,7 @@ class RedriveResult(Model):
 
 def _tenant_of(registry: EndpointRegistry, endpoint_id: str | None) -> str | None:
     """The tenant an admin's redrive of one endpoint is about (its trail is the tenant's too)."""
-    endpoint = registry.last_known(endpoint_id) if endpoint_id else None
+    endpoint = registry.deletions.last_known(endpoint_id) if endpoint_id else None
     return endpoint.tenant if endpoint is not None else None
 
 

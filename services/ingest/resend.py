@@ -55,7 +55,7 @@ async def resend(
         message = addressing.message(
             item.body, event_id=item.event_id, endpoint_id=endpoint.id, headers={Header.ORIGIN: item.origin}
         )
-        pending.append(addressing.send(publisher, message, destination=registry.address(endpoint)))
+        pending.append(addressing.send(publisher, message, destination=registry.placements.address(endpoint)))
         if len(pending) >= WINDOW:
             await asyncio.gather(*pending)
             sent += len(pending)

@@ -151,7 +151,7 @@ async def endpoint_attempts(
     after: Annotated[str | None, Query(description="next_after of the previous page", pattern=CURSOR)] = None,
 ) -> AttemptPage:
     """Newest first."""
-    endpoint = state.registry.last_known(endpoint_id)
+    endpoint = state.registry.deletions.last_known(endpoint_id)
     if endpoint is None or not caller.may_see(endpoint.tenant):
         raise ApiError(404, "not_found", f"no endpoint {endpoint_id}")
     rows = await state.delivery_log.attempts_of_endpoint(
@@ -227,7 +227,7 @@ async def _story(state: IngestState, logged: LoggedEvent, *, with_attempts: bool
     dead = await state.dead_letters_index.select(event_id=logged.event_id)
     subscribed = [
         endpoint.id
-        for endpoint in state.registry.subscribed(logged.tenant, logged.type)
+        for endpoint in state.registry.subscriptions.subscribed(logged.tenant, logged.type)
         if state.registry.get(endpoint.id) is not None
     ]
     # Endpoints that were attempted too: their patterns may have changed since, or they are gone.

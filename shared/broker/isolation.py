@@ -55,11 +55,11 @@ class Isolation:
         if endpoint.polling:
             return False  # nothing is delivered to it, so nothing of it can hold a lane
         registry = self._change_log.registry
-        if registry.isolated(endpoint):
+        if registry.placements.isolated(endpoint):
             return True
         await self._place(endpoint, reason, promoting=False)
         now = registry.get(endpoint.id)
-        return now is not None and registry.isolated(now)
+        return now is not None and registry.placements.isolated(now)
 
     async def promote(self, endpoint: StoredEndpoint) -> bool:
         """A held endpoint given the queue of its own it was refused, the bound having room again (the
@@ -67,11 +67,11 @@ class Isolation:
         other held endpoints); whether it has one now. What it left in the holding lane is forwarded to
         its queue as it comes up."""
         registry = self._change_log.registry
-        current = registry.placement(endpoint.id)
-        if current is None or not registry.held(endpoint) or self._past_bound(endpoint):
+        current = registry.placements.placement(endpoint.id)
+        if current is None or not registry.placements.held(endpoint) or self._past_bound(endpoint):
             return False
         await self._place(endpoint, current.reason, promoting=True)
-        return registry.has_queue(endpoint.id)
+        return registry.placements.has_queue(endpoint.id)
 
     def _past_bound(self, endpoint: StoredEndpoint) -> bool:
         """Whether a queue of its own for the endpoint would pass the bound. Isolations under way here
@@ -80,7 +80,10 @@ class Isolation:
         registry = self._change_log.registry
         under_way = 0 if endpoint.id in self._isolating else len(self._isolating)
         # A queue of its own it still has (on its way out) is used again: it counts already.
-        return registry.queued_count + under_way >= self._max_queues and not registry.has_queue(endpoint.id)
+        return (
+            registry.placements.queued_count + under_way >= self._max_queues
+            and not registry.placements.has_queue(endpoint.id)
+        )
 
     async def _place(self, endpoint: StoredEndpoint, reason: str, *, promoting: bool) -> None:
         registry = self._change_log.registry
@@ -93,12 +96,16 @@ class Isolation:
                 current = registry.get(endpoint.id)
                 if current is None:
                     return
-                if (registry.held(current) and not held) if promoting else not registry.isolated(current):
+                if (
+                    (registry.placements.held(current) and not held)
+                    if promoting
+                    else not registry.placements.isolated(current)
+                ):
                     placed = await self._write(current, reason, held=held)
                     if placed is not None:  # this process's write, not another's that came first
                         log.warning(
                             "endpoint_isolated", endpoint_id=endpoint.id, reason=reason,
-                            held=not registry.has_queue(endpoint.id), promoted=promoting,
+                            held=not registry.placements.has_queue(endpoint.id), promoted=promoting,
                         )  # fmt: skip
                 # else another task here, or another replica, placed it meanwhile
         except BROKER_ERRORS as exc:  # the write timed out, or the broker refused
@@ -112,11 +119,13 @@ class Isolation:
         """Its queue declared (unless held), then its placement written; the placement as written, or
         None when another writer's came first."""
         registry = self._change_log.registry
-        decided_on = registry.placement(current.id)
+        decided_on = registry.placements.placement(current.id)
         try:
             if not held:
                 await self.ensure_queue(current)
-            if registry.placement(current.id) is not decided_on and (held or not registry.held(current)):
+            if registry.placements.placement(current.id) is not decided_on and (
+                held or not registry.placements.held(current)
+            ):
                 # Placed meanwhile (another replica gave it a queue, the monitor took it back): that one
                 # stands. Written on top of it, this would be a second isolation decided on the state
                 # before (two replicas each logged one for the same endpoint, 0.2 s apart). Placed held
@@ -127,7 +136,7 @@ class Isolation:
                 bound=None if held else self._max_queues,
             )  # fmt: skip
         finally:
-            if not held and not registry.has_queue(current.id):
+            if not held and not registry.placements.has_queue(current.id):
                 # Held after all (other processes' isolations reached the bound first, or another's
                 # placement of it came first), or not placed (the write timed out, the broker refused):
                 # the queue declared for it is empty, and no replica hands it anything. Left, it would

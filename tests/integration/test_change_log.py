@@ -74,14 +74,14 @@ async def test_writes_are_seen_by_followers_and_replayed_by_newcomers(amqp_url: 
             EndpointDeleted(change_id="chg_del", at=NOW, endpoint_id=_endpoint(1).id), timeout_s=10
         )
         # Read-your-writes on the writer, and the reader has caught up once its own marker is back.
-        assert [e.id for e in first.all()] == [_endpoint(2).id]
+        assert [e.id for e in first.rows.all()] == [_endpoint(2).id]
         await reader.sync(timeout_s=10)
-        assert [(e.id, e.url) for e in second.all()] == [(_endpoint(2).id, "https://two.example/")]
+        assert [(e.id, e.url) for e in second.rows.all()] == [(_endpoint(2).id, "https://two.example/")]
 
     late = registry.EndpointRegistry()
     async with follow(amqp_url, late):
-        assert [e.id for e in late.all()] == [_endpoint(2).id]
-        assert late.last_known(_endpoint(1).id) is not None, "a deleted endpoint is remembered"
+        assert [e.id for e in late.rows.all()] == [_endpoint(2).id]
+        assert late.deletions.last_known(_endpoint(1).id) is not None, "a deleted endpoint is remembered"
 
 
 async def test_of_two_writes_based_on_one_version_exactly_one_wins_everywhere(amqp_url: str) -> None:
@@ -131,10 +131,10 @@ async def test_endpoints_created_in_one_record_are_applied_each_everywhere(amqp_
         assert stale.current.id == _endpoint(7).id
         await two.sync(timeout_s=10)
         for state in (first, second):
-            assert sorted(e.id for e in state.all()) == [_endpoint(n).id for n in (6, 7, 8)]
+            assert sorted(e.id for e in state.rows.all()) == [_endpoint(n).id for n in (6, 7, 8)]
     late = registry.EndpointRegistry()
     async with follow(amqp_url, late):
-        assert sorted((e.id, e.version) for e in late.all()) == [(_endpoint(n).id, 1) for n in (6, 7, 8)]
+        assert sorted((e.id, e.version) for e in late.rows.all()) == [(_endpoint(n).id, 1) for n in (6, 7, 8)]
 
 
 @pytest.mark.parametrize(
@@ -182,7 +182,7 @@ async def test_an_unreadable_record_is_skipped_and_the_rest_applied(amqp_url: st
     state = registry.EndpointRegistry()
     async with follow(amqp_url, state) as log:
         await log.write(_upsert(_endpoint(3)), timeout_s=10)
-        assert [e.id for e in state.all()] == [_endpoint(3).id]
+        assert [e.id for e in state.rows.all()] == [_endpoint(3).id]
 
 
 async def test_a_registry_file_built_past_a_newer_record_is_built_again_once_upgraded(
@@ -204,7 +204,7 @@ async def test_a_registry_file_built_past_a_newer_record_is_built_again_once_upg
                 aio_pika.Message(json.dumps(newer).encode()), topology.ENDPOINT_LOG
             )
         await log.write(_upsert(_endpoint(3)), timeout_s=10)
-        assert [e.id for e in kept.all()] == [_endpoint(1).id, _endpoint(3).id], "the newer one skipped"
+        assert [e.id for e in kept.rows.all()] == [_endpoint(1).id, _endpoint(3).id], "the newer one skipped"
 
     async def read_at_start() -> list[str]:
         seen: list[str] = []
@@ -279,7 +279,7 @@ async def test_a_registry_kept_on_disk_resumes_where_it_was_and_keeps_following(
     async with registry.kept_at(path, vhost=vhost) as kept:
         kept.subscribe(lambda before, after: seen.extend(e.id for e in (after or before,) if e is not None))
         async with follow(amqp_url, kept, name="again") as log:
-            assert [e.id for e in kept.all()] == [_endpoint(2).id, _endpoint(3).id]
+            assert [e.id for e in kept.rows.all()] == [_endpoint(2).id, _endpoint(3).id]
             assert seen == [_endpoint(1).id, _endpoint(3).id], "only the records written while it was down"
             assert log.tenants.token(token.id) == token
             kept_type = log.catalog.get("order.created")

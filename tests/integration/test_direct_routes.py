@@ -97,9 +97,9 @@ async def test_a_direct_route_switched_on_and_off_under_publishing_keeps_every_e
         async with _publishing(broker) as started:
             await direct.reconcile()  # alone in its tenant, isolated: routed directly
             on = len(started)
-            route = change_log.registry.direct(burst)
+            route = change_log.registry.placements.direct(burst)
             assert route == DirectRoute(queue=own, patterns=("burst.*",))
-            assert change_log.registry.patterns_needed(TENANT) == set()
+            assert change_log.registry.subscriptions.patterns_needed(TENANT) == set()
             await asyncio.sleep(0.5)
             # Another endpoint of the tenant names an overlapping pattern: its lane is bound for it, and
             # this endpoint's route goes (the lane would hand its copies on besides).
@@ -107,8 +107,8 @@ async def test_a_direct_route_switched_on_and_off_under_publishing_keeps_every_e
             await _registered(broker, change_log, _endpoint(2, "burst.other"))
             await direct.reconcile()
             off = len(started)
-            assert change_log.registry.direct(burst) is None
-            assert change_log.registry.patterns_needed(TENANT) == {"burst.*", "burst.other"}
+            assert change_log.registry.placements.direct(burst) is None
+            assert change_log.registry.subscriptions.patterns_needed(TENANT) == {"burst.*", "burst.other"}
         published = list(started[:-1])  # the last one's publish may not have ended
         in_lane = await _ids_in(broker, topology.lane_of(TENANT))
         in_own = await _ids_in(broker, own)
@@ -156,6 +156,6 @@ async def test_an_endpoint_routed_directly_goes_back_to_its_lane_only_once_switc
             await change_log.place(burst.id, isolated=False, reason="", timeout_s=10)
         # Isolated again for another reason, the route stays.
         assert await change_log.place(burst.id, isolated=True, reason="breaker_open", timeout_s=10)
-        assert change_log.registry.direct(burst) == route
+        assert change_log.registry.placements.direct(burst) == route
         assert await change_log.route(burst.id, None, timeout_s=10)
         assert await change_log.place(burst.id, isolated=False, reason="", timeout_s=10)

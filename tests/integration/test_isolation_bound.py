@@ -28,13 +28,13 @@ async def test_many_isolations_at_once_declare_no_more_queues_than_the_bound(amq
         registry = change_log.registry
         # Every one isolated: the bound's worth with a queue of their own, the others held past it.
         assert all(isolated)
-        own = [registry.has_queue(e.id) for e in endpoints]
-        assert sum(own) == registry.queued_count == BOUND
-        assert [registry.held(e) for e in endpoints] == [not has for has in own]
+        own = [registry.placements.has_queue(e.id) for e in endpoints]
+        assert sum(own) == registry.placements.queued_count == BOUND
+        assert [registry.placements.held(e) for e in endpoints] == [not has for has in own]
         declared = [await queue_exists(amqp_url, topology.endpoint_queue(e.id)) for e in endpoints]
         assert declared == own, "a queue was declared for an endpoint held past the bound"
         for endpoint, has in zip(endpoints, own, strict=True):
-            address = registry.address(endpoint)
+            address = registry.placements.address(endpoint)
             assert address == (
                 topology.endpoint_queue(endpoint.id) if has else topology.holding_of(endpoint.id)
             )
@@ -66,7 +66,7 @@ async def test_many_isolations_at_once_declare_their_queues_a_few_at_a_time(
         monkeypatch.setattr(isolation, "ensure_queue", counted)
         assert all(await asyncio.gather(*(isolation.isolate(e, "slow") for e in endpoints)))
         assert most_at_once == DECLARING_AT_ONCE
-        assert all(change_log.registry.has_queue(e.id) for e in endpoints)
+        assert all(change_log.registry.placements.has_queue(e.id) for e in endpoints)
 
 
 async def test_the_bound_holds_across_processes_and_every_replica_agrees(amqp_url: str) -> None:
@@ -89,10 +89,12 @@ async def test_the_bound_holds_across_processes_and_every_replica_agrees(amqp_ur
         await log_a.sync(timeout_s=10)
         await log_b.sync(timeout_s=10)
         for registry in (log_a.registry, log_b.registry):
-            assert registry.queued_count == BOUND
-        own_a = [log_a.registry.has_queue(e.id) for e in endpoints]
-        assert own_a == [log_b.registry.has_queue(e.id) for e in endpoints], "the replicas disagree"
-        assert [log_b.registry.held(e) for e in endpoints] == [not has for has in own_a]
+            assert registry.placements.queued_count == BOUND
+        own_a = [log_a.registry.placements.has_queue(e.id) for e in endpoints]
+        assert own_a == [log_b.registry.placements.has_queue(e.id) for e in endpoints], (
+            "the replicas disagree"
+        )
+        assert [log_b.registry.placements.held(e) for e in endpoints] == [not has for has in own_a]
         declared = [await queue_exists(amqp_url, topology.endpoint_queue(e.id)) for e in endpoints]
         assert declared == own_a, "a queue is left declared for an endpoint held past the bound"
 
@@ -114,7 +116,7 @@ async def test_an_isolation_whose_write_fails_leaves_no_queue_behind(
 
         monkeypatch.setattr(change_log, "place", times_out)
         assert not await isolation.isolate(endpoint, "slow")
-        assert not change_log.registry.has_queue(endpoint.id)
+        assert not change_log.registry.placements.has_queue(endpoint.id)
         assert not await queue_exists(amqp_url, topology.endpoint_queue(endpoint.id))
 
 
@@ -129,8 +131,8 @@ async def test_a_held_endpoint_gets_a_queue_of_its_own_once_the_bound_has_room(a
         for endpoint in endpoints:
             assert await isolation.isolate(endpoint, "slow")
         registry = change_log.registry
-        own = [e for e in endpoints if registry.has_queue(e.id)]
-        held = [e for e in endpoints if registry.held(e)]
+        own = [e for e in endpoints if registry.placements.has_queue(e.id)]
+        held = [e for e in endpoints if registry.placements.held(e)]
         assert (len(own), len(held)) == (BOUND, 2)
         assert not await isolation.promote(held[0]), "promoted past the bound"
         assert not await isolation.promote(own[0]), "an endpoint with a queue of its own is not held"
@@ -138,18 +140,18 @@ async def test_a_held_endpoint_gets_a_queue_of_its_own_once_the_bound_has_room(a
         # The first one's queue removed, as the monitor removes a drained one (its endpoint back inline).
         await change_log.place(own[0].id, isolated=False, reason="slow", timeout_s=10)
         await change_log.place(own[0].id, isolated=False, reason="", queue_removed=True, timeout_s=10)
-        assert registry.queued_count == BOUND - 1
+        assert registry.placements.queued_count == BOUND - 1
 
         assert await isolation.promote(held[0])
-        assert registry.has_queue(held[0].id)
-        assert not registry.held(held[0])
-        assert registry.address(held[0]) == topology.endpoint_queue(held[0].id)
+        assert registry.placements.has_queue(held[0].id)
+        assert not registry.placements.held(held[0])
+        assert registry.placements.address(held[0]) == topology.endpoint_queue(held[0].id)
         assert await queue_exists(amqp_url, topology.endpoint_queue(held[0].id))
-        placed = registry.placement(held[0].id)
+        placed = registry.placements.placement(held[0].id)
         assert placed is not None
         assert placed.reason == "slow", "promoted for the reason it was held for"
         assert not await isolation.promote(held[1]), "the bound is full again"
-        assert registry.held(held[1])
+        assert registry.placements.held(held[1])
         assert not await queue_exists(amqp_url, topology.endpoint_queue(held[1].id))
 
 
@@ -179,8 +181,8 @@ async def test_an_isolation_placed_elsewhere_while_its_queue_is_declared_writes_
         assert await second.isolate(endpoint, "backlogged")
         for change_log in (log_a, log_b):
             await change_log.sync(timeout_s=10)
-            placed = change_log.registry.placement(endpoint.id)
+            placed = change_log.registry.placements.placement(endpoint.id)
             assert placed is not None
             assert (placed.generation, placed.reason) == (1, "slow"), "a second placement was written"
-        assert log_b.registry.has_queue(endpoint.id)
+        assert log_b.registry.placements.has_queue(endpoint.id)
         assert await queue_exists(amqp_url, topology.endpoint_queue(endpoint.id))

@@ -41,15 +41,18 @@ def test_a_pattern_is_needed_while_an_endpoint_of_the_tenant_names_it_or_is_bein
     _upsert(registry, stored_endpoint(EP2, event_types=["order.*"]))
     _upsert(registry, stored_endpoint("ep_" + "3" * 26, tenant="other", event_types=["user.*"]))
     _upsert(registry, stored_endpoint("ep_" + "4" * 26, event_types=["legacy.*"], laned=False))
-    assert registry.patterns_needed("acme") == {
+    assert registry.subscriptions.patterns_needed("acme") == {
         "order.*",
         "invoice.#",
     }  # a legacy endpoint has its own bindings
     registry.apply(EndpointDeleted(change_id="d", at=NOW, endpoint_id=EP1))
-    assert registry.patterns_needed("acme") == {"order.*", "invoice.#"}  # its lane has not passed the fence
+    assert registry.subscriptions.patterns_needed("acme") == {
+        "order.*",
+        "invoice.#",
+    }  # its lane has not passed the fence
     registry.apply_drained(EndpointDrained(change_id="f", at=NOW, endpoint_id=EP1))
-    assert registry.patterns_needed("acme") == {"order.*"}
-    assert registry.patterns_needed("other") == {"user.*"}
+    assert registry.subscriptions.patterns_needed("acme") == {"order.*"}
+    assert registry.subscriptions.patterns_needed("other") == {"user.*"}
 
 
 def test_patterns_an_endpoint_stops_naming_are_noted_and_named_again_forgotten() -> None:
@@ -120,13 +123,13 @@ def test_a_pattern_routed_directly_to_an_endpoints_queue_is_not_needed_on_its_la
     bound.bound("acme", ["burst.*", "other.*"])
     route = DirectRoute(queue=topology.own_queue(burst), patterns=("burst.*",))
     _route(registry, burst, 0, route)
-    assert registry.direct(burst) == route
-    assert registry.lane_patterns(burst) == ["other.*"]
-    assert registry.patterns_needed("acme") == {"other.*"}
+    assert registry.placements.direct(burst) == route
+    assert registry.subscriptions.lane_patterns(burst) == ["other.*"]
+    assert registry.subscriptions.patterns_needed("acme") == {"other.*"}
     assert tracker.unneeded == {("acme", "burst.*")}
     assert bound.unbound("acme", ["burst.*"]) == ["burst.*"]  # an endpoint naming it again binds it
     _route(registry, burst, 1, None)
-    assert registry.patterns_needed("acme") == {"burst.*", "other.*"}
+    assert registry.subscriptions.patterns_needed("acme") == {"burst.*", "other.*"}
     assert tracker.unneeded == set()
 
 
@@ -137,6 +140,6 @@ def test_a_route_to_a_queue_the_endpoint_has_left_leaves_its_lane_needed() -> No
     registry = EndpointRegistry()
     _upsert(registry, burst := stored_endpoint(EP1, event_types=["burst.*"]))
     _route(registry, burst, 0, DirectRoute(queue=topology.own_queue(burst), patterns=("burst.*",)))
-    assert registry.patterns_needed("acme") == set()
+    assert registry.subscriptions.patterns_needed("acme") == set()
     _upsert(registry, burst.model_copy(update={"queue_generation": 1}))
-    assert registry.patterns_needed("acme") == {"burst.*"}
+    assert registry.subscriptions.patterns_needed("acme") == {"burst.*"}

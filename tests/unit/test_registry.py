@@ -50,7 +50,7 @@ def test_upsert_replace_and_delete_notify_listeners_with_before_and_after() -> N
         (None, "https://example.com/"),
         ("https://b/", None),
     ]
-    assert [endpoint.id for endpoint in registry.all()] == [EP2]
+    assert [endpoint.id for endpoint in registry.rows.all()] == [EP2]
     assert registry.get(EP1) is None
 
 
@@ -152,17 +152,17 @@ def test_deleted_endpoints_are_remembered_with_their_last_definition() -> None:
     registry.apply(_up(0, "https://a/"))
     registry.apply(_up(1, "https://last/"))
     assert isinstance(registry.apply(_rm(1, at=LATER)), Stale), "a stale delete deletes nothing"
-    assert registry.deleted_since(NOW) == []
+    assert registry.deletions.deleted_since(NOW) == []
     registry.apply(_rm(2, at=LATER))
 
     assert registry.get(EP1) is None
     assert len(registry) == 0
-    gone = registry.last_known(EP1)
+    gone = registry.deletions.last_known(EP1)
     assert gone is not None
     assert (gone.url, gone.version) == ("https://last/", 2)
-    assert registry.deleted_since(NOW) == [gone]
-    assert registry.deleted_since(LATER) == [gone], "deleted at or after"
-    assert registry.deleted_since(datetime(2026, 12, 1, tzinfo=UTC)) == []
+    assert registry.deletions.deleted_since(NOW) == [gone]
+    assert registry.deletions.deleted_since(LATER) == [gone], "deleted at or after"
+    assert registry.deletions.deleted_since(datetime(2026, 12, 1, tzinfo=UTC)) == []
 
 
 def test_an_endpoint_created_again_under_a_deleted_id_is_no_longer_deleted() -> None:
@@ -171,12 +171,12 @@ def test_an_endpoint_created_again_under_a_deleted_id_is_no_longer_deleted() -> 
     registry = EndpointRegistry()
     registry.apply(_up(0, "https://notify/"))
     registry.apply(_rm(1, at=LATER))
-    assert [gone.id for gone in registry.deleted_since(NOW)] == [EP1]
+    assert [gone.id for gone in registry.deletions.deleted_since(NOW)] == [EP1]
     again = registry.apply(_up(0, "https://notify/"))
     assert isinstance(again, StoredEndpoint)
     assert again.version == 1
-    assert registry.deleted_since(NOW) == []
-    assert registry.last_known(EP1) == again
+    assert registry.deletions.deleted_since(NOW) == []
+    assert registry.deletions.last_known(EP1) == again
 
 
 def test_a_polling_endpoint_is_never_fanned_out_to_nor_bound_for() -> None:
@@ -188,11 +188,13 @@ def test_a_polling_endpoint_is_never_fanned_out_to_nor_bound_for() -> None:
     registry.apply(EndpointUpserted(change_id="c1", at=NOW, endpoint=pushed))
     registry.apply(EndpointUpserted(change_id="c2", at=NOW, endpoint=polled))
 
-    assert [e.id for e in registry.matching("acme", "order.created")] == [EP1]
-    assert registry.matching("acme", "invoice.paid") == ()
-    assert [e.id for e in registry.subscribed("acme", "invoice.paid")] == [EP2]  # the delivery log's
-    assert registry.patterns_needed("acme") == {"order.*"}
+    assert [e.id for e in registry.subscriptions.matching("acme", "order.created")] == [EP1]
+    assert registry.subscriptions.matching("acme", "invoice.paid") == ()
+    assert [e.id for e in registry.subscriptions.subscribed("acme", "invoice.paid")] == [
+        EP2
+    ]  # the delivery log's
+    assert registry.subscriptions.patterns_needed("acme") == {"order.*"}
     kept = registry.get(EP2)  # kept, listed and counted as any endpoint
     assert kept is not None
     assert kept.kind == "polling"
-    assert registry.count_of_tenant("acme") == 2
+    assert registry.rows.count_of_tenant("acme") == 2

@@ -19,7 +19,7 @@ from hookline.shared.contracts.models import (
     SigningSecret,
     StoredEndpoint,
 )
-from hookline.shared.state import registry as registry_module
+from hookline.shared.state import endpointrows as registry_module
 from hookline.shared.state import registrystore
 from hookline.shared.state.notifications import OPERATOR_TENANT, notifier_of
 from hookline.shared.state.registry import EndpointRegistry
@@ -64,23 +64,23 @@ def test_a_restart_reads_back_what_was_applied_up_to_its_offset(tmp_path: Path) 
     placed = Placement(endpoint_id=endpoint(4).id, generation=1, isolated=True, reason="slow", at=NOW)
     registry.apply_placement(PlacementSet(change_id="p", at=NOW, placement=placed, base_generation=0))
     registry.store.applied(7)
-    deleted = registry.last_known(endpoint(1).id)
+    deleted = registry.deletions.last_known(endpoint(1).id)
     registry.close()
 
     again, offset = on_disk(path)
     assert offset == 7
     assert len(again) == 4
-    assert [e.id for e in again.of_tenant("acme")] == [endpoint(n).id for n in (0, 2, 3, 4)]
+    assert [e.id for e in again.rows.of_tenant("acme")] == [endpoint(n).id for n in (0, 2, 3, 4)]
     three = again.get(endpoint(3).id)
     assert three is not None
     assert three.url == "https://example.com/three"
     assert three.version == 2
     assert deleted is not None
-    assert again.last_known(endpoint(1).id) == deleted
-    assert [e.id for e in again.deleted_since(NOW - timedelta(seconds=1))] == [endpoint(1).id]
-    assert again.placement(endpoint(4).id) == placed
-    assert [e.id for e in again.with_queues()] == [endpoint(4).id], "which endpoints have queues"
-    assert again.isolated(again.get(endpoint(4).id))  # type: ignore[arg-type]
+    assert again.deletions.last_known(endpoint(1).id) == deleted
+    assert [e.id for e in again.deletions.deleted_since(NOW - timedelta(seconds=1))] == [endpoint(1).id]
+    assert again.placements.placement(endpoint(4).id) == placed
+    assert [e.id for e in again.placements.with_queues()] == [endpoint(4).id], "which endpoints have queues"
+    assert again.placements.isolated(again.get(endpoint(4).id))  # type: ignore[arg-type]
 
 
 def test_uncommitted_changes_are_read_but_not_kept_without_their_offset(tmp_path: Path) -> None:
@@ -139,20 +139,20 @@ def test_pages_in_id_order_by_tenant_and_every_notifier_named(tmp_path: Path) ->
         registry.apply(upsert(endpoint(n, tenant="acme" if n % 2 else "globex")))
     notified = endpoint(20, notify_url="https://ops.acme.example/hooks")
     registry.apply(upsert(notified))
-    page = registry.page(tenant="acme", after=endpoint(3).id, limit=2)
+    page = registry.rows.page(tenant="acme", after=endpoint(3).id, limit=2)
     assert [e.id for e in page] == [endpoint(5).id, endpoint(7).id]
-    assert [e.id for e in registry.page(tenant=None, after=None, limit=3)] == [
+    assert [e.id for e in registry.rows.page(tenant=None, after=None, limit=3)] == [
         endpoint(n).id for n in range(3)
     ]
-    assert registry.count_of_tenant("acme") == 6
-    assert registry.tenants() == ["acme", "globex"]
+    assert registry.rows.count_of_tenant("acme") == 6
+    assert registry.rows.tenants() == ["acme", "globex"]
     named = notifier_of(notified)
     assert named is not None
-    assert registry.notifier_named(named)
-    assert not registry.notifier_named("ep_nobody")
+    assert registry.rows.notifier_named(named)
+    assert not registry.rows.notifier_named("ep_nobody")
     registry.apply(upsert(notified.model_copy(update={"notify_url": None})))
-    assert not registry.notifier_named(named), "named no more once the URL is dropped"
-    assert registry.of_tenant(OPERATOR_TENANT) == []
+    assert not registry.rows.notifier_named(named), "named no more once the URL is dropped"
+    assert registry.rows.of_tenant(OPERATOR_TENANT) == []
 
 
 def test_the_caches_stay_bounded_and_the_fan_out_still_sees_every_endpoint(
@@ -164,13 +164,13 @@ def test_the_caches_stay_bounded_and_the_fan_out_still_sees_every_endpoint(
     for n in range(40):
         registry.apply(upsert(endpoint(n, tenant=f"t{n % 10}")))
     for t in range(10):
-        assert len(registry.matching(f"t{t}", "order.created")) == 4
-    assert len(registry._by_id) <= 5
-    assert registry._by_tenant_size <= 6 + 4, "at most one tenant over the bound (the one just read)"
-    assert set(registry._matches) <= set(registry._by_tenant), "matches forgotten with their tenant"
+        assert len(registry.subscriptions.matching(f"t{t}", "order.created")) == 4
+    assert len(registry.rows._by_id) <= 5
+    assert registry.rows._by_tenant_size <= 6 + 4, "at most one tenant over the bound (the one just read)"
+    assert set(registry.subscriptions._matches) <= set(registry.rows._by_tenant), "matches forgotten with their tenant"
     # A change to a tenant read from disk again is seen at once.
     registry.apply(upsert(endpoint(0, tenant="t0").model_copy(update={"event_types": ["invoice.*"]})))
-    assert len(registry.matching("t0", "order.created")) == 3
+    assert len(registry.subscriptions.matching("t0", "order.created")) == 3
 
 
 def test_a_deleted_endpoint_waits_for_its_fence_across_a_restart(tmp_path: Path) -> None:
@@ -181,10 +181,10 @@ def test_a_deleted_endpoint_waits_for_its_fence_across_a_restart(tmp_path: Path)
     registry.store.applied(1)
     registry.close()
     again, _ = on_disk(path)
-    assert [e.id for e in again.matching("acme", "order.created")] == [endpoint(1).id]
-    assert again.patterns_needed("acme") == {"order.*"}
+    assert [e.id for e in again.subscriptions.matching("acme", "order.created")] == [endpoint(1).id]
+    assert again.subscriptions.patterns_needed("acme") == {"order.*"}
     again.apply_drained(EndpointDrained(change_id="x", at=NOW, endpoint_id=endpoint(1).id))
-    assert again.matching("acme", "order.created") == ()
+    assert again.subscriptions.matching("acme", "order.created") == ()
 
 
 def test_a_file_damaged_at_start_is_set_aside_and_one_damaged_in_use_stops_the_process(
@@ -215,9 +215,9 @@ def test_a_file_damaged_at_start_is_set_aside_and_one_damaged_in_use_stops_the_p
         file.seek(4096)
         file.write(b"\xff" * 40_000)
     state_file._connect()
-    damaged._by_id.clear()
+    damaged.rows._by_id.clear()
     with pytest.raises(sqlite3.DatabaseError):
-        damaged.all()  # every page read
+        damaged.rows.all()  # every page read
     assert stopped == [tmp_path / "d.sqlite"]
 
 

@@ -40,7 +40,7 @@ def test_an_event_fans_out_to_the_tenants_endpoints_whose_patterns_match() -> No
     _upsert(registry, stored_endpoint(EP1, event_types=["order.*"]))
     _upsert(registry, stored_endpoint(EP2, event_types=["order.created", "invoice.#"]))
     _upsert(registry, stored_endpoint(EP3, tenant="other", event_types=["#"]))
-    ids = lambda tenant, event_type: sorted(e.id for e in registry.matching(tenant, event_type))  # noqa: E731
+    ids = lambda tenant, event_type: sorted(e.id for e in registry.subscriptions.matching(tenant, event_type))  # noqa: E731
     assert ids("acme", "order.created") == [EP1, EP2]
     assert ids("acme", "order.paid") == [EP1]
     assert ids("acme", "invoice.sent.late") == [EP2]
@@ -58,9 +58,9 @@ def test_an_event_fans_out_to_the_tenants_endpoints_whose_patterns_match() -> No
 def test_endpoints_of_the_version_before_lanes_are_passed_over_until_moved_onto_them() -> None:
     registry = EndpointRegistry()
     _upsert(registry, stored_endpoint(EP1, laned=False))  # still fed by its route exchange
-    assert registry.matching("acme", "a.b") == ()
+    assert registry.subscriptions.matching("acme", "a.b") == ()
     _upsert(registry, stored_endpoint(EP1, laned=True))
-    assert [e.id for e in registry.matching("acme", "a.b")] == [EP1]
+    assert [e.id for e in registry.subscriptions.matching("acme", "a.b")] == [EP1]
 
 
 def test_an_ordered_endpoint_is_subscribed_but_never_fanned_out_to() -> None:
@@ -69,12 +69,12 @@ def test_an_ordered_endpoint_is_subscribed_but_never_fanned_out_to() -> None:
     registry = EndpointRegistry()
     _upsert(registry, stored_endpoint(EP1, event_types=["a.*"], ordered=True, laned=False, straight=True))
     _upsert(registry, stored_endpoint(EP2, event_types=["#"]))
-    assert [e.id for e in registry.matching("acme", "a.b")] == [EP2]
-    assert sorted(e.id for e in registry.subscribed("acme", "a.b")) == [EP1, EP2]
-    assert registry.patterns_needed("acme") == {"#"}
+    assert [e.id for e in registry.subscriptions.matching("acme", "a.b")] == [EP2]
+    assert sorted(e.id for e in registry.subscriptions.subscribed("acme", "a.b")) == [EP1, EP2]
+    assert registry.subscriptions.patterns_needed("acme") == {"#"}
     _upsert(registry, stored_endpoint(EP1, event_types=["a.*"]))  # no longer ordered: back on its lane
-    assert sorted(e.id for e in registry.matching("acme", "a.b")) == [EP1, EP2]
-    assert registry.patterns_needed("acme") == {"#", "a.*"}
+    assert sorted(e.id for e in registry.subscriptions.matching("acme", "a.b")) == [EP1, EP2]
+    assert registry.subscriptions.patterns_needed("acme") == {"#", "a.*"}
 
 
 def test_an_endpoint_leaving_its_lane_is_fanned_out_to_until_it_has_left_then_for_a_moment() -> None:
@@ -85,16 +85,20 @@ def test_an_endpoint_leaving_its_lane_is_fanned_out_to_until_it_has_left_then_fo
     leaving = {"event_types": ["a.*"], "ordered": True, "straight": True, "lane_fence": "fence_1"}
     _upsert(registry, stored_endpoint(EP1, **leaving))
     _upsert(registry, stored_endpoint(EP2, event_types=["#"]))
-    assert sorted(e.id for e in registry.matching("acme", "a.b")) == [EP1, EP2]
-    assert registry.patterns_needed("acme") == {"#", "a.*"}
-    assert registry.left_lane("acme", "a.b", within=timedelta(days=1)) == ()
+    assert sorted(e.id for e in registry.subscriptions.matching("acme", "a.b")) == [EP1, EP2]
+    assert registry.subscriptions.patterns_needed("acme") == {"#", "a.*"}
+    assert registry.subscriptions.left_lane("acme", "a.b", within=timedelta(days=1)) == ()
     left_at = datetime.now(UTC) - timedelta(seconds=30)
     _upsert(registry, stored_endpoint(EP1, **leaving, laned=False, left_lane_at=left_at))
-    assert [e.id for e in registry.matching("acme", "a.b")] == [EP2]
-    assert registry.patterns_needed("acme") == {"#"}
-    assert [e.id for e in registry.left_lane("acme", "a.b", within=timedelta(minutes=1))] == [EP1]
-    assert registry.left_lane("acme", "a.b", within=timedelta(seconds=10)) == ()
-    assert registry.left_lane("acme", "c.d", within=timedelta(minutes=1)) == ()  # not one of its patterns
+    assert [e.id for e in registry.subscriptions.matching("acme", "a.b")] == [EP2]
+    assert registry.subscriptions.patterns_needed("acme") == {"#"}
+    assert [e.id for e in registry.subscriptions.left_lane("acme", "a.b", within=timedelta(minutes=1))] == [
+        EP1
+    ]
+    assert registry.subscriptions.left_lane("acme", "a.b", within=timedelta(seconds=10)) == ()
+    assert (
+        registry.subscriptions.left_lane("acme", "c.d", within=timedelta(minutes=1)) == ()
+    )  # not one of its patterns
 
 
 def test_the_endpoints_the_ingest_settles_at_start_are_those_not_on_their_lane_for_good() -> None:
@@ -109,12 +113,12 @@ def test_a_placement_applies_on_the_generation_it_was_based_on() -> None:
     registry = EndpointRegistry()
     assert isinstance(_place(registry, EP1, 0, isolated=True), Stale)  # no such endpoint (yet)
     _upsert(registry, endpoint := stored_endpoint(EP1))
-    assert not registry.isolated(endpoint)
-    assert _place(registry, EP1, 0, isolated=True) == registry.placement(EP1)
-    assert registry.isolated(endpoint)
-    assert registry.address(endpoint) == f"hookline.endpoint.{EP1}"
+    assert not registry.placements.isolated(endpoint)
+    assert _place(registry, EP1, 0, isolated=True) == registry.placements.placement(EP1)
+    assert registry.placements.isolated(endpoint)
+    assert registry.placements.address(endpoint) == f"hookline.endpoint.{EP1}"
     assert isinstance(_place(registry, EP1, 0, isolated=False), Stale)  # another writer came first
-    assert registry.isolated(endpoint)
+    assert registry.placements.isolated(endpoint)
     # The endpoint's own version is untouched: a placement never makes an edit of it stale.
     assert registry.get(EP1) == endpoint.model_copy(update={"version": 1})
 
@@ -122,19 +126,19 @@ def test_a_placement_applies_on_the_generation_it_was_based_on() -> None:
 def test_a_queue_of_its_own_is_known_from_its_first_isolation_until_its_removal() -> None:
     registry = EndpointRegistry()
     _upsert(registry, endpoint := stored_endpoint(EP1))
-    assert not registry.has_queue(EP1)
-    assert registry.with_queues() == []
+    assert not registry.placements.has_queue(EP1)
+    assert registry.placements.with_queues() == []
     _upsert(registry, endpoint.model_copy(update={"status": EndpointStatus.PAUSED}))  # its events wait there
-    assert registry.has_queue(EP1)
-    assert registry.queued_count == 1
+    assert registry.placements.has_queue(EP1)
+    assert registry.placements.queued_count == 1
     _upsert(registry, endpoint)  # resumed: back in its lane, but the queue still holds what waited
-    assert not registry.isolated(endpoint)
-    assert registry.address(endpoint).startswith("hookline.lane.")
-    assert registry.has_queue(EP1)
-    assert [e.id for e in registry.with_queues()] == [EP1]
+    assert not registry.placements.isolated(endpoint)
+    assert registry.placements.address(endpoint).startswith("hookline.lane.")
+    assert registry.placements.has_queue(EP1)
+    assert [e.id for e in registry.placements.with_queues()] == [EP1]
     _place(registry, EP1, 0, isolated=False, reason="", queue_removed=True)  # the monitor removed it
-    assert not registry.has_queue(EP1)
-    assert registry.queued_count == 0
+    assert not registry.placements.has_queue(EP1)
+    assert registry.placements.queued_count == 0
 
 
 def test_a_deleted_endpoint_with_a_queue_is_remembered_for_draining_and_one_without_is_not() -> None:
@@ -143,9 +147,9 @@ def test_a_deleted_endpoint_with_a_queue_is_remembered_for_draining_and_one_with
     _upsert(registry, stored_endpoint(EP2))
     for endpoint_id in (EP1, EP2):
         registry.apply(EndpointDeleted(change_id="d", at=NOW, endpoint_id=endpoint_id))
-    assert [e.id for e in registry.deleted_with_queues_since(NOW)] == [EP1]
-    assert sorted(e.id for e in registry.deleted_since(NOW)) == [EP1, EP2]
-    assert registry.queued_count == 0
+    assert [e.id for e in registry.deletions.deleted_with_queues_since(NOW)] == [EP1]
+    assert sorted(e.id for e in registry.deletions.deleted_since(NOW)) == [EP1, EP2]
+    assert registry.placements.queued_count == 0
 
 
 def test_a_deleted_endpoint_is_counted_by_the_fan_out_until_its_lane_passes_the_fence() -> None:
@@ -155,18 +159,18 @@ def test_a_deleted_endpoint_is_counted_by_the_fan_out_until_its_lane_passes_the_
     _upsert(registry, stored_endpoint(EP1, event_types=["order.*"]))
     registry.apply(EndpointDeleted(change_id="d", at=NOW, endpoint_id=EP1))
     assert registry.get(EP1) is None
-    assert registry.deleting(EP1)
-    assert [e.id for e in registry.matching("acme", "order.paid")] == [EP1]
+    assert registry.deletions.deleting(EP1)
+    assert [e.id for e in registry.subscriptions.matching("acme", "order.paid")] == [EP1]
     registry.apply_drained(EndpointDrained(change_id="f", at=NOW, endpoint_id=EP1))
-    assert not registry.deleting(EP1)
-    assert registry.matching("acme", "order.paid") == ()
+    assert not registry.deletions.deleting(EP1)
+    assert registry.subscriptions.matching("acme", "order.paid") == ()
     registry.apply_drained(EndpointDrained(change_id="f", at=NOW, endpoint_id=EP1))  # again: no-op
     # Created again under the same id (a notifier's is derived): live, and not deleting any more.
     _upsert(registry, stored_endpoint(EP2, event_types=["order.*"]))
     registry.apply(EndpointDeleted(change_id="d2", at=NOW, endpoint_id=EP2))
     _upsert(registry, stored_endpoint(EP2, event_types=["order.*"]))
-    assert not registry.deleting(EP2)
-    assert [e.id for e in registry.matching("acme", "order.paid")] == [EP2]
+    assert not registry.deletions.deleting(EP2)
+    assert [e.id for e in registry.subscriptions.matching("acme", "order.paid")] == [EP2]
 
 
 def test_a_lane_message_given_out_again_counts_the_endpoints_deleted_since() -> None:
@@ -179,9 +183,9 @@ def test_a_lane_message_given_out_again_counts_the_endpoints_deleted_since() -> 
     for endpoint_id in (EP1, EP2, EP3):
         registry.apply(EndpointDeleted(change_id="d", at=NOW, endpoint_id=endpoint_id))
         registry.apply_drained(EndpointDrained(change_id="f", at=NOW, endpoint_id=endpoint_id))
-    assert registry.matching("acme", "order.paid") == ()
-    assert [e.id for e in registry.deleted_matching("acme", "order.paid", since=NOW)] == [EP1]
-    assert registry.deleted_matching("acme", "order.paid", since=NOW + timedelta(seconds=1)) == []
+    assert registry.subscriptions.matching("acme", "order.paid") == ()
+    assert [e.id for e in registry.deletions.deleted_matching("acme", "order.paid", since=NOW)] == [EP1]
+    assert registry.deletions.deleted_matching("acme", "order.paid", since=NOW + timedelta(seconds=1)) == []
 
 
 def test_a_placement_past_its_writers_bound_as_the_log_has_it_holds_the_endpoint_instead() -> None:
@@ -197,12 +201,12 @@ def test_a_placement_past_its_writers_bound_as_the_log_has_it_holds_the_endpoint
     assert isinstance(second, Placement)
     assert isinstance(third, Placement)
     assert (first.held, second.held, third.held) == (False, False, True)
-    assert registry.queued_count == 2
-    assert [registry.has_queue(e) for e in (EP1, EP2, EP3)] == [True, True, False]
+    assert registry.placements.queued_count == 2
+    assert [registry.placements.has_queue(e) for e in (EP1, EP2, EP3)] == [True, True, False]
     ep3 = registry.get(EP3)
     assert ep3 is not None
-    assert registry.held(ep3)
-    assert registry.address(ep3).startswith("hookline.holding.")
+    assert registry.placements.held(ep3)
+    assert registry.placements.address(ep3).startswith("hookline.holding.")
     # One already counted (its queue not yet removed) is placed again within the bound it holds.
     _place(registry, EP1, 1, isolated=False)
     again = _place(registry, EP1, 2, isolated=True, bound=2)
