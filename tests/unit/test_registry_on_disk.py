@@ -167,7 +167,9 @@ def test_the_caches_stay_bounded_and_the_fan_out_still_sees_every_endpoint(
         assert len(registry.subscriptions.matching(f"t{t}", "order.created")) == 4
     assert len(registry.rows._by_id) <= 5
     assert registry.rows._by_tenant_size <= 6 + 4, "at most one tenant over the bound (the one just read)"
-    assert set(registry.subscriptions._matches) <= set(registry.rows._by_tenant), "matches forgotten with their tenant"
+    assert set(registry.subscriptions._matches) <= set(registry.rows._by_tenant), (
+        "matches forgotten with their tenant"
+    )
     # A change to a tenant read from disk again is seen at once.
     registry.apply(upsert(endpoint(0, tenant="t0").model_copy(update={"event_types": ["invoice.*"]})))
     assert len(registry.subscriptions.matching("t0", "order.created")) == 3
