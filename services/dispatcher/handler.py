@@ -34,6 +34,7 @@ from hookline.dispatcher import decoding, fences, metrics, screening
 from hookline.dispatcher.acks import Acks
 from hookline.dispatcher.admission import CROWDED_IN_FLIGHT, Admission, Ended, Ledger, Standing, Ticket
 from hookline.dispatcher.backoff import Jitter, RetryPolicy, honoured_retry_after_s
+from hookline.dispatcher.catchup import CaughtUp
 from hookline.dispatcher.consumed import Incoming
 from hookline.dispatcher.delays import Delays
 from hookline.dispatcher.ordering import SubjectOrder
@@ -175,6 +176,7 @@ class Handler:
         self._settings = settings
         self._registry = change_log.registry
         self._change_log = change_log
+        self._caught_up = CaughtUp(change_log)
         self._isolation = isolation
         # Deliveries from lanes under way per endpoint, and their turns (see _from_lane).
         self._lane_turns: dict[str, Turns] = {}
@@ -361,7 +363,7 @@ class Handler:
         # Refused by this replica's view of the catalog, which may be behind: an operator relaxed the
         # schema, an ingest answered, and the upstream published at once. Read the log up to now first.
         try:
-            await self._change_log.caught_up(timeout_s=CALL_TIMEOUT_S)
+            await self._caught_up.wait(timeout_s=CALL_TIMEOUT_S)
         except BROKER_ERRORS as exc:  # refused by the view as it is: a dead letter, redrivable
             log.warning("catalog_sync_failed", event_id=parsed.event.id, error=type(exc).__name__)
             return checked

@@ -69,7 +69,8 @@ from hookline.shared.outbound.targets import registration_refusal
 from hookline.shared.runtime.api import ApiError, broker_unavailable, invalid_input
 from hookline.shared.state import notifications
 from hookline.shared.state.catalog import Catalog
-from hookline.shared.state.registry import Stale, StaleWriteError
+from hookline.shared.state.changefold import Stale
+from hookline.shared.state.registry import StaleWriteError
 
 log = structlog.get_logger(__name__)
 router = APIRouter(prefix="/v1/endpoints", tags=["endpoints"])

@@ -14,24 +14,20 @@ meanwhile) changes nothing: the API answers 409, internal writers re-read and tr
 
 from __future__ import annotations
 
-import asyncio
 import functools
 import hashlib
 import json
-import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 
 import aio_pika
 import structlog
-from pydantic import TypeAdapter, ValidationError
 
-from hookline.shared.broker import permissions, topology
+from hookline.shared.broker import topology
 from hookline.shared.broker.amqp import Broker, Publisher
-from hookline.shared.broker.streams import Record, StreamFollower, follow_synced, offset_of
+from hookline.shared.broker.streams import StreamFollower, follow_synced
 from hookline.shared.contracts.ids import new_id
 from hookline.shared.contracts.models import (
     ChangeRecord,
@@ -51,10 +47,10 @@ from hookline.shared.contracts.models import (
     StoredToken,
     TenantQuota,
     TokenUpserted,
-    error_summary,
 )
 from hookline.shared.runtime.supervision import Supervisor
-from hookline.shared.state import catalog
+from hookline.shared.state import catalog, changefold
+from hookline.shared.state.changefold import ChangeFold, Stale
 from hookline.shared.state.deletions import Deletions
 from hookline.shared.state.endpointrows import EndpointRows
 from hookline.shared.state.placementbook import PlacementBook
@@ -64,24 +60,12 @@ from hookline.shared.state.tenants import Tenants
 
 log = structlog.get_logger(__name__)
 
-_records: TypeAdapter[ChangeRecord] = TypeAdapter(ChangeRecord)
-_LEGACY_SYNC = b'{"kind":"sync"'
 LOOP = "endpoint-log"
-#: The least time between two of :meth:`ChangeLog.caught_up`'s markers: the log keeps every record for
-#: ever, and a flood of events refused by a schema must not grow it by hundreds a second.
-CAUGHT_UP_EVERY_S = 1.0
 #: What the store's rows mean: a file of another version is built again from the log.
 _STORE_VERSION = 1
 
 #: Called with (before, after) for every endpoint that changed; either side is None on create/delete.
 Listener = Callable[[StoredEndpoint | None, StoredEndpoint | None], None]
-
-
-@dataclass(frozen=True, slots=True)
-class Stale:
-    """A conditional change that lost: the endpoint is at another version (or gone, or exists already)."""
-
-    current: StoredEndpoint | None
 
 
 class StaleWriteError(Exception):
@@ -229,7 +213,7 @@ async def kept_at(path: Path | None, *, vhost: str) -> AsyncIterator[EndpointReg
 def readable_records() -> str:
     """A fingerprint of the change-log records this version reads: it differs in a version that reads
     records this one cannot (a new kind, a new field)."""
-    schema = json.dumps(_records.json_schema(), sort_keys=True).encode()
+    schema = json.dumps(changefold.records.json_schema(), sort_keys=True).encode()
     return hashlib.sha256(schema).hexdigest()[:16]
 
 
@@ -247,26 +231,11 @@ class ChangeLog:
         self.registry = registry
         self.catalog = event_types if event_types is not None else catalog.Catalog()
         self.tenants = Tenants()
-        self._follower = StreamFollower(broker, topology.ENDPOINT_LOG, self._on_record, publisher=publisher)
-        self._user = broker.user
-        self._caught_up_lock = asyncio.Lock()
-        self._caught_up_asked = self._caught_up_to = 0
-        self._caught_up_at_s = -CAUGHT_UP_EVERY_S
-
-    def resume(self) -> None:
-        """Start from the registry's store: the event types, tokens and quotas it kept, and the change
-        log from the record after the last one it holds (from the first when it holds none)."""
-        offset = self.registry.open()
-        if offset is None:
-            return
-        store = self.registry.store
-        self.catalog.restore(EventTypeInfo.model_validate_json(body) for body in store.kept("type"))
-        self.tenants.restore(
-            (StoredToken.model_validate_json(body) for body in store.kept("token")),
-            {quota.tenant: quota.quota for quota in map(QuotaSet.model_validate_json, store.kept("quota"))},
+        self.fold = ChangeFold(registry, self.catalog, self.tenants)
+        self._follower = StreamFollower(
+            broker, topology.ENDPOINT_LOG, self.fold.on_record, publisher=publisher
         )
-        self._follower.next_offset = offset + 1
-        log.info("registry_resumed", path=str(store.path), offset=offset, endpoints=len(self.registry))
+        self._user = broker.user
 
     @property
     def applied_offset(self) -> int | None:
@@ -311,7 +280,7 @@ class ChangeLog:
 
     async def _append(self, record: ChangeRecord, *, timeout_s: float) -> object:
         message = aio_pika.Message(
-            _records.dump_json(record),
+            changefold.records.dump_json(record),
             content_type="application/json",
             delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
             message_id=record.change_id,
@@ -455,82 +424,6 @@ class ChangeLog:
         """Return once every record written before this call has been applied."""
         await self._follower.sync(timeout_s=timeout_s)
 
-    async def caught_up(self, *, timeout_s: float) -> None:
-        """As :meth:`sync`, shared: whoever calls while a sync is under way waits for the next one, which
-        covers every caller before it began, and syncs are ``CAUGHT_UP_EVERY_S`` apart at least. A flood
-        of callers (every event of a burst refused by a schema) writes a marker a second between them,
-        not one each."""
-        self._caught_up_asked += 1
-        asked = self._caught_up_asked
-        async with self._caught_up_lock:
-            if self._caught_up_to >= asked:
-                return  # a sync begun after this call has finished meanwhile
-            await asyncio.sleep(self._caught_up_at_s + CAUGHT_UP_EVERY_S - time.monotonic())
-            covering = self._caught_up_asked
-            await self.sync(timeout_s=timeout_s)
-            self._caught_up_at_s = time.monotonic()
-            self._caught_up_to = covering
-
-    def _on_record(self, message: Record) -> object:
-        result = self._apply(message)
-        offset = offset_of(message)
-        if offset is not None:
-            self.registry.store.applied(offset)
-        return result
-
-    def _apply_tenant_record(self, record: TokenUpserted | QuotaSet, body: bytes) -> object:
-        kept = self.tenants.apply(record)
-        if isinstance(record, QuotaSet):
-            self.registry.store.keep("quota", record.tenant, body)
-        elif isinstance(kept, StoredToken):  # as applied (a revocation stands)
-            self.registry.store.keep("token", kept.id, kept.model_dump_json().encode())
-        return kept
-
-    def _apply(self, message: Record) -> object:
-        if message.body.startswith(_LEGACY_SYNC):
-            return None  # read-back markers of versions that wrote them as records
-        try:
-            record = _records.validate_json(message.body)
-        except ValidationError as exc:
-            # A record this version cannot read is skipped loudly rather than stopping the service.
-            log.error("endpoint_log_record_unreadable", offset=offset_of(message), error=error_summary(exc))
-            self.registry.store.skipped()  # a later version reads the log again (registrystore.py)
-            return None
-        if isinstance(record, TokenUpserted | QuotaSet):
-            if not permissions.trusted_writer(message.user_id):
-                # The dispatchers and monitors may append to this log (to disable an endpoint), never
-                # a token or a quota: such a record is forged.
-                log.error("tenant_record_refused", offset=offset_of(message), user=message.user_id)
-                return None
-            return self._apply_tenant_record(record, message.body)
-        if isinstance(record, EndpointDrained):
-            self.registry.apply_drained(record)
-            return None
-        if isinstance(record, PlacementSet):
-            placed = self.registry.apply_placement(record)
-            if isinstance(placed, Stale):
-                log.info("placement_change_stale", endpoint_id=record.placement.endpoint_id)
-            return placed
-        if isinstance(record, EventTypeUpserted | EventTypeDeleted):
-            applied = self.catalog.apply(record)
-            if isinstance(applied, catalog.Stale):
-                log.info("event_type_change_stale", base_version=record.base_version)
-            else:
-                name = record.event_type.name if isinstance(record, EventTypeUpserted) else record.name
-                body = applied.model_dump_json().encode() if applied is not None else None
-                self.registry.store.keep("type", name, body)
-            return applied
-        if isinstance(record, EndpointsUpserted):
-            return [self._apply_endpoint(upsert) for upsert in record.upserts]
-        return self._apply_endpoint(record)
-
-    def _apply_endpoint(self, record: EndpointUpserted | EndpointDeleted) -> StoredEndpoint | Stale | None:
-        result = self.registry.apply(record)
-        if isinstance(result, Stale):
-            endpoint_id = record.endpoint.id if isinstance(record, EndpointUpserted) else record.endpoint_id
-            log.info("endpoint_change_stale", endpoint_id=endpoint_id, base_version=record.base_version)
-        return result
-
 
 async def follow(
     broker: Broker,
@@ -544,6 +437,8 @@ async def follow(
     """Replay the change log into ``registry`` (and ``event_types``) and keep following it under
     ``supervisor``; returns once caught up (a service is not ready before it knows every endpoint)."""
     change_log = ChangeLog(broker, publisher, registry, event_types)
-    change_log.resume()
+    offset = change_log.fold.restore()
+    if offset is not None:
+        change_log._follower.next_offset = offset + 1  # the record after the last one the store holds
     await follow_synced(supervisor, LOOP, change_log._follower, timeout_s=sync_timeout_s)
     return change_log

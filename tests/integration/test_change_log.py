@@ -17,6 +17,7 @@ from support import broker as test_broker
 from support.changelog import following
 from support.waiting import eventually
 
+from hookline.dispatcher.catchup import CaughtUp
 from hookline.shared.broker import topology
 from hookline.shared.broker.amqp import Broker
 from hookline.shared.contracts.ids import new_id
@@ -31,7 +32,7 @@ from hookline.shared.contracts.models import (
     StoredToken,
 )
 from hookline.shared.outbound.signing import generate_secret
-from hookline.shared.state import registry
+from hookline.shared.state import changefold, registry
 
 pytestmark = pytest.mark.integration
 NOW = datetime.now(UTC)
@@ -126,7 +127,7 @@ async def test_endpoints_created_in_one_record_are_applied_each_everywhere(amqp_
         ]  # fmt: skip
         assert all(r.version == 1 for r in results if isinstance(r, StoredEndpoint))
         stale = results[1]
-        assert isinstance(stale, registry.Stale)
+        assert isinstance(stale, changefold.Stale)
         assert stale.current is not None
         assert stale.current.id == _endpoint(7).id
         await two.sync(timeout_s=10)
@@ -311,8 +312,9 @@ async def test_callers_catching_up_at_once_share_their_markers_and_see_what_was_
         await writer.write_event_type(
             EventTypeUpserted(change_id=new_id("chg"), at=NOW, event_type=relaxed), timeout_s=10
         )
-        await asyncio.gather(*(behind.caught_up(timeout_s=10) for _ in range(50)))
-        await asyncio.gather(*(behind.caught_up(timeout_s=10) for _ in range(50)))
+        caught_up = CaughtUp(behind)
+        await asyncio.gather(*(caught_up.wait(timeout_s=10) for _ in range(50)))
+        await asyncio.gather(*(caught_up.wait(timeout_s=10) for _ in range(50)))
         known = behind.catalog.get("payment.captured")
         assert known is not None
         assert known.description == "relaxed"

@@ -12,7 +12,8 @@ from hookline.shared.contracts.models import (
     SigningSecret,
     StoredEndpoint,
 )
-from hookline.shared.state.registry import EndpointRegistry, Stale
+from hookline.shared.state.changefold import Stale
+from hookline.shared.state.registry import EndpointRegistry
 
 NOW = datetime(2026, 11, 29, tzinfo=UTC)
 

@@ -18,7 +18,8 @@ from hookline.shared.contracts.models import (
     PlacementSet,
     StoredEndpoint,
 )
-from hookline.shared.state.registry import EndpointRegistry, Stale
+from hookline.shared.state.changefold import Stale
+from hookline.shared.state.registry import EndpointRegistry
 
 NOW = datetime(2026, 12, 2, tzinfo=UTC)
 EP1, EP2, EP3 = ("ep_" + str(n) * 26 for n in (1, 2, 3))
