@@ -81,7 +81,7 @@ class Deletions:
 
     def deleted_since(self, since: datetime) -> list[StoredEndpoint]:
         """Endpoints deleted at or after ``since``."""
-        found = self._rows.store.deleted_since(seconds(since))
+        found = self._rows.store.endpoints.deleted_since(seconds(since))
         return [StoredEndpoint.model_validate_json(body) for body, _ in found]
 
     def deleted_matching(self, tenant: str, event_type: str, *, since: datetime) -> list[StoredEndpoint]:
@@ -90,7 +90,7 @@ class Deletions:
         been published before they were deleted, and what it owed them is kept as a dead letter."""
         deleted = (
             StoredEndpoint.model_validate_json(body)
-            for body, _ in self._rows.store.deleted_since(seconds(since), tenant=tenant)
+            for body, _ in self._rows.store.endpoints.deleted_since(seconds(since), tenant=tenant)
         )
         return [
             endpoint

@@ -34,7 +34,7 @@ class EndpointRows:
         if found is not None:
             self._by_id.move_to_end(endpoint_id)
             return found
-        body = self.store.endpoint(endpoint_id)
+        body = self.store.endpoints.endpoint(endpoint_id)
         if body is None:
             return None
         found = StoredEndpoint.model_validate_json(body)
@@ -49,21 +49,21 @@ class EndpointRows:
 
     def deleted(self, endpoint_id: str) -> tuple[StoredEndpoint, datetime] | None:
         """A deleted endpoint's last definition and when it was deleted."""
-        found = self.store.deleted(endpoint_id)
+        found = self.store.endpoints.deleted(endpoint_id)
         if found is None:
             return None
         return StoredEndpoint.model_validate_json(found[0]), datetime.fromtimestamp(found[1], UTC)
 
     def every(self, *, unlaned_only: bool = False) -> Iterator[StoredEndpoint]:
         """Every endpoint in id order (or those not moved onto their lane yet), read a batch at a time."""
-        for body in self.store.every(unlaned_only=unlaned_only):
+        for body in self.store.endpoints.every(unlaned_only=unlaned_only):
             yield StoredEndpoint.model_validate_json(body)
 
     def page(self, *, tenant: str | None, after: str | None, limit: int) -> list[StoredEndpoint]:
         """Endpoints in id order (creation order: ids are ULIDs) after ``after``."""
         return [
             StoredEndpoint.model_validate_json(body)
-            for body in self.store.page(tenant=tenant, after=after, limit=limit)
+            for body in self.store.endpoints.page(tenant=tenant, after=after, limit=limit)
         ]
 
     def all(self) -> list[StoredEndpoint]:
@@ -75,15 +75,15 @@ class EndpointRows:
         return list(self.tenant_map(tenant).values())
 
     def tenants(self) -> list[str]:
-        return self.store.tenants()
+        return self.store.endpoints.tenants()
 
     def notifier_named(self, notifier_id: str) -> bool:
         """Whether an endpoint names this notifier (:func:`hookline.shared.state.notifications.notifier_of`)."""
-        return self.store.named(notifier_id)
+        return self.store.endpoints.named(notifier_id)
 
     def count_of_tenant(self, tenant: str) -> int:
         cached = self._by_tenant.get(tenant)
-        return len(cached) if cached is not None else self.store.count(tenant)
+        return len(cached) if cached is not None else self.store.endpoints.count(tenant)
 
     def tenant_map(self, tenant: str) -> dict[str, StoredEndpoint]:
         """The tenant's endpoints by id (the cache itself: read, never change it)."""
@@ -92,7 +92,7 @@ class EndpointRows:
             self._by_tenant.move_to_end(tenant)
             return cached
         cached = {}
-        for body in self.store.of_tenant(tenant):
+        for body in self.store.endpoints.of_tenant(tenant):
             endpoint = StoredEndpoint.model_validate_json(body)
             cached[endpoint.id] = self._by_id.get(endpoint.id, endpoint)
         self._by_tenant[tenant] = cached
@@ -104,7 +104,7 @@ class EndpointRows:
         return cached
 
     def put(self, before: StoredEndpoint | None, after: StoredEndpoint) -> None:
-        self.store.put(
+        self.store.endpoints.put(
             after.id,
             after.tenant,
             notifications.notifier_of(after),
@@ -121,7 +121,7 @@ class EndpointRows:
             cached[after.id] = after
 
     def remove(self, before: StoredEndpoint, at: datetime) -> None:
-        self.store.delete(before.id, before.tenant, seconds(at), before.model_dump_json().encode())
+        self.store.endpoints.delete(before.id, before.tenant, seconds(at), before.model_dump_json().encode())
         self.count -= 1
         self._by_id.pop(before.id, None)
         self._leave_tenant(before)

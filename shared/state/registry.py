@@ -98,7 +98,7 @@ class EndpointRegistry:
         self.subscriptions = Subscriptions(self.rows, self.deletions, self.placements)
         if store is None:
             self.store.open()  # in memory: nothing to read, so usable at once (a test, a backup)
-        self.store.before_commit = self._save_sets
+        self.store.batch.before_commit = self._save_sets
         self._listeners: list[Listener] = []
 
     def _forget_matches(self, tenant: str) -> None:
@@ -108,7 +108,7 @@ class EndpointRegistry:
         """Read the store: the offset of the last change-log record it holds (None: build it from the
         first)."""
         offset = self.store.open()
-        self.rows.count = self.store.count()
+        self.rows.count = self.store.endpoints.count()
         sets = json.loads(self.store.state("sets") or "{}")
         self.placements.load(has_queue=sets.get("has_queue", ()), queued=sets.get("queued", ()))
         self.deletions.load(

@@ -19,8 +19,8 @@ from hookline.shared.contracts.models import (
     SigningSecret,
     StoredEndpoint,
 )
+from hookline.shared.state import batchedfile
 from hookline.shared.state import endpointrows as registry_module
-from hookline.shared.state import registrystore
 from hookline.shared.state.notifications import OPERATOR_TENANT, notifier_of
 from hookline.shared.state.registry import EndpointRegistry
 from hookline.shared.state.registrystore import RegistryStore
@@ -210,7 +210,7 @@ def test_a_file_damaged_at_start_is_set_aside_and_one_damaged_in_use_stops_the_p
     damaged.store.applied(0)
     damaged.store.commit()
     # Into the file itself, past its first page (the schema), read afresh: a disk that went bad.
-    state_file = damaged.store._file
+    state_file = damaged.store.batch.file
     # Closed once its own checkpoints have ended: the last connection copies the log into the file.
     damaged.store.close()
     with (tmp_path / "d.sqlite").open("r+b") as file:
@@ -238,7 +238,7 @@ async def test_the_log_is_copied_into_the_file_off_the_event_loop(tmp_path: Path
     path = tmp_path / "r.sqlite"
     registry, _ = on_disk(path)
     # SQLite's own checkpoint would run in the commit that passes 1,000 pages, on the loop.
-    assert registry.store._file.connection.execute("PRAGMA wal_autocheckpoint").fetchone()[0] == 0
+    assert registry.store.batch.file.connection.execute("PRAGMA wal_autocheckpoint").fetchone()[0] == 0
     for n in range(10):
         registry.apply(upsert(endpoint(n)))
     registry.store.applied(10)
@@ -254,8 +254,8 @@ async def test_the_log_is_copied_into_the_file_off_the_event_loop(tmp_path: Path
 def test_a_writer_that_outruns_its_checkpoints_keeps_the_log_bounded(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(registrystore, "WAL_LIMIT_BYTES", 256 * 1024)
-    monkeypatch.setattr(registrystore, "_checkpoint", lambda path: None)  # never done in time
+    monkeypatch.setattr(batchedfile, "WAL_LIMIT_BYTES", 256 * 1024)
+    monkeypatch.setattr(batchedfile, "_checkpoint", lambda path: None)  # never done in time
     path = tmp_path / "r.sqlite"
     wal = path.with_name(path.name + "-wal")
     registry, _ = on_disk(path)
