@@ -1,87 +1,34 @@
-"""The ingest HTTP application and its lifespan: the broker session, the endpoint log, the dead-letter
-view, its supervised loops, and the routes."""
+"""The ingest process: its HTTP application (middleware, :mod:`routes`, probes) around
+:mod:`lifespan`, which opens and runs what the routes use."""
 
 from __future__ import annotations
 
-import asyncio
-import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
-from datetime import UTC, datetime
-from functools import partial
 
 import structlog
-from fastapi import Depends, FastAPI
-from pydantic import ValidationError
+from fastapi import FastAPI
 
-from hookline.ingest import (
-    audit,
-    auth,
-    endpoints,
-    events,
-    eventtypes,
-    filtertest,
-    polling,
-    portal,
-    quotas,
-    redrive,
-    replay,
-    testevents,
-    tokens,
-    tracking,
-    transformtest,
-)
-from hookline.ingest.attempts import Attempts
-from hookline.ingest.auth import parse_tenant_tokens, principal
+from hookline.ingest import lifespan, routes
 from hookline.ingest.bodylimit import BodyLimit
-from hookline.ingest.bound import BoundPatterns
-from hookline.ingest.deliverylog import DeliveryLog
-from hookline.ingest.duplicates import Duplicates
-from hookline.ingest.replicas import Replicas
 from hookline.ingest.settings import IngestSettings
 from hookline.ingest.state import IngestState
 from hookline.shared import __version__
-from hookline.shared.broker import topology
-from hookline.shared.broker.amqp import Broker, Publisher
-from hookline.shared.broker.capacity import CapacityReader
-from hookline.shared.broker.heldpublishes import HeldPublishes
-from hookline.shared.broker.isolation import Isolation
-from hookline.shared.broker.streams import Record, StreamFollower, follow_synced
-from hookline.shared.broker.views import RowView, follow_view
-from hookline.shared.contracts.control import BREAKER_LOOKBACK, BreakerView, control_record
-from hookline.shared.contracts.models import error_summary
-from hookline.shared.outbound.credentials import Credentials
-from hookline.shared.outbound.delivery import DeliveryClient
-from hookline.shared.outbound.sealing import Sealer
-from hookline.shared.outbound.transforms import Transformer
 from hookline.shared.runtime import lifecycle
 from hookline.shared.runtime import logging as hookline_logging
 from hookline.shared.runtime.api import install_error_handlers, probes_router, serve
 from hookline.shared.runtime.settings import load, metrics_tokens
-from hookline.shared.runtime.supervision import Loop, Supervisor
-from hookline.shared.runtime.tracing import Tracing
-from hookline.shared.state import registry
-from hookline.shared.state.deadletterindex import DeadLetterIndex
 
 log = structlog.get_logger(__name__)
 
-EXPIRY_INTERVAL_S = 600.0
-#: Attempt and audit records held while the broker refuses publishes. The ingest's own attempts are
-#: made by hand (resends, verifications), so this is far more than an alarm's worth; an attempt record
-#: with its receiver's answer is about 6 KiB sealed, so at most about 60 MB.
-HELD_RECORDS_MAX = 10_000
 # Enough for an event at the payload limit plus its envelope (ids, type, timestamps).
 _ENVELOPE_SLACK_BYTES = 8192
 
 
 def create_app(settings: IngestSettings) -> FastAPI:
     @asynccontextmanager
-    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        # Shutdown (once the HTTP server has finished its requests) runs in reverse: _running stops
-        # the loops, then the channels, then exports the last spans; _stores closes the broker session
-        # and the local views.
-        async with _stores(settings) as stores, _running(settings, stores) as state:
+    async def running(app: FastAPI) -> AsyncIterator[None]:
+        async with lifespan.running(settings) as state:
             app.state.ingest = state
             log.info(
                 "ingest_ready",
@@ -90,213 +37,21 @@ def create_app(settings: IngestSettings) -> FastAPI:
             )
             yield
 
-    app = FastAPI(title="hookline ingest", version=__version__, lifespan=lifespan)
+    app = FastAPI(title="hookline ingest", version=__version__, lifespan=running)
     install_error_handlers(app)
     app.add_middleware(
         BodyLimit,
         max_bytes=settings.max_payload_bytes + _ENVELOPE_SLACK_BYTES,
         larger={"/v1/events/batch": (settings.max_batch_bytes, "HOOKLINE_MAX_BATCH_BYTES")},
     )
-    # Every /v1 route needs a token; the routes then limit a tenant token to its own tenant.
-    guard = Depends(principal)
-    app.include_router(events.router, dependencies=[guard])
-    app.include_router(endpoints.router, dependencies=[guard])
-    app.include_router(testevents.router, dependencies=[guard])
-    app.include_router(filtertest.router, dependencies=[guard])
-    app.include_router(transformtest.router, dependencies=[guard])
-    app.include_router(polling.router)  # its own credential: the endpoint's poll_token
-    app.include_router(polling.admin_router, dependencies=[guard])
-    app.include_router(eventtypes.router, dependencies=[guard])
-    app.include_router(replay.router, dependencies=[guard])
-    app.include_router(redrive.router, dependencies=[guard])
-    app.include_router(tracking.router, dependencies=[guard])
-    app.include_router(auth.router, dependencies=[guard])
-    app.include_router(tokens.router, dependencies=[guard])
-    app.include_router(portal.router, dependencies=[guard])
-    app.include_router(portal.open_router)  # its own credential: the link
-    app.include_router(quotas.router, dependencies=[guard])
-    app.include_router(audit.router, dependencies=[guard])
+    routes.include(app)
     app.include_router(probes_router(lambda: _problems(app), metrics_tokens=metrics_tokens(settings)))
     return app
-
-
-@dataclass(frozen=True)
-class _Stores:
-    """What the ingest opens before it follows anything: the broker session, the HTTP client of its
-    own attempts, the broker's capacity reader and the local views kept in the state file."""
-
-    broker: Broker
-    dead_letters: DeadLetterIndex
-    client: DeliveryClient
-    capacity: CapacityReader
-    delivery_log: DeliveryLog
-    audit_view: RowView
-    replicas: Replicas
-    registry: registry.EndpointRegistry
-    transformer: Transformer  # test events' and resends' transforms, and POST /v1/transforms/test
-
-
-@asynccontextmanager
-async def _stores(settings: IngestSettings) -> AsyncIterator[_Stores]:
-    state_path = settings.state_file("ingest", settings.ingest_port)
-    replicas = Replicas()
-    async with (
-        Broker(
-            settings.amqp_url, name="hookline-ingest", connect_timeout_s=settings.connect_timeout_s
-        ) as broker,
-        DeadLetterIndex(state_path, identity=f"{broker.vhost}/{topology.DEAD_LETTER_STREAM}") as dead_letters,
-        DeliveryClient.for_endpoints(
-            settings, max_connections=32, user_agent=f"hookline/{__version__}"
-        ) as client,
-        CapacityReader.of(settings) as capacity,
-        DeliveryLog(
-            state_path,
-            vhost=broker.vhost,
-            retention_s=settings.delivery_log_retention_s,
-            max_bytes=settings.delivery_log_max_bytes,
-            on_heartbeat=replicas.observe,  # the delivery log reads the telemetry anyway
-        ) as delivery_log,
-        audit.view(state_path, vhost=broker.vhost) as audit_view,
-        registry.kept_at(state_path.with_suffix(".registry.sqlite"), vhost=broker.vhost) as endpoint_registry,
-        Transformer(workers=1, max_bytes=settings.max_payload_bytes) as transformer,
-    ):
-        yield _Stores(
-            broker, dead_letters, client, capacity, delivery_log, audit_view, replicas, endpoint_registry,
-            transformer,
-        )  # fmt: skip
-
-
-@asynccontextmanager
-async def _running(settings: IngestSettings, stores: _Stores) -> AsyncIterator[IngestState]:
-    """The followed streams and the loops behind the routes. The endpoint log and the dead letters are
-    read up to now before the first request: an answer never misses a write acknowledged before."""
-    supervisor = Supervisor()
-    tracing = Tracing("ingest", settings.otlp_endpoint)
-    broker = stores.broker
-    await topology.declare(broker, settings.retention)
-    publisher = Publisher(broker)
-    held = HeldPublishes(publisher, max_held=HELD_RECORDS_MAX)
-    try:
-        endpoint_registry = stores.registry
-        bound = BoundPatterns(endpoint_registry)
-        endpoint_registry.subscribe(bound.on_change)
-        change_log = await registry.follow(
-            broker, publisher, supervisor, endpoint_registry, sync_timeout_s=settings.connect_timeout_s
-        )
-        dead_letter_log = StreamFollower(
-            broker,
-            topology.DEAD_LETTER_STREAM,
-            stores.dead_letters.apply,
-            publisher=publisher,
-            start=stores.dead_letters.next_offset,
-        )
-        view = partial(follow_view, dead_letter_log, stores.dead_letters)
-        await follow_synced(
-            supervisor, "dead-letters", dead_letter_log, view, timeout_s=settings.connect_timeout_s
-        )
-        breakers = BreakerView()
-        _follow_delivery_log(broker, publisher, supervisor, stores.delivery_log, breakers, stores.audit_view)
-        sealer = Sealer(settings.secret_key.get_secret_value() if settings.secret_key else None)
-        state = IngestState(
-            settings=settings,
-            broker=broker,
-            supervisor=supervisor,
-            change_log=change_log,
-            registry=endpoint_registry,
-            publisher=publisher,
-            dead_letters_log=dead_letter_log,
-            dead_letters_index=stores.dead_letters,
-            attempts=Attempts(sealer, Credentials(sealer, stores.client), held, stores.transformer),
-            capacity=stores.capacity,
-            delivery_log=stores.delivery_log,
-            duplicates=Duplicates(stores.delivery_log, window_s=settings.dedupe_window_s),
-            breakers=breakers,
-            sealer=sealer,
-            tracing=tracing,
-            tenant_tokens=parse_tenant_tokens(
-                settings.tenant_tokens.get_secret_value() if settings.tenant_tokens else None
-            ),
-            quotas=quotas.Quotas(change_log.tenants, endpoint_registry, stores.delivery_log),
-            audit=stores.audit_view,
-            trail=audit.AuditTrail(held, broker.user),
-            replicas=stores.replicas,
-            bound=bound,
-            isolation=Isolation(
-                broker,
-                change_log,
-                max_queues=settings.max_endpoint_queues,
-                timeout_s=settings.registry_wait_s,
-            ),
-        )
-        supervisor.spawn("upgrade", partial(_upgrade_endpoints, state), required=False)
-        supervisor.spawn("held-records", partial(held.run, broker), required=False)
-        yield state
-    finally:
-        await supervisor.stop()
-        await held.close()
-        await publisher.close()
-        await asyncio.to_thread(tracing.shutdown)  # the last spans (the exporter blocks)
-
-
-def _follow_delivery_log(
-    broker: Broker,
-    publisher: Publisher,
-    supervisor: Supervisor,
-    delivery_log: DeliveryLog,
-    breakers: BreakerView,
-    audit_view: RowView,
-) -> None:
-    """The delivery log's views, the audit trail's and the breaker states the delivery log explains
-    waits with. Not required: a view catching up (or down a while) leaves the ingest taking events; its
-    answers are then behind."""
-    for name, view, stream in (
-        ("delivery-log-events", delivery_log.events, topology.EVENT_LOG),
-        ("delivery-log-attempts", delivery_log.attempts, topology.TELEMETRY_LOG),
-        ("audit", audit_view, topology.AUDIT_LOG),
-    ):
-        follower = StreamFollower(broker, stream, view.apply, publisher=publisher, start=view.next_offset)
-        supervisor.spawn(name, partial(follow_view, follower, view), required=False)
-    breaker_log = StreamFollower(
-        broker, topology.BREAKER_LOG, partial(_apply_breakers, breakers), publisher=publisher,
-        start=datetime.now(UTC) - BREAKER_LOOKBACK, prefetch=100,
-    )  # fmt: skip
-    supervisor.spawn("breakers", breaker_log.run, required=False)
-    supervisor.spawn("delivery-log-expiry", partial(_expire, delivery_log, audit_view), required=False)
-
-
-def _apply_breakers(breakers: BreakerView, message: Record) -> None:
-    try:
-        breakers.apply(control_record.validate_json(message.body))
-    except ValidationError as exc:
-        log.error("control_record_unreadable", error=error_summary(exc))
-
-
-async def _expire(delivery_log: DeliveryLog, audit_view: RowView, loop: Loop) -> None:
-    loop.mark_up()
-    while True:
-        removed = await delivery_log.expire(now_s=time.time())
-        if removed:
-            log.info("delivery_log_expired", rows=removed)
-        removed = await audit.expire(audit_view, now_s=time.time())
-        if removed:
-            log.info("audit_expired", rows=removed)
-        loop.beat()
-        await asyncio.sleep(EXPIRY_INTERVAL_S)
 
 
 def _problems(app: FastAPI) -> list[str]:
     state: IngestState | None = getattr(app.state, "ingest", None)
     return ["starting"] if state is None else state.problems()
-
-
-async def _upgrade_endpoints(state: IngestState, loop: Loop) -> None:
-    """Endpoints not settled on their lane are settled, once (``endpoints.settle``; any ingest replica
-    may do it: binding is idempotent, the records are conditional, a fence sent twice is dropped)."""
-    loop.mark_up()
-    for endpoint in state.registry.to_settle():
-        await endpoints.settle(state, endpoint.id)
-        await asyncio.sleep(0)
-    await asyncio.Event().wait()  # done; stays "up" so that the supervisor does not run it again
 
 
 def main() -> None:
