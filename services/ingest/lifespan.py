@@ -16,11 +16,7 @@ from functools import partial
 import structlog
 from pydantic import ValidationError
 
-from hookline.ingest import (
-    audit,
-    endpoints,
-    quotas,
-)
+from hookline.ingest import audit, queues, quotas
 from hookline.ingest.attempts import Attempts
 from hookline.ingest.auth import parse_tenant_tokens
 from hookline.ingest.bound import BoundPatterns
@@ -231,10 +227,10 @@ async def _expire(delivery_log: DeliveryLog, audit_view: RowView, loop: Loop) ->
 
 
 async def _upgrade_endpoints(state: IngestState, loop: Loop) -> None:
-    """Endpoints not settled on their lane are settled, once (``endpoints.settle``; any ingest replica
+    """Endpoints not settled on their lane are settled, once (``queues.settle``; any ingest replica
     may do it: binding is idempotent, the records are conditional, a fence sent twice is dropped)."""
     loop.mark_up()
     for endpoint in state.registry.to_settle():
-        await endpoints.settle(state, endpoint.id)
+        await queues.settle(state, endpoint.id)
         await asyncio.sleep(0)
     await asyncio.Event().wait()  # done; stays "up" so that the supervisor does not run it again
