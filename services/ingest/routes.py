@@ -13,7 +13,7 @@ from hookline.ingest import (
     eventtypes,
     filtertest,
     polling,
-    portal,
+    portalsessions,
     quotas,
     redrive,
     replay,
@@ -39,7 +39,7 @@ def include(app: FastAPI) -> None:
     app.include_router(tracking.router, dependencies=[guard])
     app.include_router(auth.router, dependencies=[guard])
     app.include_router(tokens.router, dependencies=[guard])
-    app.include_router(portal.router, dependencies=[guard])
-    app.include_router(portal.open_router)  # its own credential: the link
+    app.include_router(portalsessions.router, dependencies=[guard])
+    app.include_router(portalsessions.open_router)  # its own credential: the link
     app.include_router(quotas.router, dependencies=[guard])
     app.include_router(audit.router, dependencies=[guard])
