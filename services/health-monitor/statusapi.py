@@ -7,7 +7,7 @@ from typing import Annotated
 
 from fastapi import APIRouter, Depends, Query, Request
 
-from hookline.health_monitor.health import EndpointHealth
+from hookline.health_monitor.health import EndpointHealth, Health
 from hookline.health_monitor.monitor import Monitor
 from hookline.health_monitor.stats import Stats
 from hookline.shared.broker import placement
@@ -80,11 +80,19 @@ def endpoint_view(
     )
 
 
+def last_hour(health: Health, *, now_s: float) -> Stats:
+    """Every endpoint's last hour, merged (the summary's delivered, failed and mean)."""
+    merged = Stats()
+    for endpoint in health.endpoints.values():
+        merged.merge(endpoint.hour.total(now_s=now_s))
+    return merged
+
+
 @router.get("/status", response_model=Summary)
 async def status(monitor: State) -> Summary:
     now_s = time.time()
     health = monitor.health
-    hour = health.last_hour(now_s=now_s)
+    hour = last_hour(health, now_s=now_s)
     live = set(health.live_dispatchers(now_s))
     ages = [age for h in health.endpoints.values() if (age := h.oldest_pending_s(now_s)) is not None]
     return Summary(
