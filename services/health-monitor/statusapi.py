@@ -96,8 +96,8 @@ async def status(monitor: State) -> Summary:
     live = set(health.live_dispatchers(now_s))
     ages = [age for h in health.endpoints.values() if (age := h.oldest_pending_s(now_s)) is not None]
     return Summary(
-        pending=sum(h.queue_depth or 0 for h in health.endpoints.values()) + monitor.lanes_pending,
-        awaiting_retry=monitor.awaiting_retry,
+        pending=sum(h.queue_depth or 0 for h in health.endpoints.values()) + monitor.state.lanes_pending,
+        awaiting_retry=monitor.state.awaiting_retry,
         in_flight=sum(beat.in_flight for d, beat in health.dispatchers.items() if d in live),
         dead_letter=await monitor.dead_letters.count(),
         delivered_last_hour=hour.successes,
@@ -106,10 +106,10 @@ async def status(monitor: State) -> Summary:
         mean_delivery_ms=hour.mean_ms(),
         endpoints=len(monitor.registry),
         breakers_open=sum(h.breaker.state is not BreakerState.CLOSED for h in health.endpoints.values()),
-        alerts_firing=len(monitor.alerts.firing),
+        alerts_firing=len(monitor.alerting.alerts.firing),
         dispatchers=len(live),
-        leader=monitor.leader,
-        broker=BrokerStatus(blocked=monitor.blocked, capacity=monitor.capacity),
+        leader=monitor.state.leader,
+        broker=BrokerStatus(blocked=monitor.blocked, capacity=monitor.state.capacity),
     )
 
 
@@ -161,5 +161,5 @@ async def dead_letter_analysis(monitor: State, tenant: str | None = None) -> lis
 async def alerts(monitor: State) -> list[AlertView]:
     return [
         AlertView(alert=a.name, endpoint_id=a.endpoint_id, tenant=a.tenant, detail=a.detail)
-        for a in monitor.alerts.firing.values()
+        for a in monitor.alerting.alerts.firing.values()
     ]
