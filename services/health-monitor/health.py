@@ -3,7 +3,8 @@
 :meth:`Health.observe` takes each telemetry record (live, or replayed from the log after a restart),
 :meth:`Health.tick` lets time pass. Both return the breaker commands to publish; the I/O shell
 publishes them. Only live records move breakers: replaying the log rebuilds statistics, while the
-breaker states come back from the monitor's own breaker log.
+breaker states come back from the monitor's own breaker log. Which dispatcher probes a half-open
+endpoint is probing.py's choice.
 """
 
 from __future__ import annotations
