@@ -4,18 +4,35 @@ endpoints an operator registered for it (``hookline synthetic``'s ``/ok`` will d
 measured, publish to delivery, from the outside in: an accepted event that stops arriving is seen
 even when every service says it is healthy.
 
-The book below is pure: it learns what was sent (from the canaries' ids, which carry their time) and
-what arrived (from the telemetry the dispatchers already publish), and says which alerts fire.
+The book is pure: it learns what was sent (from the canaries' ids, which carry their time) and
+what arrived (from the telemetry the dispatchers already publish), and says which alerts fire. The
+sender is the I/O: the leader's loop that publishes them.
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections import OrderedDict
 from collections.abc import Iterable
+from datetime import UTC, datetime
+from typing import TYPE_CHECKING
 
+import structlog
+
+from hookline.health_monitor import metrics
 from hookline.health_monitor.alerts import Alert
-from hookline.shared.contracts.ids import id_time_s
+from hookline.health_monitor.publishing import publish_event
+from hookline.shared.broker.amqp import BROKER_ERRORS
+from hookline.shared.contracts.ids import id_time_s, new_id
+from hookline.shared.contracts.models import EndpointStatus, Event
 from hookline.shared.contracts.telemetry import AttemptRecord, Outcome
+from hookline.shared.runtime.supervision import Loop
+from hookline.shared.state.registry import EndpointRegistry
+
+if TYPE_CHECKING:  # the state holds the book below
+    from hookline.health_monitor.monitorstate import MonitorState
+
+log = structlog.get_logger(__name__)
 
 CANARY_TYPE = "hookline.canary"
 KEEP = 100  # canaries remembered: enough for the late alert, bounded whatever the interval
@@ -72,3 +89,38 @@ class CanaryBook:
                     )
                 )  # fmt: skip
         return alerts
+
+
+def canary_endpoints(registry: EndpointRegistry, tenant: str) -> list[str]:
+    """The endpoints that take canaries: the canary tenant's active ones."""
+    return [
+        endpoint.id
+        for endpoint in registry.rows.of_tenant(tenant)
+        if endpoint.status is EndpointStatus.ACTIVE
+    ]
+
+
+class CanarySender:
+    def __init__(self, state: MonitorState) -> None:
+        self._state = state
+
+    async def send_canaries(self, loop: Loop) -> None:
+        """While leading, a canary event every HOOKLINE_CANARY_INTERVAL_S, if an endpoint takes them."""
+        state, tenant = self._state, self._state.settings.canary_tenant
+        loop.mark_up()
+        while True:
+            loop.beat()
+            if state.leader and canary_endpoints(state.registry, tenant):
+                now = datetime.now(UTC)
+                canary = Event(
+                    id=new_id("evt"), type=CANARY_TYPE, tenant=tenant, occurred_at=now,
+                    data={"sent_at": now.isoformat()},
+                )  # fmt: skip
+                state.canaries.sending(canary.id)
+                try:
+                    await publish_event(state.publisher, canary)
+                    metrics.CANARIES_SENT.inc()
+                except BROKER_ERRORS as exc:
+                    # Not sent is as good as not delivered: canary_late says so in a moment.
+                    log.warning("canary_unpublished", error=type(exc).__name__)
+            await asyncio.sleep(state.settings.canary_interval_s)

@@ -277,7 +277,7 @@ async def overview(request: Request, session: Current, monitor: LocalState) -> H
     ]
     alerts = [
         alert
-        for alert in monitor.alerts.firing.values()
+        for alert in monitor.alerting.alerts.firing.values()
         if session.may_see(alert.tenant) and (tenant is None or alert.tenant == tenant)
     ]
     return _page_for(

@@ -3,17 +3,18 @@
 :meth:`Health.observe` takes each telemetry record (live, or replayed from the log after a restart),
 :meth:`Health.tick` lets time pass. Both return the breaker commands to publish; the I/O shell
 publishes them. Only live records move breakers: replaying the log rebuilds statistics, while the
-breaker states come back from the monitor's own breaker log.
+breaker states come back from the monitor's own breaker log. Which dispatcher probes a half-open
+endpoint is probing.py's choice.
 """
 
 from __future__ import annotations
 
-import zlib
 from dataclasses import dataclass, field
 
 from hookline.health_monitor import breaker as breakers
 from hookline.health_monitor.breaker import Breaker, BreakerPolicy
-from hookline.health_monitor.stats import RollingStats, Stats
+from hookline.health_monitor.probing import PROBE_TIMEOUT_S, choose_prober, declined
+from hookline.health_monitor.stats import RollingStats
 from hookline.shared.contracts.control import BreakerCommand, BreakerSnapshot, BreakerState
 from hookline.shared.contracts.telemetry import (
     ASIDE_KINDS,
@@ -41,21 +42,8 @@ RETRY_FORGET_S = DAY_S
 DISPATCHER_STALE_S = 15.0
 #: A dispatcher silent this long is forgotten (replicas come and go with new ids).
 DISPATCHER_FORGET_S = 3_600.0
-#: A probe that has not reported back after this long is asked for again.
-PROBE_TIMEOUT_S = 120.0
-#: A prober whose heartbeats this long after it was asked do not say it took the probe on is passed over
-#: (it is not attached, or its breaker view lags): two heartbeats.
-PROBE_ACK_S = 10.0
 #: Fewer samples than this in the short window say nothing about p95.
 MIN_SAMPLES = 5
-
-
-def prober_for(endpoint_id: str, live: list[str], *, now_s: float) -> str:
-    """The dispatcher (of ``live``, sorted) that probes a half-open endpoint: spread over the replicas by
-    endpoint, and moved on to the next one every PROBE_TIMEOUT_S, so a probe that keeps failing to report
-    is tried elsewhere. Stable (CRC-32, not the process-salted ``hash()``): a monitor that takes over
-    the lead picks the same one."""
-    return live[(zlib.crc32(endpoint_id.encode()) + int(now_s // PROBE_TIMEOUT_S)) % len(live)]
 
 
 @dataclass(frozen=True)
@@ -195,7 +183,8 @@ class Health:
                 continue
             prober = health.command.probe_by if health.command else None
             waiting_s = now_s - health.probe_asked_at_s
-            if prober is not None and self._declined(prober, endpoint_id, health):
+            beat = self.dispatchers.get(prober) if prober is not None else None
+            if prober is not None and declined(beat, health.command, asked_at_s=health.probe_asked_at_s):
                 self._passed_over.setdefault(endpoint_id, set()).add(prober)
             elif before.state is BreakerState.HALF_OPEN and prober in live and waiting_s < PROBE_TIMEOUT_S:
                 continue
@@ -204,30 +193,10 @@ class Health:
             # A new prober when the cooldown has just ended, when the last one went silent or did not
             # take the probe on, or when its probe has not reported back in time (it found nothing to
             # deliver, or lost it).
-            probe_by = self._prober(endpoint_id, live, now_s)
+            probe_by = choose_prober(endpoint_id, live, self.dispatchers, self._passed_over, now_s=now_s)
             health.probe_asked_at_s = now_s
             commands += self._command_if_changed(endpoint_id, health, before, probe_by=probe_by, now_s=now_s)
         return commands
-
-    def _declined(self, prober: str, endpoint_id: str, health: EndpointHealth) -> bool:
-        """The prober's heartbeats since it was asked do not say it took this probe on."""
-        beat = self.dispatchers.get(prober)
-        return (
-            beat is not None
-            and health.command is not None
-            and beat.at_s >= health.probe_asked_at_s + PROBE_ACK_S
-            and beat.probing.get(endpoint_id) != health.command.version
-        )
-
-    def _prober(self, endpoint_id: str, live: list[str], now_s: float) -> str:
-        """Of the live dispatchers not passed over for this probe, those holding messages of the endpoint
-        first (theirs come back to its queue, where the prober takes one)."""
-        candidates = [d for d in live if d not in self._passed_over.get(endpoint_id, ())]
-        if not candidates:
-            self._passed_over.pop(endpoint_id, None)  # every one was: ask them all again
-            candidates = live
-        holders = [d for d in candidates if self.dispatchers[d].unacked.get(endpoint_id)]
-        return prober_for(endpoint_id, holders or candidates, now_s=now_s)
 
     def live_dispatchers(self, now_s: float) -> list[str]:
         return sorted(d for d, beat in self.dispatchers.items() if now_s - beat.at_s <= DISPATCHER_STALE_S)
@@ -311,12 +280,6 @@ class Health:
         for event_type, types in list(self.types.items()):
             if not _in_window(types.day, types.last_attempt_at_s, now_s=now_s):
                 del self.types[event_type]
-
-    def last_hour(self, *, now_s: float) -> Stats:
-        merged = Stats()
-        for health in self.endpoints.values():
-            merged.merge(health.hour.total(now_s=now_s))
-        return merged
 
 
 def _in_window(window: RollingStats, last_attempt_at_s: float | None, *, now_s: float) -> bool:

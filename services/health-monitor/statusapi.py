@@ -7,7 +7,7 @@ from typing import Annotated
 
 from fastapi import APIRouter, Depends, Query, Request
 
-from hookline.health_monitor.health import EndpointHealth
+from hookline.health_monitor.health import EndpointHealth, Health
 from hookline.health_monitor.monitor import Monitor
 from hookline.health_monitor.stats import Stats
 from hookline.shared.broker import placement
@@ -80,16 +80,24 @@ def endpoint_view(
     )
 
 
+def last_hour(health: Health, *, now_s: float) -> Stats:
+    """Every endpoint's last hour, merged (the summary's delivered, failed and mean)."""
+    merged = Stats()
+    for endpoint in health.endpoints.values():
+        merged.merge(endpoint.hour.total(now_s=now_s))
+    return merged
+
+
 @router.get("/status", response_model=Summary)
 async def status(monitor: State) -> Summary:
     now_s = time.time()
     health = monitor.health
-    hour = health.last_hour(now_s=now_s)
+    hour = last_hour(health, now_s=now_s)
     live = set(health.live_dispatchers(now_s))
     ages = [age for h in health.endpoints.values() if (age := h.oldest_pending_s(now_s)) is not None]
     return Summary(
-        pending=sum(h.queue_depth or 0 for h in health.endpoints.values()) + monitor.lanes_pending,
-        awaiting_retry=monitor.awaiting_retry,
+        pending=sum(h.queue_depth or 0 for h in health.endpoints.values()) + monitor.state.lanes_pending,
+        awaiting_retry=monitor.state.awaiting_retry,
         in_flight=sum(beat.in_flight for d, beat in health.dispatchers.items() if d in live),
         dead_letter=await monitor.dead_letters.count(),
         delivered_last_hour=hour.successes,
@@ -98,10 +106,10 @@ async def status(monitor: State) -> Summary:
         mean_delivery_ms=hour.mean_ms(),
         endpoints=len(monitor.registry),
         breakers_open=sum(h.breaker.state is not BreakerState.CLOSED for h in health.endpoints.values()),
-        alerts_firing=len(monitor.alerts.firing),
+        alerts_firing=len(monitor.alerting.alerts.firing),
         dispatchers=len(live),
-        leader=monitor.leader,
-        broker=BrokerStatus(blocked=monitor.blocked, capacity=monitor.capacity),
+        leader=monitor.state.leader,
+        broker=BrokerStatus(blocked=monitor.blocked, capacity=monitor.state.capacity),
     )
 
 
@@ -153,5 +161,5 @@ async def dead_letter_analysis(monitor: State, tenant: str | None = None) -> lis
 async def alerts(monitor: State) -> list[AlertView]:
     return [
         AlertView(alert=a.name, endpoint_id=a.endpoint_id, tenant=a.tenant, detail=a.detail)
-        for a in monitor.alerts.firing.values()
+        for a in monitor.alerting.alerts.firing.values()
     ]

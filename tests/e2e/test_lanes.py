@@ -111,7 +111,8 @@ async def test_an_open_breaker_holds_events_in_a_queue_of_its_own_then_back_to_t
 
     async def isolated_by_the_monitor() -> list[dict[str, Any]] | None:
         # The health view says open once the monitor decided it; it isolates the endpoint just after,
-        # before it publishes the command (monitor.publish_commands), and that takes a queue declare.
+        # before it publishes the command (BreakerCommands.publish_commands), and that takes a queue
+        # declare.
         return logged([system.monitor], "endpoint_isolated", endpoint_id=endpoint["id"]) or None
 
     [isolated] = await eventually(isolated_by_the_monitor, timeout_s=30)

@@ -12,7 +12,8 @@ import pytest
 from support.factories import attempt_record, stored_endpoint
 
 from hookline.health_monitor.alerts import Alert, AlertPolicy, evaluate
-from hookline.health_monitor.health import PROBE_ACK_S, PROBE_TIMEOUT_S, Health, HealthPolicy, prober_for
+from hookline.health_monitor.health import Health, HealthPolicy
+from hookline.health_monitor.probing import PROBE_ACK_S, PROBE_TIMEOUT_S, prober_for
 from hookline.shared.contracts.models import EndpointStatus
 from hookline.shared.contracts.telemetry import Heartbeat
 
@@ -40,7 +41,7 @@ def test_a_probe_that_does_not_report_in_time_moves_to_the_next_dispatcher() -> 
 def test_the_prober_is_the_same_in_every_process() -> None:
     """A monitor that takes over the lead picks the same prober (Python's hash() differs per process)."""
     script = (
-        "from hookline.health_monitor.health import prober_for; "
+        "from hookline.health_monitor.probing import prober_for; "
         f"print(prober_for({EP!r}, {LIVE!r}, now_s={NOW_S!r}))"
     )
     picks = {
