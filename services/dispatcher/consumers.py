@@ -248,10 +248,10 @@ class Consumers:
         endpoint_id = addressing.endpoint_named(message.headers)
         metrics.LANE_ADDRESSED.inc()
         if endpoint_id is None:
-            await self.track("", self._handler.stray, message)
+            await self.track("", self._handler.settling.stray, message)
             return
         if (message.headers or {}).get(Header.FENCE) == endpoint_id:
-            await self.track("", partial(self._handler.fence, endpoint_id=endpoint_id), message)
+            await self.track("", partial(self._handler.forwarding.fence, endpoint_id=endpoint_id), message)
             return
         await self.track(endpoint_id, partial(handle_safely, self._handler, endpoint_id, lane=True), message)
 
@@ -259,7 +259,7 @@ class Consumers:
         endpoint_id = addressing.endpoint_named(message.headers)
         metrics.LANE_HELD.inc()
         if endpoint_id is None:
-            await self.track("", self._handler.stray, message)
+            await self.track("", self._handler.settling.stray, message)
             return
         await self.track(endpoint_id, partial(self._held, endpoint_id), message)
 
@@ -601,10 +601,10 @@ class Consumers:
         await self.track(endpoint_id, partial(handle_safely, self._handler, endpoint_id), message)
 
     async def _forward(self, endpoint_id: str, message: Incoming) -> None:
-        await self.track(endpoint_id, partial(self._handler.forward, endpoint_id), message)
+        await self.track(endpoint_id, partial(self._handler.forwarding.forward, endpoint_id), message)
 
     async def _gone(self, endpoint_id: str, message: Incoming) -> None:
-        await self.track(endpoint_id, partial(self._handler.gone, endpoint_id), message)
+        await self.track(endpoint_id, partial(self._handler.settling.gone, endpoint_id), message)
 
     async def track(
         self,

@@ -27,8 +27,9 @@ from pydantic import ValidationError
 
 from hookline.dispatcher import consumed, metrics
 from hookline.dispatcher.admission import Share
+from hookline.dispatcher.attempt import USER_AGENT
 from hookline.dispatcher.consumers import Consumers, check_consumers, expire_breakers, refit_prefetch
-from hookline.dispatcher.handler import USER_AGENT, Handler
+from hookline.dispatcher.handler import Handler
 from hookline.dispatcher.lag import LagProbe
 from hookline.dispatcher.reporting import Telemetry
 from hookline.dispatcher.settings import DispatcherSettings
@@ -85,7 +86,7 @@ async def _consume_unroutable(broker: Broker, consumers: Consumers, handler: Han
         await consumed.consume(
             channel,
             topology.DELAY_UNROUTABLE,
-            partial(consumers.track, "", handler.handle_unroutable),
+            partial(consumers.track, "", handler.forwarding.handle_unroutable),
             timeout_s=CALL_TIMEOUT_S,
         )
         loop.mark_up()
