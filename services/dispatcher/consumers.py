@@ -18,10 +18,11 @@ consumer behind. When a channel closes under it, the endpoints it served are rec
 new one; when the connection is lost, the loop starts over and attaches to everything afresh. A current
 queue found missing (deleted by hand, lost with a node) is provisioned again, and said so.
 
-Each part lives in its own module: the changes taken one at a time (changes.py), the lanes (laneconsumers.py),
-queues of their own (ownqueues.py), half-open probes and breaker leases (breakers.py), the check with the
-broker (brokercheck.py), and the handlings under way (handling.py). This module runs the loop, keeps a
-channel per prefetch value, and answers for the whole when a channel closes or the broker cancels.
+Each part lives in its own module: the changes taken one at a time (changes.py), the lanes
+(laneconsumers.py), queues of their own (ownqueues.py), half-open probes and breaker leases (breakers.py),
+the check with the broker (brokercheck.py), and the handlings under way (handling.py). This module runs
+the loop, keeps a channel per prefetch value, and answers for the whole when a channel closes or the
+broker cancels.
 """
 
 from __future__ import annotations
