@@ -120,9 +120,9 @@ async def fan_out(handler: Handler, message: Delivery) -> bool:
     False when it was handed back to be given out again."""
     tenant, event_type = _tenant_and_type(message.routing_key)
     targets = _targets(handler, message, tenant, event_type)
-    parsed = await handler.parse_event(message, tenant=tenant)
+    parsed = await handler.reader.parse_event(message, tenant=tenant)
     if isinstance(parsed, decoding.Invalid):
-        await handler.dead_letter_invalid(message, parsed, tenant=tenant, endpoints=targets)
+        await handler.settling.dead_letter_invalid(message, parsed, tenant=tenant, endpoints=targets)
         await handler.acks.ack(message)
         return True
     targets = screening.admitted(parsed.event, targets)
@@ -134,7 +134,9 @@ async def fan_out(handler: Handler, message: Delivery) -> bool:
             "lane_message_poison", event_id=parsed.event.id, tenant=tenant, endpoints=len(targets), alert=True
         )
         for endpoint in targets:
-            await handler.dead_letter_part(message, endpoint, DeadLetterReason.DELIVERY_LIMIT, parsed)
+            await handler.settling.dead_letter_part(
+                message, endpoint, DeadLetterReason.DELIVERY_LIMIT, parsed
+            )
         await handler.acks.ack(message)
         return True
     parts = [(endpoint.id, Part(message)) for endpoint in targets]
@@ -174,9 +176,9 @@ async def _hand_on_alone(handler: Handler, endpoint_id: str, part: Part, *, reas
     endpoint = handler.registry.get(endpoint_id)
     try:
         if endpoint is None:  # deleted meanwhile: its copy is kept as a dead letter, like any left
-            await handler.gone(endpoint_id, part)
+            await handler.settling.gone(endpoint_id, part)
         else:
-            await handler.hand_on(part, endpoint, delay_s=1, reason=reason)
+            await handler.settling.hand_on(part, endpoint, delay_s=1, reason=reason)
     except Exception as exc:  # the lane message is handed back instead: every part is done again
         log.warning("part_not_handed_on", endpoint_id=endpoint_id, error=type(exc).__name__)
 

@@ -27,9 +27,13 @@ from pydantic import ValidationError
 
 from hookline.dispatcher import consumed, metrics
 from hookline.dispatcher.admission import Share
-from hookline.dispatcher.consumers import Consumers, check_consumers, expire_breakers, refit_prefetch
-from hookline.dispatcher.handler import USER_AGENT, Handler
+from hookline.dispatcher.attempt import USER_AGENT
+from hookline.dispatcher.breakers import expire_breakers
+from hookline.dispatcher.brokercheck import check_consumers
+from hookline.dispatcher.consumers import Consumers
+from hookline.dispatcher.handler import Handler
 from hookline.dispatcher.lag import LagProbe
+from hookline.dispatcher.ownqueues import refit_prefetch
 from hookline.dispatcher.reporting import Telemetry
 from hookline.dispatcher.settings import DispatcherSettings
 from hookline.shared.broker import topology
@@ -75,7 +79,7 @@ def _apply_control(breakers: BreakerView, consumers: Consumers, message: Record)
     except ValidationError as exc:
         log.error("control_record_unreadable", error=error_summary(exc))
         return
-    consumers.on_breakers(breakers.apply(record, now_s=time.monotonic()))
+    consumers.changes.on_breakers(breakers.apply(record, now_s=time.monotonic()))
 
 
 async def _consume_unroutable(broker: Broker, consumers: Consumers, handler: Handler, loop: Loop) -> None:
@@ -85,7 +89,7 @@ async def _consume_unroutable(broker: Broker, consumers: Consumers, handler: Han
         await consumed.consume(
             channel,
             topology.DELAY_UNROUTABLE,
-            partial(consumers.track, "", handler.handle_unroutable),
+            partial(consumers.handling.track, "", handler.forwarding.handle_unroutable),
             timeout_s=CALL_TIMEOUT_S,
         )
         loop.mark_up()
@@ -171,9 +175,9 @@ def _assemble(
     # -1: nothing applied yet (None would say "a version that does not tell", which nobody waits for).
     telemetry.applied_offset = lambda: -1 if change_log.applied_offset is None else change_log.applied_offset
     change_log.registry.subscribe(lambda _before, _after: telemetry.applied())
-    metrics.IN_FLIGHT.set_function(lambda: consumers.in_flight)
+    metrics.IN_FLIGHT.set_function(lambda: consumers.handling.in_flight)
     metrics.CONSUMERS.set_function(lambda: consumers.consumer_count)
-    metrics.UNACKED.set_function(consumers.unacked)
+    metrics.UNACKED.set_function(consumers.handling.unacked)
     ledger = handler.admission.ledger
     for share in Share:
         metrics.SLOTS_IN_USE.labels(share.value).set_function(partial(ledger.in_use.__getitem__, share))
@@ -219,13 +223,19 @@ async def dispatching(
         consumers = parts.consumers
         lag.listen(parts.handler.admission.loop_ran_late)
         await _follow_breakers(settings, broker, publisher, supervisor, parts)
-        supervisor.spawn("breaker-leases", partial(expire_breakers, parts.breakers, consumers), stall_s=30)
-        # Neither is needed for delivering (a replica without them is still ready).
-        supervisor.spawn("prefetch", partial(refit_prefetch, consumers), required=False, stall_s=30)
         supervisor.spawn(
-            "consumer-check", partial(check_consumers, consumers, settings.consumer_check_s), required=False
+            "breaker-leases", partial(expire_breakers, parts.breakers, consumers.changes), stall_s=30
         )
-        change_log.registry.subscribe(consumers.on_change)
+        # Neither is needed for delivering (a replica without them is still ready).
+        supervisor.spawn(
+            "prefetch", partial(refit_prefetch, consumers.own_queues), required=False, stall_s=30
+        )
+        supervisor.spawn(
+            "consumer-check",
+            partial(check_consumers, consumers.check, settings.consumer_check_s),
+            required=False,
+        )
+        change_log.registry.subscribe(consumers.changes.on_change)
         supervisor.spawn("telemetry", parts.telemetry.run, stall_s=30)
         supervisor.spawn("consumers", consumers.run)
         supervisor.spawn("unroutable", partial(_consume_unroutable, broker, consumers, parts.handler))
@@ -237,7 +247,7 @@ async def dispatching(
             await consumers.stop_intake()
             await supervisor.stop("consumers", "unroutable", "breaker-leases", "prefetch", "consumer-check")
             # 2. let in-flight deliveries finish and settle within the grace period;
-            cancelled = await consumers.drain(settings.shutdown_grace_s)
+            cancelled = await consumers.handling.drain(settings.shutdown_grace_s)
             log.info("dispatcher_drained", cancelled=cancelled)
             # 3. the last telemetry (its final flush runs as it stops, with a heartbeat saying this
             #    replica is going: nobody waits for it to apply the change log any more), then the followers;
@@ -314,7 +324,7 @@ async def serve(settings: DispatcherSettings, stopping: asyncio.Event) -> None:
             ):
                 log.info("dispatcher_ready", endpoints=len(endpoint_registry))
                 await stopping.wait()
-                log.info("dispatcher_stopping", consuming=consumers.consuming)
+                log.info("dispatcher_stopping", consuming=consumers.own_queues.consuming)
         finally:
             await supervisor.stop()
             await publisher.close()

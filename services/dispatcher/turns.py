@@ -2,7 +2,7 @@
 
 A lane message holds its place in the lane's window while it waits here, so a wait is bounded: a copy
 that has not had its turn within its ``timeout_s`` is told so (the handler then decides whether its
-endpoint is backlogged, handler.py). In a backlog nearly every copy a replica holds waits, so the waits
+endpoint is backlogged, lanes.py). In a backlog nearly every copy a replica holds waits, so the waits
 share one timer per endpoint (the soonest deadline's), and a turn passes straight from the copy that
 leaves it to the next in line: an ``asyncio.timeout`` and a semaphore per copy cost one dispatcher
 draining a backlog about a tenth of its CPU (docs/decisions.md).

@@ -18,7 +18,7 @@ from support.receiver import Received, Receiver, Reply
 from support.system import System, tenant
 from support.waiting import eventually
 
-from hookline.dispatcher.handler import HELD_RECHECK_S
+from hookline.dispatcher.lanes import HELD_RECHECK_S
 from hookline.shared.broker import topology
 
 pytestmark = pytest.mark.e2e

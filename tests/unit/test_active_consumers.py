@@ -7,7 +7,7 @@ from typing import cast
 import pytest
 from aio_pika.abc import AbstractChannel
 
-from hookline.dispatcher.consumers import Mode, _Active, _Consumer, _Wanted
+from hookline.dispatcher.ownqueues import Mode, _Active, _Consumer, _Wanted
 
 CHANNEL = cast(AbstractChannel, object())
 

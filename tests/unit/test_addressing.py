@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from hookline.dispatcher.handler import carried_headers
+from hookline.dispatcher.settling import carried_headers
 from hookline.shared.broker import topology
 from hookline.shared.contracts import addressing
 from hookline.shared.contracts.headers import Header

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from hookline.dispatcher.handler import holds_its_lane
+from hookline.dispatcher.lanes import holds_its_lane
 
 PER_ENDPOINT = 32
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from hookline.dispatcher.handler import HELD_RECHECK_S, held_wait_s
+from hookline.dispatcher.lanes import HELD_RECHECK_S, held_wait_s
 from hookline.shared.contracts.control import BreakerCommand, BreakerState
 
 NOW_S = 1_000_000.0
