@@ -2,7 +2,7 @@
 built with the endpoint's id and sent to its address, never dropped.
 
 An endpoint's address is its queue of its own while it has one, else its tenant's lane
-(:meth:`~hookline.shared.state.registry.EndpointRegistry.address`). Every such message goes through the delay
+(:meth:`~hookline.shared.state.placementbook.PlacementBook.address`). Every such message goes through the delay
 hierarchy, straight to its last exchange when it is not to wait (``hookline.delay.delivery``), whose
 routing key names the queue: a queue that no longer exists (removed once drained, or deleted by hand)
 makes the message unroutable, and the exchange's alternate keeps it in ``hookline.delay.unroutable``,
