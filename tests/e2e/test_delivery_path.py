@@ -1,4 +1,6 @@
-"""An event's whole path: ingest or AMQP → ``events`` → endpoint queue → dispatcher → signed POST."""
+"""An event's whole path: ingest or AMQP → ``events`` → endpoint queue → dispatcher → signed POST; and
+garbage published to AMQP, dead-lettered by the dispatcher with the reason (moved here from
+test_bad_input.py, whose API refusals are integration tests now)."""
 
 from __future__ import annotations
 
@@ -7,7 +9,7 @@ import json
 
 import pytest
 from standardwebhooks.webhooks import Webhook
-from support.amqp import event, publish_event
+from support.amqp import event, publish_event, read_stream
 from support.receiver import Receiver
 from support.system import System, tenant
 from support.waiting import eventually
@@ -135,3 +137,64 @@ async def test_a_dispatcher_started_later_knows_every_endpoint(system: System, r
     system.start_dispatcher("dispatcher-late")
     delivered = await receiver.wait_for(1, path="/late")
     assert delivered[0].headers["webhook-id"] == "evt_late_1"
+
+
+GARBAGE = [
+    ("not-json", b"this is not json", {}),
+    (
+        "wrong-type",
+        json.dumps({"id": "evt_g2", "type": 5, "tenant": "T", "occurred_at": "x", "data": 1}).encode(),
+        {},
+    ),
+    ("no-message-id", None, {"message_id": None}),
+    ("wrong-content-type", None, {"content_type": "text/plain"}),
+    ("huge", b'{"blob": "' + b"x" * 400_000 + b'"}', {}),
+    ("unicode", '{"id": "evt_\u202e\U0001f4a5", "type": "order.created"}'.encode(), {}),
+]
+
+
+async def test_garbage_published_to_amqp_is_dead_lettered_with_the_reason(
+    system: System, receiver: Receiver
+) -> None:
+    acme = tenant()
+    endpoint = system.add_endpoint(acme, receiver.url("/garbage"), ["order.*"])
+    for label, body, properties in GARBAGE:
+        valid = event(acme, "order.created", f"evt_{label}")
+        payload = json.dumps(valid).encode() if body is None else body
+        props = {"message_id": f"evt_{label}", **properties}
+        await publish_event(system.amqp_url, payload, f"{acme}.order.created", **props)
+    # The dispatchers keep running: a valid event published afterwards is delivered.
+    await publish_event(
+        system.amqp_url, event(acme, "order.created", "evt_after_garbage"), f"{acme}.order.created"
+    )
+    delivered = await receiver.wait_for(1, path="/garbage")
+    assert [r.headers["webhook-id"] for r in delivered] == ["evt_after_garbage"]
+
+    dead = await read_stream(system.amqp_url, "hookline.dead-letters", at_least=len(GARBAGE))
+    mine = [m for m in dead if (m.headers or {}).get("x-hookline-endpoint-id") == endpoint["id"]]
+    assert len(mine) == len(GARBAGE)
+    reasons = {m.message_id: m.headers for m in mine}
+    assert all(headers["x-hookline-reason"] == "invalid_event" for headers in reasons.values())
+    by_error = sorted(str(headers["x-hookline-last-error"]) for headers in reasons.values())
+    for expected in (
+        "Invalid JSON",
+        "type: Input should be a valid string",
+        "differs from the body's id",  # aio-pika fills in a random message_id; unit tests cover None
+        "content_type must be application/json",
+        "over the limit",
+        "id: String should match pattern",
+    ):
+        assert any(expected in error for error in by_error), (expected, by_error)
+    # The original bytes are kept for inspection.
+    assert any(m.body == b"this is not json" for m in mine)
+
+    def invalid_lines() -> list[dict[str, object]]:
+        return [
+            line
+            for line in (json.loads(raw) for raw in system.logs().splitlines() if raw.startswith("{"))
+            if line.get("event") == "event_invalid" and line.get("endpoint_id") == endpoint["id"]
+        ]
+
+    # Logged as each is dead-lettered: all there once the dead letters are.
+    await eventually(lambda: asyncio.to_thread(lambda: len(invalid_lines()) >= len(GARBAGE)))
+    assert len(invalid_lines()) == len(GARBAGE), "each invalid message is logged once"
