@@ -1,14 +1,20 @@
 """An event's whole path: ingest or AMQP → ``events`` → endpoint queue → dispatcher → signed POST; and
-garbage published to AMQP, dead-lettered by the dispatcher with the reason (moved here from
-test_bad_input.py, whose API refusals are integration tests now)."""
+what the path refuses: garbage published to AMQP, dead-lettered by the dispatcher with the reason
+(from test_bad_input.py), and the event-type catalog's validation off, warn or enforce (a 422 naming the
+JSON pointer over HTTP, an ``invalid_event`` dead letter naming it over AMQP; from test_event_types.py).
+The API refusals and the catalog's management are integration tests (tests/integration/test_bad_input.py,
+test_event_type_catalog.py)."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+from typing import Any
 
+import httpx
 import pytest
 from standardwebhooks.webhooks import Webhook
+from support import services
 from support.amqp import event, publish_event, read_stream
 from support.receiver import Receiver
 from support.system import System, tenant
@@ -198,3 +204,134 @@ async def test_garbage_published_to_amqp_is_dead_lettered_with_the_reason(
     # Logged as each is dead-lettered: all there once the dead letters are.
     await eventually(lambda: asyncio.to_thread(lambda: len(invalid_lines()) >= len(GARBAGE)))
     assert len(invalid_lines()) == len(GARBAGE), "each invalid message is logged once"
+
+
+PAYMENT_SCHEMA = {
+    "type": "object",
+    "required": ["payment_id", "amount"],
+    "properties": {"payment_id": {"type": "string"}, "amount": {"type": "integer", "minimum": 1}},
+}
+
+
+def api_client(system: System, token: str = services.TOKEN) -> httpx.AsyncClient:
+    return httpx.AsyncClient(
+        base_url=system.ingest.base_url, headers={"authorization": f"Bearer {token}"}, timeout=30
+    )
+
+
+def typed_event(
+    acme: str, event_type: str, event_id: str, data: dict[str, Any], **fields: Any
+) -> dict[str, Any]:
+    return {
+        "id": event_id,
+        "tenant": acme,
+        "type": event_type,
+        "occurred_at": "2026-12-01T00:00:00Z",
+        "data": data,
+        **fields,
+    }
+
+
+def arrived(receiver: Receiver, path: str) -> list[str]:
+    return [json.loads(r.body)["id"] for r in receiver.requests if r.path == path]
+
+
+async def test_validation_off_warn_and_enforce(system: System, receiver: Receiver) -> None:
+    acme = tenant()
+    async with api_client(system) as api:
+        created = await api.post(
+            "/v1/event-types",
+            json={"name": "payment.captured", "description": "A payment was captured.", "schemas": {"1": PAYMENT_SCHEMA},
+                  "examples": [{"payment_id": "p_1", "amount": 100}], "validation": "enforce"},
+        )  # fmt: skip
+        assert created.status_code == 201, created.text
+        assert created.headers["etag"] == '"1"'
+        again = await api.post("/v1/event-types", json={"name": "payment.captured"})
+        assert again.status_code == 409, again.text
+    system.add_endpoint(acme, receiver.url("/payments"), ["payment.*"])
+
+    async with api_client(system) as api:
+        good = await api.post(
+            "/v1/events",
+            json=typed_event(acme, "payment.captured", f"evt_ok_{acme}", {"payment_id": "p", "amount": 5}),
+        )
+        bad = await api.post(
+            "/v1/events",
+            json=typed_event(acme, "payment.captured", f"evt_bad_{acme}", {"payment_id": "p", "amount": 0}),
+        )
+        old = await api.post(
+            "/v1/events", json=typed_event(acme, "payment.captured", f"evt_v2_{acme}", {}, schema_version=2)
+        )
+    assert good.status_code == 202, good.text
+    assert good.json()["warnings"] == []
+    assert bad.status_code == 422, bad.text
+    assert bad.json()["error"] == "invalid_event"
+    assert [d["field"] for d in bad.json()["details"]] == ["/data/amount"]
+    assert old.status_code == 422, old.text
+    assert [d["field"] for d in old.json()["details"]] == ["/schema_version"]
+
+    # warn (and deprecated): accepted, and the answer says what is wrong; the log names the place only.
+    async with api_client(system) as api:
+        changed = await api.patch(
+            "/v1/event-types/payment.captured",
+            json={"validation": "warn", "deprecated": True},
+            headers={"if-match": '"1"'},
+        )
+        assert changed.status_code == 200, changed.text
+        stale = await api.patch(
+            "/v1/event-types/payment.captured", json={"validation": "off"}, headers={"if-match": '"1"'}
+        )
+        assert stale.status_code == 409, stale.text
+        warned = await api.post(
+            "/v1/events",
+            json=typed_event(
+                acme, "payment.captured", f"evt_warned_{acme}", {"payment_id": "p", "amount": "lots"}
+            ),
+        )
+    assert warned.status_code == 202, warned.text
+    warnings = warned.json()["warnings"]
+    assert any("/data/amount" in w for w in warnings), warnings
+    assert any("deprecated" in w for w in warnings), warnings
+    assert "lots" not in system.ingest.log()
+
+    await eventually(
+        lambda: asyncio.sleep(
+            0, {f"evt_ok_{acme}", f"evt_warned_{acme}"} <= set(arrived(receiver, "/payments"))
+        )
+    )
+    assert f"evt_bad_{acme}" not in arrived(receiver, "/payments")
+
+
+async def test_an_event_published_over_amqp_that_breaks_an_enforced_schema_is_dead_lettered_naming_the_place(
+    system: System, receiver: Receiver
+) -> None:
+    acme = tenant()
+    async with api_client(system) as api:
+        created = await api.post(
+            "/v1/event-types",
+            json={"name": "refund.issued", "schemas": {"1": PAYMENT_SCHEMA}, "validation": "enforce"},
+        )
+        assert created.status_code == 201, created.text
+    endpoint = system.add_endpoint(acme, receiver.url("/refunds"), ["refund.*"])
+    await publish_event(
+        system.amqp_url,
+        typed_event(acme, "refund.issued", f"evt_amqp_bad_{acme}", {"payment_id": 7, "amount": 1}),
+        f"{acme}.refund.issued",
+    )
+    await publish_event(
+        system.amqp_url,
+        typed_event(acme, "refund.issued", f"evt_amqp_ok_{acme}", {"payment_id": "p", "amount": 1}),
+        f"{acme}.refund.issued",
+    )
+
+    async def dead() -> list[dict[str, Any]] | None:
+        async with api_client(system) as api:
+            page = (await api.get("/v1/dead-letters", params={"endpoint_id": endpoint["id"]})).json()
+        return page["data"] or None
+
+    [letter] = await eventually(dead)
+    assert letter["event_id"] == f"evt_amqp_bad_{acme}"
+    assert letter["reason"] == "invalid_event"
+    assert "/data/payment_id" in letter["last_error"]
+    await eventually(lambda: asyncio.sleep(0, f"evt_amqp_ok_{acme}" in arrived(receiver, "/refunds")))
+    assert f"evt_amqp_bad_{acme}" not in arrived(receiver, "/refunds")

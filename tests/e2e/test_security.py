@@ -1,13 +1,22 @@
-"""Endpoint lifecycle and security with the real services: verification, rotation, sealed secrets,
-tenant-scoped tokens. The whole module runs with HOOKLINE_SECRET_KEY set (secrets sealed at rest)."""
+"""Endpoint lifecycle and security with the real services: verification, rotation, sealed secrets, a
+dispatcher refusing a wrong key; and per-endpoint headers and auth as a customer whose receiver sits
+behind an API gateway sees them (from test_endpoint_auth.py): its own headers and credentials on every
+delivery (basic, bearer, an OAuth2 client-credentials token fetched once, refreshed on a 401 without
+spending an attempt), never shown back by the API, sealed at rest. The whole module runs with
+HOOKLINE_SECRET_KEY set (secrets sealed at rest). At the API alone (integration tests): tenant-scoped
+tokens, tests/integration/test_tenant_tokens.py; reserved headers and bad auth refused,
+tests/integration/test_endpoint_auth.py.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
+from urllib.parse import parse_qs
 
 import httpx
 import pytest
@@ -123,48 +132,173 @@ def test_a_dispatcher_with_the_wrong_key_refuses_to_start(
     wrong.stop()
 
 
-def test_a_tenant_token_sees_and_publishes_for_its_tenant_only(system: System) -> None:
-    other = system.add_endpoint("globex", "http://127.0.0.1:9/x", ["#"])
-    mine = system.add_endpoint("acme", "http://127.0.0.1:9/y", ["#"])
-    headers = {"authorization": f"Bearer {TENANT_TOKEN}"}
-    with httpx.Client(base_url=system.ingest.base_url, headers=headers, timeout=30) as api:
-        listed = api.get("/v1/endpoints").json()["data"]
-        assert {item["tenant"] for item in listed} == {"acme"}
-        assert mine["id"] in {item["id"] for item in listed}
-        assert api.get("/v1/endpoints", params={"tenant": "globex"}).status_code == 403
-        assert api.get(f"/v1/endpoints/{other['id']}").status_code == 404, (
-            "another tenant's endpoint is not found"
-        )
-        assert api.delete(f"/v1/endpoints/{other['id']}").status_code == 404
-        assert (
-            api.post(
-                f"/v1/endpoints/{other['id']}/replay", json={"since": "2026-01-01T00:00:00Z"}
-            ).status_code
-            == 404
-        )
-        created = api.post(
-            "/v1/endpoints", json={"tenant": "globex", "url": "http://127.0.0.1:9/z", "event_types": ["#"]}
-        )
-        assert created.status_code == 403
-        assert created.json()["error"] == "forbidden"
-        published = api.post("/v1/events", json={"tenant": "globex", "type": "a.b", "data": {}})
-        assert published.status_code == 403
-        assert api.post("/v1/events", json={"tenant": "acme", "type": "a.b", "data": {}}).status_code == 202
-        dead: dict[str, Any] = api.get("/v1/dead-letters").json()
-        assert all(item["tenant"] == "acme" for item in dead["data"])
+def client(system: System) -> httpx.AsyncClient:
+    return httpx.AsyncClient(
+        base_url=system.ingest.base_url, headers={"authorization": f"Bearer {services.TOKEN}"}, timeout=30
+    )
 
 
-def test_only_the_admin_may_skip_verification(system: System) -> None:
-    mine = system.add_endpoint("acme", "http://127.0.0.1:9/unverified-by-admin", ["#"])
-    assert mine["verified"] is True  # the admin skipped the handshake
-    headers = {"authorization": f"Bearer {TENANT_TOKEN}"}
-    with httpx.Client(base_url=system.ingest.base_url, headers=headers, timeout=30) as api:
-        spec = {"tenant": "acme", "url": "http://127.0.0.1:9/third-party", "event_types": ["#"]}
-        created = api.post("/v1/endpoints", json={**spec, "verify": False})
-        assert created.status_code == 403
-        assert created.json()["error"] == "forbidden"
-        assert "verify" in created.json()["message"]
-        moved = api.patch(f"/v1/endpoints/{mine['id']}", json={"url": spec["url"], "verify": False})
-        assert moved.status_code == 403
-        # Verified (the default), the tenant may register it: the handshake decides.
-        assert api.post("/v1/endpoints", json=spec).status_code == 201
+async def publish(system: System, acme: str, event_id: str) -> None:
+    async with client(system) as api:
+        answer = await api.post(
+            "/v1/events", json={"id": event_id, "tenant": acme, "type": "order.created", "data": {}}
+        )
+    assert answer.status_code == 202, answer.text
+
+
+def arrived(receiver: Receiver, path: str, event_id: str) -> list[Received]:
+    return [
+        r for r in receiver.requests if r.path == path and json.loads(r.body or b"{}").get("id") == event_id
+    ]
+
+
+async def test_headers_and_basic_auth_go_with_every_delivery_and_are_never_shown(
+    system: System, receiver: Receiver
+) -> None:
+    acme = tenant()
+    endpoint = system.add_endpoint(
+        acme, receiver.url("/basic"), ["order.*"],
+        headers={"X-Gateway-Key": "gw-secret-1", "X-Team": "payments"},
+        auth={"type": "basic", "username": "hook", "password": "pa55-word"},
+    )  # fmt: skip
+    assert endpoint["headers"] == ["X-Gateway-Key", "X-Team"]
+    assert endpoint["auth"] == {
+        "type": "basic", "username": "hook", "client_id": None, "token_url": None, "scope": None, "audience": None,
+    }  # fmt: skip
+    await publish(system, acme, f"evt_basic_{acme}")
+    await eventually(lambda: asyncio.sleep(0, bool(arrived(receiver, "/basic", f"evt_basic_{acme}"))))
+    [delivery] = arrived(receiver, "/basic", f"evt_basic_{acme}")
+    assert delivery.headers["x-gateway-key"] == "gw-secret-1"
+    assert delivery.headers["x-team"] == "payments"
+    assert delivery.headers["authorization"] == "Basic " + base64.b64encode(b"hook:pa55-word").decode()
+    assert delivery.headers["webhook-signature"].startswith("v1,")  # still signed
+
+    # Never shown back, nor kept in the clear: the endpoint change log holds them sealed.
+    async with client(system) as api:
+        shown = [
+            (await api.get(f"/v1/endpoints/{endpoint['id']}")).text,
+            (await api.get(f"/v1/endpoints?tenant={acme}")).text,
+        ]
+    for text in shown:
+        assert "gw-secret-1" not in text
+        assert "pa55-word" not in text
+    log = system.logs()
+    assert "gw-secret-1" not in log
+    assert "pa55-word" not in log
+
+    # PATCH replaces them: a bearer token instead, and no headers.
+    async with client(system) as api:
+        changed = await api.patch(
+            f"/v1/endpoints/{endpoint['id']}",
+            json={"headers": None, "auth": {"type": "bearer", "token": "tok-abc"}},
+        )
+    assert changed.status_code == 200, changed.text
+    assert changed.json()["headers"] == []
+    assert changed.json()["auth"]["type"] == "bearer"
+    await publish(system, acme, f"evt_bearer_{acme}")
+    await eventually(lambda: asyncio.sleep(0, bool(arrived(receiver, "/basic", f"evt_bearer_{acme}"))))
+    [bearer] = arrived(receiver, "/basic", f"evt_bearer_{acme}")
+    assert bearer.headers["authorization"] == "Bearer tok-abc"
+    assert "x-gateway-key" not in bearer.headers
+
+
+async def test_an_oauth2_token_is_fetched_once_and_refreshed_on_a_401_within_the_attempt(
+    system: System, receiver: Receiver
+) -> None:
+    """The receiver is its own authorization server: ``/token`` issues tok-1, tok-2, ...; ``/oauth``
+    takes only tokens not revoked. Revoking tok-1 makes the next delivery get a 401, fetch tok-2 and
+    be delivered, all as one attempt."""
+    issued: list[dict[str, Any]] = []
+    revoked: set[str] = set()
+    token_fails = {"on": False}
+
+    def respond(request: Received) -> Reply:
+        if request.path == "/token":
+            if token_fails["on"]:
+                return Reply(status=500)
+            issued.append(
+                {
+                    "form": parse_qs(request.body.decode()),
+                    "authorization": request.headers.get("authorization"),
+                }
+            )
+            token = f"tok-{len(issued)}"
+            return Reply(status=200, headers={"content-type": "application/json"},
+                         body=json.dumps({"access_token": token, "token_type": "Bearer", "expires_in": 3600}).encode())  # fmt: skip
+        if request.path == "/oauth":
+            token = request.headers.get("authorization", "").removeprefix("Bearer ")
+            return Reply(status=204 if token.startswith("tok-") and token not in revoked else 401)
+        return Reply()
+
+    receiver.responder = respond
+    acme = tenant()
+    endpoint = system.add_endpoint(
+        acme, receiver.url("/oauth"), ["order.*"],
+        auth={
+            "type": "oauth2_client_credentials", "token_url": receiver.url("/token"), "client_id": "hookline",
+            "client_secret": "cs-123", "scope": "webhooks:write",
+        },
+        retry_schedule_s=[3, 3, 3, 3, 3],  # room to see the failed attempt before the retry that succeeds
+    )  # fmt: skip
+    assert endpoint["auth"]["client_id"] == "hookline"
+    assert "cs-123" not in json.dumps(endpoint)
+
+    def accepted(event_id: str) -> bool:
+        return any(
+            r.headers.get("authorization", "").removeprefix("Bearer ") not in revoked
+            for r in arrived(receiver, "/oauth", event_id)
+        )
+
+    async def course(event_id: str) -> dict[str, Any] | None:
+        async with client(system) as api:
+            story = (await api.get(f"/v1/events/{event_id}")).json()
+        mine = [c for c in story.get("endpoints", []) if c["endpoint_id"] == endpoint["id"]]
+        return mine[0] if mine else None
+
+    # Until both dispatchers have delivered (each then holds a token of its own).
+    delivered_by: set[str] = set()
+    for n in range(40):
+        event_id = f"evt_oauth_{n}_{acme}"
+        await publish(system, acme, event_id)
+        await eventually(lambda: asyncio.sleep(0, accepted(event_id)))  # noqa: B023 - awaited here
+        found = await eventually(lambda: course(event_id))  # noqa: B023
+        delivered_by |= {a["dispatcher_id"] for a in found["attempts"]}
+        if len(delivered_by) == len(system.dispatchers):
+            break
+    assert len(delivered_by) == len(system.dispatchers)
+    # One token per dispatcher, never one per delivery.
+    assert len(issued) == len(system.dispatchers)
+    assert issued[0]["form"] == {"grant_type": ["client_credentials"], "scope": ["webhooks:write"]}
+    assert issued[0]["authorization"] == "Basic " + base64.b64encode(b"hookline:cs-123").decode()
+
+    revoked.update(f"tok-{n}" for n in range(1, len(issued) + 1))
+    after_revocation = f"evt_oauth_after_{acme}"
+    await publish(system, acme, after_revocation)
+    await eventually(lambda: asyncio.sleep(0, accepted(after_revocation)))
+    statuses = [
+        401 if r.headers["authorization"].removeprefix("Bearer ") in revoked else 204
+        for r in arrived(receiver, "/oauth", after_revocation)
+    ]
+    assert statuses == [401, 204]  # refused, a new token fetched, sent again
+
+    # One attempt, delivered: the refresh spent none.
+    async def delivered(event_id: str) -> list[dict[str, Any]] | None:
+        found = await course(event_id)
+        return found["attempts"] if found and found["state"] == "delivered" else None
+
+    [attempt] = await eventually(lambda: delivered(after_revocation))
+    assert attempt["status"] == 204
+
+    # A token URL that fails: the attempt fails as "auth" and is retried like any failure.
+    token_fails["on"] = True
+    revoked.update(f"tok-{n}" for n in range(1, len(issued) + 1))
+    failing = f"evt_oauth_failing_{acme}"
+    await publish(system, acme, failing)
+
+    async def failed_for_auth() -> bool:
+        found = await course(failing)
+        return found is not None and any(a["error"] == "auth" for a in found["attempts"])
+
+    await eventually(failed_for_auth)
+    token_fails["on"] = False
+    await eventually(lambda: asyncio.sleep(0, accepted(failing)), timeout_s=30)
