@@ -160,19 +160,3 @@ async def test_slack_format_dead_letters_failing_and_recovered(system: System, r
     mode["status"] = 200  # the receiver is fixed: a probe succeeds, the breaker closes
     recovered = await notified(receiver, "/slack", "endpoint.recovered")
     assert "mend" in json.loads(recovered.body)["text"]
-
-
-async def test_the_operator_tenant_is_reserved(system: System) -> None:
-    with system.api() as api:
-        event = await asyncio.to_thread(
-            api.post, "/v1/events", json={"tenant": "hookline", "type": "hookline.notification", "data": {}}
-        )
-        endpoint = await asyncio.to_thread(
-            api.post,
-            "/v1/endpoints",
-            json={"tenant": "hookline", "url": "http://127.0.0.1:9/x", "event_types": ["#"], "verify": False},
-        )
-    assert event.status_code == 422, event.text
-    assert "reserved" in event.json()["message"]
-    assert endpoint.status_code == 422, endpoint.text
-    assert "reserved" in json.dumps(endpoint.json())

@@ -1,8 +1,10 @@
 """Bad input to the API gets a clear answer naming the problem (the ingest in-process, on the real
-broker). What is published to AMQP as garbage is dead-lettered by a dispatcher: tests/e2e/test_delivery_path.py."""
+broker), the operator's reserved tenant among it (from e2e test_notifications.py). What is published to
+AMQP as garbage is dead-lettered by a dispatcher: tests/e2e/test_delivery_path.py."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import Iterator
 
@@ -116,3 +118,19 @@ def test_http_urls_are_refused_unless_allowed(strict_ingest: InProcessIngest) ->
     assert response.json()["details"] == [
         {"field": "url", "message": "only https URLs are allowed (HOOKLINE_ALLOW_HTTP is off)"}
     ]
+
+
+async def test_the_operator_tenant_is_reserved(system: IngestSystem) -> None:
+    with system.api() as api:
+        event = await asyncio.to_thread(
+            api.post, "/v1/events", json={"tenant": "hookline", "type": "hookline.notification", "data": {}}
+        )
+        endpoint = await asyncio.to_thread(
+            api.post,
+            "/v1/endpoints",
+            json={"tenant": "hookline", "url": "http://127.0.0.1:9/x", "event_types": ["#"], "verify": False},
+        )
+    assert event.status_code == 422, event.text
+    assert "reserved" in event.json()["message"]
+    assert endpoint.status_code == 422, endpoint.text
+    assert "reserved" in json.dumps(endpoint.json())
