@@ -1,6 +1,6 @@
 """SSRF protection at registration, by the ingest (in-process, on the real broker): private targets
 are refused naming the reason, and a name is refused without saying what it resolves to. The refusal at
-delivery time, by a dispatcher, is tests/e2e/test_ssrf.py."""
+delivery time, by a dispatcher, is in tests/e2e/test_security.py."""
 
 from __future__ import annotations
 
