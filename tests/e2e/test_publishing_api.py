@@ -5,11 +5,11 @@ Idempotency-Key) accepted once is answered 200 ``duplicate`` afterwards, on anot
 after a restart, and is delivered once; the same key with another request is refused. In batches: up to
 500 events in one request, a result per item, a bad item refused alone.
 
-And (from test_receiver_library.py): hookline.receiver as a customer runs it: a FastAPI app on 127.0.0.1 (uvicorn, in this process) is the
-endpoint of real deliveries from the running system. Each event's handler runs once, including one whose
-handler failed once (answered 500, retried by hookline); a captured delivery replayed byte for byte and
-hookline's own resend (same webhook-id, new signature) are answered 2xx without running the handler; a
-forged or tampered request is refused 401 and runs nothing.
+And (from test_receiver_library.py): hookline.receiver as a customer runs it: a FastAPI app on 127.0.0.1
+(uvicorn, in this process) is the endpoint of real deliveries from the running system. Each event's
+handler runs once, including one whose handler failed once (answered 500, retried by hookline); a
+captured delivery replayed byte for byte and hookline's own resend (same webhook-id, new signature) are
+answered 2xx without running the handler; a forged or tampered request is refused 401 and runs nothing.
 """
 
 from __future__ import annotations
