@@ -33,6 +33,9 @@ router = APIRouter(prefix="/v1/endpoints", tags=["endpoints"])
 # The stream attaches a time-based start to a chunk with one-second accuracy: start a little earlier
 # and filter exactly.
 _SEEK_MARGIN = timedelta(seconds=2)
+#: The earliest start a stream takes (an AMQP timestamp counts seconds from the Unix epoch): a replay
+#: since an earlier time reads the log from its first event (the fuzzer's year 511 was a 500).
+_EARLIEST_START = datetime(1970, 1, 1, tzinfo=UTC) + _SEEK_MARGIN
 REPLAY_TIMEOUT_S = 300.0
 
 
@@ -101,7 +104,7 @@ async def replay(endpoint_id: str, request: ReplayRequest, state: State, caller:
         state.publisher,
         topology.EVENT_LOG,
         collect,
-        start=request.since - _SEEK_MARGIN,
+        start=max(request.since, _EARLIEST_START) - _SEEK_MARGIN,
         timeout_s=REPLAY_TIMEOUT_S,
     )
     sent = await resend(

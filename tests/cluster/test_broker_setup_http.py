@@ -88,7 +88,7 @@ def test_broker_setup_through_the_management_api(management_node: str) -> None:
     # The ingest's user declares the topology (as the ingest does), then the upstream publishes.
     from hookline.shared.broker import topology
     from hookline.shared.broker.amqp import Broker
-    from hookline.shared.runtime.settings import Retention
+    from hookline.shared.broker.topology import Retention
 
     async def run() -> None:
         ingest_url = f"amqp://hookline-ingest:ingest-password-0123456789@127.0.0.1:{PORT}/hookline"

@@ -38,8 +38,10 @@ def own_system(
     rabbitmq: Broker, tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest
 ) -> Iterator[System]:
     """A system for one test: one that kills, stops or restarts a service leaves the module's system
-    whole for the tests after it."""
+    whole for the tests after it. Its settings are the module's SYSTEM_ENV, or those of the test's
+    ``system_env`` mark (a test that needs settings of its own, in a module that covers its area)."""
     label = re.sub(r"[^a-z0-9]+", "-", request.node.name.lower()).strip("-")[:60]
-    settings = getattr(request.module, "SYSTEM_ENV", {})
+    own = request.node.get_closest_marker("system_env")
+    settings = own.args[0] if own is not None else getattr(request.module, "SYSTEM_ENV", {})
     with running_system(rabbitmq, tmp_path_factory.mktemp("logs"), label, settings) as running:
         yield running

@@ -5,7 +5,8 @@ a 410, the health monitor disabling after a breaker stayed open) used to write a
 endpoint as it had read it earlier; the change log applied the later write, so whatever another writer
 had changed in between (a rotated secret, an edit) was lost without anyone being told. Each test here
 makes two writers race for real and checks that both changes are in the end state, or that the loser
-was told (409).
+was told (409). Conditional API writes among themselves (If-Match) are
+tests/integration/test_conditional_writes.py.
 
 Times are shrunk through settings: 3 consecutive failures open a breaker, the first cooldown is 1 s,
 and an endpoint whose breaker stays open 4 s is disabled.
@@ -166,59 +167,6 @@ async def test_a_rotation_during_a_verification_handshake_survives_it(
     Webhook(rotated).verify(delivered.body, delivered.headers)
     with pytest.raises(WebhookVerificationError):
         Webhook(first_secret).verify(delivered.body, delivered.headers)
-
-
-async def test_conditional_api_writes_let_exactly_one_of_concurrent_changes_win(system: System) -> None:
-    """``If-Match`` with the ``ETag`` of a read makes a change conditional: of ten concurrent changes
-    based on one version exactly one applies and nine are told 409 ``endpoint_changed``; a change based
-    on an older version is refused; without ``If-Match`` a change still applies. The version counts
-    applied changes only."""
-    endpoint = system.add_endpoint(tenant(), "http://127.0.0.1:9/conditional", ["#"])
-    path = f"/v1/endpoints/{endpoint['id']}"
-    with system.api() as api:
-        read = api.get(path)
-    base = read.json()["version"]
-    assert read.headers["etag"] == f'"{base}"'
-
-    headers = {"authorization": f"Bearer {services.TOKEN}", "if-match": read.headers["etag"]}
-    async with httpx.AsyncClient(base_url=system.ingest.base_url, headers=headers, timeout=30) as client:
-        answers = await asyncio.gather(
-            *(client.patch(path, json={"description": f"writer {n}"}) for n in range(10))
-        )
-    assert sorted(answer.status_code for answer in answers) == [200] + [409] * 9, [a.text for a in answers]
-    [winner] = [answer for answer in answers if answer.status_code == 200]
-    assert all(a.json()["error"] == "endpoint_changed" for a in answers if a.status_code == 409)
-    assert winner.json()["version"] == base + 1
-    assert winner.headers["etag"] == f'"{base + 1}"'
-
-    with system.api() as api:
-        stored = api.get(path)
-        assert (stored.json()["description"], stored.json()["version"]) == (
-            winner.json()["description"],
-            base + 1,
-        )
-        assert stored.headers["etag"] == f'"{base + 1}"'
-
-        # Based on a version that is no longer current: refused, nothing changes.
-        stale = api.patch(path, json={"description": "stale"}, headers={"if-match": read.headers["etag"]})
-        assert (stale.status_code, stale.json()["error"]) == (409, "endpoint_changed")
-        stale_rotation = api.post(f"{path}/rotate-secret", headers={"if-match": f'"{base}"'})
-        assert (stale_rotation.status_code, stale_rotation.json()["error"]) == (409, "endpoint_changed")
-        assert api.post(f"{path}/pause", headers={"if-match": f'"{base}"'}).status_code == 409
-        assert api.patch(path, json={"description": "x"}, headers={"if-match": "soon"}).status_code == 400
-        unchanged = api.get(path).json()
-        assert (unchanged["description"], unchanged["version"]) == (winner.json()["description"], base + 1)
-
-        # Without If-Match: based on what the request read, and applied.
-        free = api.patch(path, json={"description": "no if-match"})
-        assert free.status_code == 200, free.text
-        assert free.json()["version"] == base + 2
-        # The current version, weak or strong, is accepted.
-        weak = api.patch(path, json={"description": "weak"}, headers={"if-match": f'W/"{base + 2}"'})
-        assert (weak.status_code, weak.json()["version"]) == (200, base + 3)
-        final = api.get(path)
-    assert (final.json()["description"], final.json()["version"]) == ("weak", base + 3)
-    assert final.headers["etag"] == f'"{base + 3}"'
 
 
 async def test_a_410_disable_keeps_a_rotation_and_edits_made_during_the_attempt(

@@ -1,8 +1,13 @@
-"""Faults lose nothing: a dispatcher killed mid-work, endpoints that hang or drop the connection."""
+"""Faults lose nothing: a dispatcher killed mid-work, endpoints that hang or drop the connection.
+
+And (from test_control_plane.py, on a system of its own with that module's settings): the control plane
+under operations: broker restarts and closed connections with breakers open.
+"""
 
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import httpx
 import pytest
@@ -130,3 +135,55 @@ async def ready_within(service: services.Service, *, timeout_s: float) -> None:
         return answer.status_code == 200
 
     await eventually(ready, timeout_s=timeout_s, every_s=0.5, explain=lambda: f"{service.name}: {said}")
+
+
+CONTROL_PLANE_ENV = {
+    "HOOKLINE_BREAKER_FAILURE_THRESHOLD": "3",
+    "HOOKLINE_BREAKER_COOLDOWN_S": "5",
+    "HOOKLINE_TICK_S": "0.2",
+    "HOOKLINE_QUEUE_POLL_S": "0.5",
+    "HOOKLINE_RETRY_SCHEDULE_S": "1",
+}
+
+
+def health(system: System, endpoint_id: str) -> dict[str, Any] | None:
+    try:
+        with system.monitor_api() as api:
+            response = api.get(f"/v1/endpoints/{endpoint_id}/health")
+    except httpx.HTTPError:
+        return None
+    return response.json() if response.status_code == 200 else None
+
+
+async def wait_breaker(system: System, endpoint_id: str, state: str, timeout_s: float = 30) -> None:
+    async def reached() -> bool:
+        view = await asyncio.to_thread(health, system, endpoint_id)
+        return view is not None and view["breaker_state"] == state
+
+    await eventually(reached, timeout_s=timeout_s)
+
+
+@pytest.mark.system_env(CONTROL_PLANE_ENV)
+async def test_an_open_breaker_closes_after_a_broker_restart(
+    own_system: System, receiver: Receiver, rabbitmq: Broker
+) -> None:
+    system = own_system  # the settings of its own (system_env)
+    acme = tenant()
+    failing = True
+    receiver.responder = lambda _: Reply(status=500 if failing else 204)
+    endpoint = system.add_endpoint(acme, receiver.url("/restarted"), ["#"])
+    for n in range(10):
+        await publish_event(system.amqp_url, event(acme, "a.b", f"evt_waiting_{n}"), f"{acme}.a.b")
+    await wait_breaker(system, endpoint["id"], "open")
+
+    await rabbitmq.restart_app(down_s=3)  # stop_app; sleep 3; start_app, as in the report
+    failing = False
+
+    # The cooldown ends, a probe succeeds, the breaker closes and every waiting event is delivered.
+    await wait_breaker(system, endpoint["id"], "closed", timeout_s=90)
+
+    async def all_delivered() -> bool:
+        ok = {r.headers["webhook-id"] for r in receiver.requests if r.path == "/restarted"}
+        return ok >= {f"evt_waiting_{n}" for n in range(10)}
+
+    await eventually(all_delivered, timeout_s=60)

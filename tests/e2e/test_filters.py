@@ -1,6 +1,7 @@
 """Endpoint filters and transforms end to end: a CEL expression set on an endpoint (refused, naming where, when it is
 wrong), tried against an event, and applied where events are fanned out, so that the endpoint receives
-exactly the events it matches and no copy of the others is made for it."""
+exactly the events it matches and no copy of the others is made for it. A polling endpoint's filter
+(no dispatcher involved) is tests/integration/test_filter_polling.py."""
 
 from __future__ import annotations
 
@@ -206,32 +207,6 @@ async def test_an_ordered_endpoint_applies_its_filter_on_its_direct_route(
 
     await eventually(sentinel, timeout_s=30)
     assert arrived() == [n for n, amount in enumerate(amounts) if amount >= 1000]
-
-
-async def test_a_polling_endpoint_fetches_only_what_its_filter_matches(system: System) -> None:
-    created = await api(
-        system, "POST", "/v1/endpoints",
-        json={"tenant": "globex", "kind": "polling", "event_types": ["order.*"], "filter": "data.amount >= 1000"},
-    )  # fmt: skip
-    assert created.status_code == 201, created.text
-    polling = created.json()
-    amounts = [500, 1500, 900, 2500, 1000]
-    for n, amount in enumerate(amounts):
-        published = await api(
-            system, "POST", "/v1/events",
-            json={"tenant": "globex", "type": "order.created", "subject": f"p_{n}", "data": {"amount": amount}},
-        )  # fmt: skip
-        assert published.status_code == 202, published.text
-
-    async def fetched() -> list[str] | None:
-        async with httpx.AsyncClient(
-            base_url=system.ingest.base_url, headers={"authorization": f"Bearer {polling['poll_token']}"}
-        ) as client:
-            page = (await client.get(f"/v1/endpoints/{polling['id']}/poll", params={"limit": 50})).json()
-        subjects = [json.loads(event["body"])["subject"] for event in page["data"]]
-        return subjects if "p_4" in subjects else None  # the last one published: all are in the log
-
-    assert await eventually(fetched, timeout_s=30) == ["p_1", "p_3", "p_4"]
 
 
 async def test_a_transformed_body_is_sent_signed_as_sent_and_a_runaway_is_dead_lettered(

@@ -7,6 +7,17 @@ and nothing would say so. The real system is started and driven (a success, a re
 canaries) so that the series created on first use exist when it is scraped, with the bearer token
 Prometheus is given; ``/metrics`` answers nothing without it. The compose profile ``observability``
 and the files it mounts are checked as far as can be without a Docker engine.
+
+And (from test_canaries.py, on a system of its own with that module's settings): canaries with the real
+services: the leading monitor publishes one every half second to the canary tenant's endpoint; its
+latency is exported; a failing endpoint fires canary_failed, a slow one canary_late; both resolve once
+canaries arrive again.
+
+And (from test_traces.py, each test on a system of its own with that module's settings): traces, as an
+SRE following one event in their tracing backend: the publisher's ``traceparent`` (over HTTP or as an
+AMQP header) reaches every attempt at the receiver, and with HOOKLINE_OTLP_ENDPOINT set hookline's spans
+(``hookline.publish`` at the ingest, one ``hookline.deliver`` per attempt) are exported over OTLP/HTTP
+to a real collector endpoint, linked parent to child.
 """
 
 from __future__ import annotations
@@ -14,17 +25,25 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import secrets
 import subprocess
+import threading
+import time
 from collections import Counter
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 import yaml
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from prometheus_client.parser import text_string_to_metric_families
 from support import postgres, services
+from support.amqp import publish_event
+from support.monitoring import AUTH, get_json
 from support.receiver import Received, Receiver, Reply
 from support.system import System, tenant
 from support.waiting import eventually
@@ -632,3 +651,229 @@ def test_without_a_metrics_token_the_api_token_reads_the_ingest_and_monitor_metr
         # Stopped here: they serve this test only, and a third dispatcher would share later deliveries.
         codes = {service.name: service.stop() for service in started}
     assert set(codes.values()) == {0}, codes
+
+
+CANARY_ENV = {
+    "HOOKLINE_CANARY_INTERVAL_S": "0.5",
+    "HOOKLINE_CANARY_LATE_S": "3",
+    "HOOKLINE_TICK_S": "0.2",
+    "HOOKLINE_RETRY_SCHEDULE_S": "1",
+    "HOOKLINE_BREAKER_FAILURE_THRESHOLD": "1000",
+}
+
+
+@pytest.mark.system_env(CANARY_ENV)
+async def test_canaries_measure_the_whole_path_and_say_when_it_breaks(
+    own_system: System, receiver: Receiver
+) -> None:
+    system = own_system  # the settings of its own (system_env)
+    status, delay_s = 204, 0.0
+    receiver.responder = lambda _: Reply(status=status, delay_s=delay_s)
+    created_s = time.time()
+    canary = system.add_endpoint("canary", receiver.url("/canary"), ["hookline.canary"])
+
+    async def latency() -> float | None:
+        async with httpx.AsyncClient(base_url=system.monitor.base_url, headers=AUTH, timeout=10) as client:
+            response = await client.get("/metrics")
+        assert response.status_code == 200, response.text
+        text = response.text
+        for line in text.splitlines():
+            if line.startswith("hookline_canary_latency_seconds{") and canary["id"] in line:
+                return float(line.rsplit(" ", 1)[1])
+        return None
+
+    measured = await eventually(latency, timeout_s=20)
+    # Seconds, from a canary published after the endpoint existed to its delivery: no more than the
+    # time since (a stopwatch bound would measure the machine).
+    assert 0 <= measured <= time.time() - created_s
+    arrived = await receiver.wait_for(2, path="/canary")
+    assert all(r.headers["webhook-id"].startswith("evt_") for r in arrived)
+
+    async def firing() -> set[str]:
+        # The canary alerts only: five seconds per canary may also make the endpoint's p95 over five
+        # minutes slow (slow_endpoint), which rightly lasts longer than the canaries' lateness.
+        return {
+            a["alert"]
+            for a in await get_json(system.monitor, "/v1/alerts") or []
+            if a["endpoint_id"] == canary["id"] and a["alert"].startswith("canary_")
+        }
+
+    async def fires(name: str) -> bool:
+        return name in await firing()
+
+    async def quiet() -> bool:
+        return not await firing()
+
+    status = 503
+    await eventually(lambda: fires("canary_failed"), timeout_s=20)
+    status = 204
+    await eventually(quiet, timeout_s=20)
+
+    delay_s = 5.0  # answered, but each canary arrives 5 s after it was sent: later than 3 s
+    await eventually(lambda: fires("canary_late"), timeout_s=20)
+    assert "canary_failed" not in await firing()
+    delay_s = 0.0
+    await eventually(quiet, timeout_s=30)
+
+
+COLLECTOR_PORT = services.free_port()
+# Spans are exported in batches: every half second here (5 s by default).
+TRACES_ENV = {
+    "HOOKLINE_OTLP_ENDPOINT": f"http://127.0.0.1:{COLLECTOR_PORT}",
+    "OTEL_BSP_SCHEDULE_DELAY": "500",
+}
+
+
+@dataclass(frozen=True)
+class Span:
+    name: str
+    trace_id: str
+    span_id: str
+    parent_id: str
+    attributes: dict[str, Any]
+
+
+class Collector:
+    """An OTLP/HTTP receiver of traces (protobuf), as a collector exposes on :4318/v1/traces."""
+
+    def __init__(self) -> None:
+        self.spans: list[Span] = []
+        collector = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                body = self.rfile.read(int(self.headers.get("content-length", "0")))
+                request = ExportTraceServiceRequest()
+                request.ParseFromString(body)
+                for resource in request.resource_spans:
+                    for scope in resource.scope_spans:
+                        for span in scope.spans:
+                            collector.spans.append(
+                                Span(
+                                    name=span.name, trace_id=span.trace_id.hex(), span_id=span.span_id.hex(),
+                                    parent_id=span.parent_span_id.hex(),
+                                    attributes={a.key: _value(a.value) for a in span.attributes},
+                                )
+                            )  # fmt: skip
+                self.send_response(200)
+                self.send_header("content-type", "application/x-protobuf")
+                self.end_headers()
+
+            def log_message(self, *_: object) -> None:
+                pass
+
+        self._server = ThreadingHTTPServer(("127.0.0.1", COLLECTOR_PORT), Handler)
+        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+
+    def __enter__(self) -> Collector:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+
+
+def _value(value: Any) -> Any:
+    kind = value.WhichOneof("value")
+    return getattr(value, kind) if kind else None
+
+
+@pytest.fixture(scope="module")
+def collector() -> Iterator[Collector]:
+    with Collector() as running:
+        yield running
+
+
+def traceparent() -> tuple[str, str, str]:
+    trace_id, parent_id = secrets.token_hex(16), secrets.token_hex(8)
+    return f"00-{trace_id}-{parent_id}-01", trace_id, parent_id
+
+
+def deliveries(receiver: Receiver, path: str, event_id: str) -> list[Received]:
+    return [r for r in receiver.requests if r.path == path and json.loads(r.body)["id"] == event_id]
+
+
+@pytest.mark.system_env(TRACES_ENV)
+async def test_a_posted_events_trace_reaches_the_receiver_through_hooklines_spans(
+    collector: Collector, own_system: System, receiver: Receiver
+) -> None:
+    system = own_system  # the settings of its own (system_env)
+    acme = tenant()
+    system.add_endpoint(acme, receiver.url("/traced"), ["order.*"])
+    sent, trace_id, caller_span = traceparent()
+    event_id = f"evt_traced_{acme}"
+    async with httpx.AsyncClient(
+        base_url=system.ingest.base_url, headers={"authorization": f"Bearer {services.TOKEN}"}
+    ) as api:
+        answer = await api.post(
+            "/v1/events", json={"id": event_id, "tenant": acme, "type": "order.created", "data": {}},
+            headers={"traceparent": sent, "tracestate": "vendor=abc"},
+        )  # fmt: skip
+    assert answer.status_code == 202, answer.text
+    await eventually(lambda: asyncio.sleep(0, bool(deliveries(receiver, "/traced", event_id))))
+    [delivery] = deliveries(receiver, "/traced", event_id)
+    version, got_trace, got_parent, flags = delivery.headers["traceparent"].split("-")
+    assert (version, got_trace, flags) == ("00", trace_id, "01")
+    assert delivery.headers["tracestate"] == "vendor=abc"
+
+    def spans() -> dict[str, Span] | None:
+        mine = {s.name: s for s in collector.spans if s.trace_id == trace_id}
+        return mine if {"hookline.publish", "hookline.deliver"} <= set(mine) else None
+
+    found = await eventually(lambda: asyncio.sleep(0, spans()))
+    publish, deliver = found["hookline.publish"], found["hookline.deliver"]
+    assert publish.parent_id == caller_span  # under the caller's span
+    assert deliver.parent_id == publish.span_id
+    assert got_parent == deliver.span_id  # the receiver's span will be a child of the attempt
+    assert deliver.attributes["hookline.event_id"] == event_id
+    assert deliver.attributes["hookline.attempt"] == 1
+    assert deliver.attributes["http.response.status_code"] == 204
+
+
+@pytest.mark.system_env(TRACES_ENV)
+async def test_an_amqp_publishers_trace_follows_every_attempt(
+    collector: Collector, own_system: System, receiver: Receiver
+) -> None:
+    system = own_system  # the settings of its own (system_env)
+    failures = {"left": 1}
+
+    def respond(request: Received) -> Reply:
+        if request.path == "/retried" and failures["left"]:
+            failures["left"] -= 1
+            return Reply(status=500)
+        return Reply()
+
+    receiver.responder = respond
+    acme = tenant()
+    system.add_endpoint(acme, receiver.url("/retried"), ["order.*"])
+    sent, trace_id, publisher_span = traceparent()
+    event_id = f"evt_amqp_traced_{acme}"
+    event = {
+        "id": event_id,
+        "tenant": acme,
+        "type": "order.created",
+        "occurred_at": "2026-12-01T00:00:00Z",
+        "data": {},
+    }
+    await publish_event(system.amqp_url, event, f"{acme}.order.created", headers={"traceparent": sent})
+    await eventually(lambda: asyncio.sleep(0, len(deliveries(receiver, "/retried", event_id)) == 2))
+    first, second = deliveries(receiver, "/retried", event_id)
+    assert first.headers["traceparent"].split("-")[1] == trace_id
+    assert second.headers["traceparent"].split("-")[1] == trace_id  # the retry kept the trace
+
+    def attempts() -> list[Span] | None:
+        mine = sorted(
+            (s for s in collector.spans if s.trace_id == trace_id and s.name == "hookline.deliver"),
+            key=lambda s: s.attributes["hookline.attempt"],
+        )
+        return mine if len(mine) == 2 else None
+
+    one, two = await eventually(lambda: asyncio.sleep(0, attempts()))
+    assert [one.attributes["http.response.status_code"], two.attributes["http.response.status_code"]] == [
+        500,
+        204,
+    ]
+    assert one.parent_id == two.parent_id == publisher_span
+    assert first.headers["traceparent"].split("-")[2] == one.span_id
+    assert second.headers["traceparent"].split("-")[2] == two.span_id

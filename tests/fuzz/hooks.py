@@ -1,4 +1,4 @@
-"""schemathesis checks for the ingest API, loaded through SCHEMATHESIS_HOOKS by tests/e2e/test_fuzz.py."""
+"""schemathesis checks for the ingest API, loaded through SCHEMATHESIS_HOOKS by tests/integration/test_fuzz.py."""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
-"""Property-based fuzzing of the ingest API from its own OpenAPI schema (schemathesis): valid and
-invalid inputs, no 5xx, every rejection names the problem, and the service still answers afterwards."""
+"""Property-based fuzzing of the ingest API (in-process, on the real broker) from its own OpenAPI
+schema (schemathesis): valid and invalid inputs, no 5xx, every rejection names the problem, and the
+service still answers afterwards."""
 
 from __future__ import annotations
 
@@ -11,15 +12,15 @@ from pathlib import Path
 import httpx
 import pytest
 from support import services
-from support.system import System
+from support.inprocess import IngestSystem
 
-pytestmark = pytest.mark.e2e
+pytestmark = pytest.mark.integration
 
 SCHEMATHESIS = str(Path(sys.executable).with_name("schemathesis"))
 EXAMPLES_PER_OPERATION = int(os.environ.get("HOOKLINE_FUZZ_EXAMPLES", "30"))
 
 
-def test_the_api_survives_fuzzing_and_names_every_problem(system: System, tmp_path: Path) -> None:
+def test_the_api_survives_fuzzing_and_names_every_problem(system: IngestSystem, tmp_path: Path) -> None:
     report = tmp_path / "fuzz.txt"
     env = {**os.environ, "SCHEMATHESIS_HOOKS": "fuzz.hooks", "PYTHONPATH": str(Path(__file__).parents[1])}
     done = subprocess.run(

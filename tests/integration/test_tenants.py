@@ -1,33 +1,27 @@
-"""Tenants as the admin runs them: tokens as data, quotas, the audit trail — across ingest replicas."""
+"""Tenants as the admin runs them: tokens as data, quotas, the audit trail — across ingest replicas
+(in-process, on the real broker)."""
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
-from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
-from support import services
-from support.system import System, tenant
+from support.inprocess import IngestSystem, InProcessIngest, another_ingest
+from support.system import tenant
 from support.waiting import eventually
 
-pytestmark = pytest.mark.e2e
+pytestmark = pytest.mark.integration
 
 
 @pytest.fixture
-def second_ingest(system: System, tmp_path: Path) -> Iterator[services.Service]:
+def second_ingest(system: IngestSystem) -> Iterator[InProcessIngest]:
     """Another ingest replica on the same broker (its own view files)."""
-    ingest = services.start(
-        "ingest", {**system.env, "HOOKLINE_STATE_DIR": str(tmp_path / "state")}, tmp_path, name="ingest-2"
-    )
-    try:
-        ingest.wait_ready()
+    with another_ingest(system, "ingest-2") as ingest:
         yield ingest
-    finally:
-        assert ingest.stop() == 0
 
 
 def _client(base_url: str, token: str) -> httpx.Client:
@@ -39,7 +33,7 @@ def _publish(api: httpx.Client, acme: str, event_id: str, **data: Any) -> httpx.
 
 
 async def test_a_token_works_on_every_replica_until_revoked_and_is_shown_once(
-    system: System, second_ingest: services.Service
+    system: IngestSystem, second_ingest: InProcessIngest
 ) -> None:
     acme = tenant()
     with system.api() as admin:
@@ -83,7 +77,7 @@ async def test_a_token_works_on_every_replica_until_revoked_and_is_shown_once(
     await eventually(refused_everywhere, timeout_s=5)
 
 
-def test_an_expired_token_is_refused(system: System) -> None:
+def test_an_expired_token_is_refused(system: IngestSystem) -> None:
     acme = tenant()
     with system.api() as admin:
         token = admin.post("/v1/tokens", json={"tenant": acme}).json()
@@ -96,7 +90,7 @@ def test_an_expired_token_is_refused(system: System) -> None:
             assert api.get("/v1/whoami").status_code == 401
 
 
-def test_a_tenant_is_held_to_its_quota(system: System) -> None:
+def test_a_tenant_is_held_to_its_quota(system: IngestSystem) -> None:
     acme = tenant()
     with system.api() as admin:
         quota = {"max_endpoints": 1, "events_per_s": 0.1, "burst": 3, "bytes_per_day": None}
@@ -127,7 +121,7 @@ def test_a_tenant_is_held_to_its_quota(system: System) -> None:
         assert seen["usage"]["endpoints"] == 1
 
 
-async def test_bytes_per_day_counts_what_the_tenant_published(system: System) -> None:
+async def test_bytes_per_day_counts_what_the_tenant_published(system: IngestSystem) -> None:
     acme = tenant()
     with system.api() as admin:
         assert admin.put(f"/v1/tenants/{acme}/quota", json={"bytes_per_day": 3000}).status_code == 200
@@ -161,7 +155,7 @@ async def test_bytes_per_day_counts_what_the_tenant_published(system: System) ->
         assert all(item["retry_after_s"] > 0 for item in refused)
 
 
-async def test_every_change_is_in_the_audit_trail_with_who_made_it(system: System) -> None:
+async def test_every_change_is_in_the_audit_trail_with_who_made_it(system: IngestSystem) -> None:
     acme = tenant()
     since = datetime.now(UTC).isoformat()
     with system.api() as admin:
