@@ -27,6 +27,7 @@ from hookline.ingest.service import create_app
 from hookline.ingest.settings import IngestSettings
 from hookline.shared.runtime import logging as hookline_logging
 from support import services
+from support.system import add_endpoint
 
 
 class _Sink(io.RawIOBase):
@@ -172,15 +173,8 @@ class IngestSystem:
         )
 
     def add_endpoint(self, tenant: str, url: str, patterns: list[str], **fields: Any) -> dict[str, Any]:
-        """Register an endpoint; without ``verify=True`` it skips the handshake."""
-        fields.setdefault("verify", False)
         with self.api() as api:
-            response = api.post(
-                "/v1/endpoints", json={"tenant": tenant, "url": url, "event_types": patterns, **fields}
-            )
-        assert response.status_code == 201, response.text
-        endpoint: dict[str, Any] = response.json()
-        return endpoint
+            return add_endpoint(api, tenant, url, patterns, **fields)
 
     def logs(self) -> str:
         return "\n".join(ingest.log() for ingest in (self.ingest, *self.extra))

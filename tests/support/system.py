@@ -33,16 +33,8 @@ class System:
         )
 
     def add_endpoint(self, tenant: str, url: str, patterns: list[str], **fields: Any) -> dict[str, Any]:
-        """Register an endpoint; without ``verify=True`` it skips the handshake (most tests' receivers
-        answer what the test scripts, not a 2xx to a verification)."""
-        fields.setdefault("verify", False)
         with self.api() as api:
-            response = api.post(
-                "/v1/endpoints", json={"tenant": tenant, "url": url, "event_types": patterns, **fields}
-            )
-        assert response.status_code == 201, response.text
-        endpoint: dict[str, Any] = response.json()
-        return endpoint
+            return add_endpoint(api, tenant, url, patterns, **fields)
 
     def logs(self) -> str:
         every = [self.ingest, *self.dispatchers, self.monitor, *self.extra]
@@ -97,6 +89,20 @@ def services_running(amqp_url: str, log_dir: Path, settings: Mapping[str, str]) 
         codes = {s.name: s.stop() for s in every}
     # A clean SIGTERM shutdown is part of the contract: every service exits 0.
     assert set(codes.values()) == {0}, f"exit codes {codes}\n{running.logs()}"
+
+
+def add_endpoint(
+    api: httpx.Client, tenant: str, url: str, patterns: list[str], **fields: Any
+) -> dict[str, Any]:
+    """Register an endpoint; without ``verify=True`` it skips the handshake (most tests' receivers
+    answer what the test scripts, not a 2xx to a verification)."""
+    fields.setdefault("verify", False)
+    response = api.post(
+        "/v1/endpoints", json={"tenant": tenant, "url": url, "event_types": patterns, **fields}
+    )
+    assert response.status_code == 201, response.text
+    endpoint: dict[str, Any] = response.json()
+    return endpoint
 
 
 def tenant() -> str:
