@@ -6,6 +6,7 @@ from __future__ import annotations
 import ast
 import re
 
+import pytest
 from support.tree import ROOT, USERS, WIRING, classes, imported, module_name, product_modules
 
 MAX_CLASS_LINES = 250
@@ -24,8 +25,9 @@ def test_no_class_is_a_god_object() -> None:
     )
 
 
-def test_the_ingests_wiring_imports_few_modules() -> None:
-    found = imported(ROOT / WIRING["ingest"])
+@pytest.mark.parametrize("service", ["ingest", "dispatcher"])
+def test_a_services_wiring_imports_few_modules(service: str) -> None:
+    found = imported(ROOT / WIRING[service])
     assert len(found) < MAX_WIRING_IMPORTS, sorted(found)
 
 
