@@ -10,12 +10,11 @@ import asyncio
 import json
 import subprocess
 from datetime import UTC, datetime
-from typing import Any
 
-import httpx
 import pytest
 from support import services
 from support.inprocess import IngestSystem
+from support.portal import api, link, session_of
 from support.receiver import Receiver
 from support.waiting import eventually
 
@@ -27,30 +26,6 @@ SYSTEM_ENV = {
     "HOOKLINE_TENANT_TOKENS": f"acme:{ACME_TOKEN},globex:{GLOBEX_TOKEN}",
     "HOOKLINE_SECRET_KEY": "a-long-random-secret-key-for-the-tests-0123456789",
 }
-
-
-async def api(
-    system: IngestSystem, method: str, path: str, *, token: str = services.TOKEN, **kwargs: Any
-) -> httpx.Response:
-    async with httpx.AsyncClient(
-        base_url=system.ingest.base_url, headers={"authorization": f"Bearer {token}"}, timeout=30
-    ) as client:
-        return await client.request(method, path, **kwargs)
-
-
-async def link(system: IngestSystem, token: str = services.TOKEN, **spec: Any) -> dict[str, Any]:
-    made = await api(system, "POST", "/v1/portal/sessions", token=token, json={"tenant": "acme", **spec})
-    assert made.status_code == 201, made.text
-    found: dict[str, Any] = made.json()
-    assert found["url"].startswith("http://127.0.0.1:8001/portal/open/hlpl_")  # HOOKLINE_PORTAL_URL's default
-    return found
-
-
-async def session_of(system: IngestSystem, made: dict[str, Any]) -> str:
-    opened = await api(system, "POST", "/v1/portal/open", json={"link": made["url"].rsplit("/", 1)[1]})
-    assert opened.status_code == 200, opened.text
-    session: str = opened.json()["session"]
-    return session
 
 
 async def test_portal_sessions_are_scoped_by_the_ingest(system: IngestSystem, receiver: Receiver) -> None:
