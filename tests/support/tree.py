@@ -6,19 +6,17 @@ from __future__ import annotations
 
 import ast
 import sys
+import tomllib
 from collections.abc import Iterator
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-#: Product directories and the package each one is.
+#: Product directories and the package each one is, as pyproject.toml maps them.
 PACKAGES = {
-    "shared": "hookline.shared",
-    "services/ingest": "hookline.ingest",
-    "services/dispatcher": "hookline.dispatcher",
-    "services/health-monitor": "hookline.health_monitor",
-    "services/outbox-relay": "hookline.outbox_relay",
-    "cli": "hookline.cli",
-    "receiver": "hookline.receiver",
+    directory: package
+    for package, directory in tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"][
+        "package-dir"
+    ].items()
 }
 #: Who may use shared/: each of these counts as one user.
 USERS = ("ingest", "dispatcher", "health_monitor", "outbox_relay", "cli")
