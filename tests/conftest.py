@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import re
 from collections.abc import AsyncIterator, Iterator
 
 import pytest
@@ -17,10 +16,9 @@ def rabbitmq() -> Iterator[Broker]:
 
 
 @pytest.fixture
-def amqp_url(rabbitmq: Broker, request: pytest.FixtureRequest) -> Iterator[str]:
+def amqp_url(rabbitmq: Broker) -> Iterator[str]:
     """The URL of a vhost of this test's own: no test sees another's endpoints, queues or logs."""
-    label = re.sub(r"[^a-z0-9]+", "-", request.node.name.lower()).strip("-")
-    with rabbitmq.vhost(label) as url:
+    with rabbitmq.vhost() as url:
         yield url
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
@@ -13,11 +12,9 @@ from support.system import System, services_running
 
 
 @contextmanager
-def running_system(
-    rabbitmq: Broker, log_dir: Path, label: str, settings: Mapping[str, str]
-) -> Iterator[System]:
+def running_system(rabbitmq: Broker, log_dir: Path, settings: Mapping[str, str]) -> Iterator[System]:
     """Ingest, two dispatchers and the monitor in a vhost of their own, stopped (SIGTERM) afterwards."""
-    with rabbitmq.vhost(label) as amqp_url, services_running(amqp_url, log_dir, settings) as running:
+    with rabbitmq.vhost() as amqp_url, services_running(amqp_url, log_dir, settings) as running:
         yield running
 
 
@@ -27,9 +24,8 @@ def system(
 ) -> Iterator[System]:
     """The module's system, shared by its tests. A test module may shrink times through settings:
     SYSTEM_ENV = {"HOOKLINE_...": "..."}."""
-    label = request.module.__name__.rsplit(".", 1)[-1].replace("_", "-")
     settings = getattr(request.module, "SYSTEM_ENV", {})
-    with running_system(rabbitmq, tmp_path_factory.mktemp("logs"), label, settings) as running:
+    with running_system(rabbitmq, tmp_path_factory.mktemp("logs"), settings) as running:
         yield running
 
 
@@ -40,8 +36,7 @@ def own_system(
     """A system for one test: one that kills, stops or restarts a service leaves the module's system
     whole for the tests after it. Its settings are the module's SYSTEM_ENV, or those of the test's
     ``system_env`` mark (a test that needs settings of its own, in a module that covers its area)."""
-    label = re.sub(r"[^a-z0-9]+", "-", request.node.name.lower()).strip("-")[:60]
     own = request.node.get_closest_marker("system_env")
     settings = own.args[0] if own is not None else getattr(request.module, "SYSTEM_ENV", {})
-    with running_system(rabbitmq, tmp_path_factory.mktemp("logs"), label, settings) as running:
+    with running_system(rabbitmq, tmp_path_factory.mktemp("logs"), settings) as running:
         yield running

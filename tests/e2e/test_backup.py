@@ -117,7 +117,7 @@ async def test_a_backup_restores_a_working_system_into_a_broker_that_lost_everyt
 ) -> None:
     acme = tenant()
     backup_file = tmp_path / "backup.jsonl"
-    with rabbitmq.vhost("backup-restore") as amqp_url:
+    with rabbitmq.vhost() as amqp_url:
         env = services.base_env(amqp_url, **SETTINGS)
         with services_running(amqp_url, tmp_path / "before", SETTINGS) as before:
             made = await build(before, receiver, acme)
@@ -237,7 +237,7 @@ async def _arrived(receiver: Receiver, event_id: str) -> bool:
 
 @pytest.fixture
 async def legacy(rabbitmq: test_broker.Broker, tmp_path: Path) -> AsyncIterator[tuple[str, dict[str, str]]]:
-    with rabbitmq.vhost("upgrade") as amqp_url:
+    with rabbitmq.vhost() as amqp_url:
         env = services.base_env(amqp_url, HOOKLINE_STATE_DIR=str(tmp_path / "state"))
         yield amqp_url, env
 
@@ -454,7 +454,7 @@ def setup(rabbitmq: Broker) -> Iterator[Setup]:
     acme = tenant()
     suffix = uuid.uuid4().hex[:8]
     acme_upstream, any_upstream = f"upstream-{acme}", f"upstream-all-{suffix}"
-    with rabbitmq.vhost("broker-permissions") as vhost_url:
+    with rabbitmq.vhost() as vhost_url:
         output = _broker_setup(vhost_url, "--upstream", f"{acme_upstream}:{acme}", "--upstream", any_upstream)
         users = {user["user"]: user for user in output["users"]}
         urls = {u: users[u]["amqp_url"] for u in (acme_upstream, any_upstream)}

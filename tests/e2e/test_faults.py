@@ -1,7 +1,7 @@
-"""Faults lose nothing: a dispatcher killed mid-work, endpoints that hang or drop the connection.
-
-And (from test_control_plane.py, on a system of its own with that module's settings): the control plane
-under operations: broker restarts and closed connections with breakers open.
+"""The broker restarted under the services: they resume, lose nothing, and (on a system of its own
+with the control plane's settings) an open breaker closes afterwards. Serial: a restart stops every
+module's broker. (A dispatcher killed mid-work and endpoints that hang or drop the connection are in
+test_retries.py.)
 """
 
 from __future__ import annotations
@@ -14,77 +14,11 @@ import pytest
 from support import services
 from support.amqp import event, publish_event
 from support.broker import Broker
-from support.receiver import Received, Receiver, Reply
+from support.receiver import Receiver, Reply
 from support.system import System, tenant
 from support.waiting import eventually
 
 pytestmark = [pytest.mark.e2e, pytest.mark.serial]
-
-# These tests fail many attempts on purpose; a breaker opening would hold the retries back.
-SYSTEM_ENV = {"HOOKLINE_BREAKER_FAILURE_THRESHOLD": "1000"}
-
-
-async def test_a_killed_dispatcher_loses_nothing_in_flight_or_waiting(
-    own_system: System, receiver: Receiver
-) -> None:
-    system = own_system  # it kills a service: a system of its own
-    acme = tenant()
-    seen: set[str] = set()
-    delivered: set[str] = set()
-
-    def respond(request: Received) -> Reply:
-        event_id = request.headers["webhook-id"]
-        if event_id not in seen:  # every first attempt fails: the event goes to the delay queues
-            seen.add(event_id)
-            return Reply(status=500)
-        delivered.add(event_id)  # later attempts hang a while, so some are in flight at the kill
-        return Reply(status=204, delay_s=1.0)
-
-    receiver.responder = respond
-    system.add_endpoint(acme, receiver.url("/killed"), ["#"], retry_schedule_s=[2])
-    first = [f"evt_kill_{n}" for n in range(40)]
-    for event_id in first:
-        await publish_event(system.amqp_url, event(acme, "a.b", event_id), f"{acme}.a.b")
-    await receiver.wait_for(40 + 5, path="/killed", timeout_s=30)  # some second attempts are under way
-    second = [f"evt_kill_late_{n}" for n in range(20)]
-    for event_id in second:
-        await publish_event(system.amqp_url, event(acme, "a.b", event_id), f"{acme}.a.b")
-
-    for dispatcher in system.dispatchers:
-        dispatcher.kill()  # SIGKILL: no drain, no acks, no goodbye
-    in_flight_at_kill = len(seen) + len(delivered)
-    system.start_dispatcher("dispatcher-after-kill")
-
-    async def all_delivered() -> bool:
-        return delivered >= set(first) | set(second)
-
-    deadline = asyncio.get_running_loop().time() + 60
-    while not await all_delivered():
-        assert asyncio.get_running_loop().time() < deadline, sorted(set(first) | set(second) - delivered)
-        await asyncio.sleep(0.2)
-    assert in_flight_at_kill > 40
-
-
-async def test_an_endpoint_that_hangs_times_out_and_is_retried(system: System, receiver: Receiver) -> None:
-    acme = tenant()
-    replies = [Reply(status=204, delay_s=3.0), Reply(status=204)]
-    receiver.responder = lambda _: replies.pop(0) if replies else Reply(status=204)
-    system.add_endpoint(acme, receiver.url("/hangs"), ["#"], timeout_s=1)
-    await publish_event(system.amqp_url, event(acme, "a.b", "evt_hang_1"), f"{acme}.a.b")
-    first, second = await receiver.wait_for(2, path="/hangs", timeout_s=30)
-    assert first.headers["webhook-id"] == second.headers["webhook-id"] == "evt_hang_1"
-    await eventually(lambda: asyncio.to_thread(lambda: '"error":"timeout"' in system.logs()))
-
-
-async def test_an_endpoint_that_drops_the_connection_is_retried(system: System, receiver: Receiver) -> None:
-    acme = tenant()
-    replies = [Reply(close=True), Reply(close=True), Reply(status=200)]
-    receiver.responder = lambda _: replies.pop(0) if replies else Reply(status=204)
-    system.add_endpoint(acme, receiver.url("/drops"), ["#"])
-    await publish_event(system.amqp_url, event(acme, "a.b", "evt_drop_1"), f"{acme}.a.b")
-    attempts = await receiver.wait_for(3, path="/drops", timeout_s=30)
-    assert {a.headers["webhook-id"] for a in attempts} == {"evt_drop_1"}
-    await eventually(lambda: asyncio.to_thread(lambda: '"error":"network"' in system.logs()))
 
 
 async def test_services_survive_a_broker_restart(

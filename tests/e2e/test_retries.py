@@ -1,4 +1,5 @@
-"""Failure handling, end to end: retries through the delay queues, dead letters, redrive and replay.
+"""Failure handling, end to end: retries through the delay queues, dead letters, redrive and replay;
+faults that lose nothing: a dispatcher killed mid-work, endpoints that hang or drop the connection.
 
 The services run with HOOKLINE_RETRY_SCHEDULE_S=1,2 and no jitter (tests shrink the schedule through
 settings), so the delays between attempts are exactly 1 s, then 2 s, 2 s, ...
@@ -267,6 +268,76 @@ async def test_the_cli_lists_and_redrives_dead_letters(system: System, receiver:
 
 
 WEBHOOK_ID = "webhook-id"
+
+
+# Every first attempt fails on purpose: a breaker opening would hold the retries back.
+@pytest.mark.system_env({"HOOKLINE_BREAKER_FAILURE_THRESHOLD": "1000"})
+async def test_a_killed_dispatcher_loses_nothing_in_flight_or_waiting(
+    own_system: System, receiver: Receiver
+) -> None:
+    system = own_system  # it kills a service: a system of its own
+    acme = tenant()
+    seen: set[str] = set()
+    delivered: set[str] = set()
+
+    def respond(request: Received) -> Reply:
+        event_id = request.headers["webhook-id"]
+        if event_id not in seen:  # every first attempt fails: the event goes to the delay queues
+            seen.add(event_id)
+            return Reply(status=500)
+        delivered.add(event_id)  # later attempts hang a while, so some are in flight at the kill
+        return Reply(status=204, delay_s=1.0)
+
+    receiver.responder = respond
+    system.add_endpoint(acme, receiver.url("/killed"), ["#"], retry_schedule_s=[2])
+    first = [f"evt_kill_{n}" for n in range(40)]
+    for event_id in first:
+        await publish_event(system.amqp_url, event(acme, "a.b", event_id), f"{acme}.a.b")
+    await receiver.wait_for(40 + 5, path="/killed", timeout_s=30)  # some second attempts are under way
+    second = [f"evt_kill_late_{n}" for n in range(20)]
+    for event_id in second:
+        await publish_event(system.amqp_url, event(acme, "a.b", event_id), f"{acme}.a.b")
+
+    for dispatcher in system.dispatchers:
+        dispatcher.kill()  # SIGKILL: no drain, no acks, no goodbye
+    in_flight_at_kill = len(seen) + len(delivered)
+    system.start_dispatcher("dispatcher-after-kill")
+
+    async def all_delivered() -> bool:
+        return delivered >= set(first) | set(second)
+
+    deadline = asyncio.get_running_loop().time() + 60
+    while not await all_delivered():
+        assert asyncio.get_running_loop().time() < deadline, sorted(set(first) | set(second) - delivered)
+        await asyncio.sleep(0.2)
+    assert in_flight_at_kill > 40
+
+
+async def test_an_endpoint_that_hangs_times_out_and_is_retried(system: System, receiver: Receiver) -> None:
+    acme = tenant()
+    replies = [Reply(status=204, delay_s=3.0), Reply(status=204)]
+    receiver.responder = lambda _: replies.pop(0) if replies else Reply(status=204)
+    system.add_endpoint(acme, receiver.url("/hangs"), ["#"], timeout_s=1)
+    await publish_event(system.amqp_url, event(acme, "a.b", "evt_hang_1"), f"{acme}.a.b")
+    first, second = await receiver.wait_for(2, path="/hangs", timeout_s=30)
+    assert first.headers["webhook-id"] == second.headers["webhook-id"] == "evt_hang_1"
+    await eventually(lambda: asyncio.to_thread(_attempt_failed_with, system, "evt_hang_1", "timeout"))
+
+
+async def test_an_endpoint_that_drops_the_connection_is_retried(system: System, receiver: Receiver) -> None:
+    acme = tenant()
+    replies = [Reply(close=True), Reply(close=True), Reply(status=200)]
+    receiver.responder = lambda _: replies.pop(0) if replies else Reply(status=204)
+    system.add_endpoint(acme, receiver.url("/drops"), ["#"])
+    await publish_event(system.amqp_url, event(acme, "a.b", "evt_drop_1"), f"{acme}.a.b")
+    attempts = await receiver.wait_for(3, path="/drops", timeout_s=30)
+    assert {a.headers["webhook-id"] for a in attempts} == {"evt_drop_1"}
+    await eventually(lambda: asyncio.to_thread(_attempt_failed_with, system, "evt_drop_1", "network"))
+
+
+def _attempt_failed_with(system: System, event_id: str, error: str) -> bool:
+    every = [*system.dispatchers, *system.extra]
+    return bool(logged(every, "delivery_attempt", event_id=event_id, outcome="retry", error=error))
 
 
 @asynccontextmanager

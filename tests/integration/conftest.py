@@ -16,10 +16,9 @@ def system(
 ) -> Iterator[IngestSystem]:
     """The module's ingest, in this process, in a vhost of its own, shared by its tests. A test module
     sets what the ingest reads as a process would: SYSTEM_ENV = {"HOOKLINE_...": "..."}."""
-    label = request.module.__name__.rsplit(".", 1)[-1].replace("_", "-")
     settings = getattr(request.module, "SYSTEM_ENV", {})
     with (
-        rabbitmq.vhost(label) as amqp_url,
+        rabbitmq.vhost() as amqp_url,
         ingest_running(amqp_url, tmp_path_factory.mktemp("ingest"), settings) as running,
     ):
         yield running

@@ -647,7 +647,7 @@ async def test_load_and_faults_together_lose_nothing(rabbitmq: Broker, tmp_path:
     suite_started = time.monotonic()
     seed = int(os.environ.get("FAULT_SUITE_SEED", random.randrange(1_000_000)))
     rng = random.Random(seed)
-    with rabbitmq.vhost("fault-suite") as amqp_url:
+    with rabbitmq.vhost() as amqp_url:
         upstream_host = urlsplit(amqp_url)
         async with (
             TcpProxy(upstream_host.hostname or "127.0.0.1", upstream_host.port or 5672) as proxy,

@@ -9,9 +9,12 @@ from __future__ import annotations
 
 import asyncio
 import os
+import queue
 import re
 import shutil
 import subprocess
+import threading
+import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager, contextmanager
@@ -31,6 +34,11 @@ class Broker:
     def __init__(self, base_url: str, run_ctl: Run) -> None:
         self.base_url = base_url
         self._run_ctl = run_ctl
+        self._vhosts = _Vhosts(run_ctl, urlsplit(base_url).username or "guest")
+
+    def close(self) -> None:
+        """Delete the vhosts still waiting to be; a deletion that failed fails the session here."""
+        self._vhosts.close()
 
     def ctl(self, arguments: list[str]) -> str:
         """Run ``rabbitmqctl`` against this broker (locally, or inside its container); its output."""
@@ -46,6 +54,7 @@ class Broker:
         while their dead-letter workers start after a restart (every later declare of such a queue is
         then an INTERNAL_ERROR); tests delete whole vhosts, so the supervisor is checked and restarted.
         """
+        await asyncio.to_thread(self._vhosts.wait_deleted)  # not deleting queues while the node stops
         await self.ctl_async(["stop_app"])
         if down_s:
             await asyncio.sleep(down_s)  # the operator's pause while the broker is away
@@ -98,26 +107,119 @@ class Broker:
         return urlunsplit((parts.scheme, parts.netloc, "/" + quote(vhost, safe=""), parts.query, ""))
 
     @contextmanager
-    def vhost(self, label: str) -> Iterator[str]:
+    def vhost(self) -> Iterator[str]:
         """A new vhost (its URL yielded), deleted afterwards with everything in it."""
-        name = f"hookline-test-{label[:40]}-{uuid.uuid4().hex[:8]}"
-        self._add_vhost(name)
+        name = self._vhosts.take()
         try:
             yield self.url_for(name)
         finally:
-            self._run_ctl(["delete_vhost", name])
+            self._vhosts.give_back(name)
 
     def recreate_vhost(self, url: str) -> None:
         """Delete the vhost of ``url`` with everything in it, and create it again, empty (a broker that
         lost its data)."""
         name = unquote(urlsplit(url).path[1:])
         self._run_ctl(["delete_vhost", name])
-        self._add_vhost(name)
+        self._vhosts.add_one(name)
 
-    def _add_vhost(self, name: str) -> None:
-        user = urlsplit(self.base_url).username or "guest"
+
+class _Vhosts:
+    """Test vhosts made ahead and deleted behind, in batches. Each rabbitmqctl call boots an Erlang VM
+    (half a second of CPU here) and a run of the suite uses about a hundred vhosts: three calls each were
+    a sixth of its CPU and seconds of every module's start and end. One ``rabbitmqctl eval`` makes or
+    deletes a batch; a broker that refuses it (its internals changed) gets one command per step."""
+
+    MADE_AHEAD = 6
+    GATHER_S = 1.0  # how long a deletion waits for the teardowns right behind it, to share their call
+    ACTOR = '<<"hookline-tests">>'
+
+    def __init__(self, run_ctl: Run, user: str) -> None:
+        self._run_ctl = run_ctl
+        self._user = user
+        self._batched = re.fullmatch(r"[A-Za-z0-9_.@-]+", user) is not None
+        self._ready: list[str] = []
+        self._doomed: queue.SimpleQueue[str | None] = queue.SimpleQueue()
+        self._pending = 0
+        self._settled = threading.Condition()
+        self._failures: list[str] = []
+        self._deleter: threading.Thread | None = None
+
+    def take(self) -> str:
+        if not self._ready:
+            names = [f"hookline-test-{uuid.uuid4().hex[:12]}" for _ in range(self.MADE_AHEAD)]
+            if not self._try_eval(
+                f"[ok = begin ok = rabbit_vhost:add(V, {self.ACTOR}), "
+                f'rabbit_auth_backend_internal:set_permissions(<<"{self._user}">>, V, '
+                f'<<".*">>, <<".*">>, <<".*">>, {self.ACTOR}) end || V <- {_binaries(names)}], ok.'
+            ):
+                names = [f"hookline-test-{uuid.uuid4().hex[:12]}"]  # fresh: the batch may have half-made
+                self.add_one(names[0])
+            self._ready.extend(names)
+        return self._ready.pop()
+
+    def add_one(self, name: str) -> None:
         self._run_ctl(["add_vhost", name])
-        self._run_ctl(["set_permissions", "-p", name, user, ".*", ".*", ".*"])
+        self._run_ctl(["set_permissions", "-p", name, self._user, ".*", ".*", ".*"])
+
+    def give_back(self, name: str) -> None:
+        if self._deleter is None:
+            self._deleter = threading.Thread(target=self._delete_behind, name="vhost-deleter", daemon=True)
+            self._deleter.start()
+        with self._settled:
+            self._pending += 1
+        self._doomed.put(name)
+
+    def wait_deleted(self) -> None:
+        with self._settled:
+            self._settled.wait_for(lambda: self._pending == 0, timeout=120)
+
+    def close(self) -> None:
+        for name in self._ready:
+            self.give_back(name)
+        self._ready.clear()
+        if self._deleter is not None:
+            self._doomed.put(None)
+            self._deleter.join(timeout=300)
+        assert not self._failures, f"test vhosts not deleted: {self._failures}"
+
+    def _delete_behind(self) -> None:
+        while True:
+            batch = [self._doomed.get()]
+            time.sleep(self.GATHER_S)
+            while not self._doomed.empty():
+                batch.append(self._doomed.get_nowait())
+            names = [name for name in batch if name is not None]
+            try:
+                self._delete(names)
+            except Exception as error:  # kept for close(): a thread's exception would only be printed
+                self._failures.append(f"{names}: {error}")
+            with self._settled:
+                self._pending -= len(names)
+                self._settled.notify_all()
+            if None in batch:
+                return
+
+    def _delete(self, names: list[str]) -> None:
+        if not names or self._try_eval(
+            f"[ok = rabbit_vhost:delete(V, {self.ACTOR}) || V <- {_binaries(names)}], ok."
+        ):
+            return
+        for name in names:
+            self._run_ctl(["delete_vhost", name])
+
+    def _try_eval(self, expression: str) -> bool:
+        if self._batched:
+            try:
+                self._run_ctl(["eval", expression])
+                return True
+            except (subprocess.CalledProcessError, RuntimeError):
+                self._batched = False
+        return False
+
+
+def _binaries(names: list[str]) -> str:
+    """``names`` (hex and dashes) as an Erlang list of binaries."""
+    return "[" + ", ".join(f'<<"{name}">>' for name in names) + "]"
 
 
 def _local_ctl(arguments: list[str]) -> str:
@@ -132,7 +234,9 @@ def _local_ctl(arguments: list[str]) -> str:
 def broker() -> Iterator[Broker]:
     url = os.environ.get("HOOKLINE_TEST_AMQP_URL")
     if url or not docker_available():
-        yield Broker(url or LOCAL_DEFAULT_URL, _local_ctl)
+        running = Broker(url or LOCAL_DEFAULT_URL, _local_ctl)
+        yield running
+        running.close()
         return
     from testcontainers.rabbitmq import RabbitMqContainer
 
@@ -146,4 +250,6 @@ def broker() -> Iterator[Broker]:
                 raise RuntimeError(output.decode(errors="replace"))
             return str(output.decode(errors="replace"))
 
-        yield Broker(f"amqp://guest:guest@{host}:{port}/", container_ctl)
+        running = Broker(f"amqp://guest:guest@{host}:{port}/", container_ctl)
+        yield running
+        running.close()

@@ -12,6 +12,8 @@ from aiohttp import web
 
 #: The longest a request waits for others to be open with it (Reply.hold_until_open).
 HOLD_LONGEST_S = 10.0
+#: How long requests still open when the receiver closes are given to finish.
+SHUTDOWN_TIMEOUT_S = 0.5
 
 
 @dataclass(frozen=True)
@@ -56,7 +58,9 @@ class Receiver:
     async def __aenter__(self) -> Receiver:
         app = web.Application(client_max_size=64 * 1024 * 1024)
         app.router.add_route("*", "/{tail:.*}", self._handle)
-        self._runner = web.AppRunner(app, access_log=None)
+        # At the end of a test, a request still being answered (a scripted delay) is cut off rather than
+        # waited for: the dispatcher sees a dropped connection, as from an endpoint that went away.
+        self._runner = web.AppRunner(app, access_log=None, shutdown_timeout=SHUTDOWN_TIMEOUT_S)
         await self._runner.setup()
         site = web.TCPSite(self._runner, "127.0.0.1", 0)
         await site.start()
