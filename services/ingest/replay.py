@@ -20,12 +20,12 @@ from hookline.ingest import polling
 from hookline.ingest.auth import Caller
 from hookline.ingest.resend import Resend, resend
 from hookline.ingest.state import State
+from hookline.ingest.writes import invalid
 from hookline.shared.broker import topology
 from hookline.shared.broker.streams import Record, read_until_now
 from hookline.shared.contracts.headers import Header
 from hookline.shared.contracts.models import Model, StoredEndpoint
 from hookline.shared.outbound import filters
-from hookline.shared.runtime.api import ApiError
 
 log = structlog.get_logger(__name__)
 router = APIRouter(prefix="/v1/endpoints", tags=["endpoints"])
@@ -86,7 +86,10 @@ async def replay(endpoint_id: str, request: ReplayRequest, state: State, caller:
     polling.refuse_if_polling(endpoint, "replay (poll from an earlier iterator instead)")
     until = request.until or datetime.now(UTC)
     if until < request.since:
-        raise ApiError(422, "invalid_fields", "invalid value for: until", [])
+        # Named for the field the caller gave: an omitted ``until`` is now, and a future ``since`` is wrong.
+        if request.until is None:
+            raise invalid("since", "is in the future: nothing has been accepted after it yet")
+        raise invalid("until", "is before since")
     found: dict[str, bytes] = {}
 
     def collect(message: Record) -> None:

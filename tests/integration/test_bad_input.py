@@ -149,3 +149,21 @@ def test_a_replay_since_before_the_epoch_reads_the_whole_log(system: IngestSyste
         )
     assert response.status_code == 200, response.text
     assert response.json()["replayed"] == 1
+
+
+def test_a_replay_window_that_ends_before_it_starts_names_the_field_given(system: IngestSystem) -> None:
+    """Found by the API fuzzer: a ``since`` in the future without ``until`` was refused with no field
+    named, and as a problem with ``until``, which the caller had not given."""
+    endpoint = system.add_endpoint(tenant(), "https://example.com/hook", ["order.*"])
+    replay = f"/v1/endpoints/{endpoint['id']}/replay"
+    with system.api() as api:
+        future = api.post(replay, json={"since": "3282-05-24T18:22:33.3-21:41"})
+        reversed_window = api.post(
+            replay, json={"since": "2026-01-02T00:00:00Z", "until": "2026-01-01T00:00:00Z"}
+        )
+    assert future.status_code == 422, future.text
+    assert future.json()["details"] == [
+        {"field": "since", "message": "is in the future: nothing has been accepted after it yet"}
+    ]
+    assert reversed_window.status_code == 422, reversed_window.text
+    assert reversed_window.json()["details"] == [{"field": "until", "message": "is before since"}]
