@@ -1,4 +1,6 @@
-"""The real services, started as ``hookline <service>`` subprocesses with their own environment."""
+"""The real services, each a process of its own with its own environment: forked from a server that has
+already imported hookline (support.forkserver), or with ``HOOKLINE_TEST_FORK=0`` started as
+``hookline <service>``."""
 
 from __future__ import annotations
 
@@ -13,6 +15,8 @@ from collections.abc import Mapping
 from pathlib import Path
 
 import httpx
+
+from support import forkserver
 
 HOOKLINE = str(Path(sys.executable).with_name("hookline"))
 TOKEN = "test-token-0123456789abcdef"
@@ -74,9 +78,13 @@ class Service:
         self.killed = False
         self._terminated = False
         self._log = self.log_path.open("wb")
-        self.process = subprocess.Popen(
-            [HOOKLINE, command], env=dict(env), stdout=self._log, stderr=subprocess.STDOUT
-        )
+        self.process: subprocess.Popen[bytes] | forkserver.ForkedProcess
+        if forkserver.enabled():
+            self.process = forkserver.start([command], env, self.log_path)
+        else:
+            self.process = subprocess.Popen(
+                [HOOKLINE, command], env=dict(env), stdout=self._log, stderr=subprocess.STDOUT
+            )
 
     @property
     def base_url(self) -> str:
