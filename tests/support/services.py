@@ -77,14 +77,13 @@ class Service:
         self.log_path = log_dir / f"{name}.log"
         self.killed = False
         self._terminated = False
-        self._log = self.log_path.open("wb")
         self.process: subprocess.Popen[bytes] | forkserver.ForkedProcess
-        if forkserver.enabled():
-            self.process = forkserver.start([command], env, self.log_path)
-        else:
-            self.process = subprocess.Popen(
-                [HOOKLINE, command], env=dict(env), stdout=self._log, stderr=subprocess.STDOUT
-            )
+        # A service started again under its name starts its log afresh.
+        with self.log_path.open("wb") as log:
+            if forkserver.enabled():
+                self.process = forkserver.start([command], env, self.log_path)
+            else:
+                self.process = subprocess.Popen([HOOKLINE, command], env=dict(env), stdout=log, stderr=log)
 
     @property
     def base_url(self) -> str:
@@ -106,8 +105,6 @@ class Service:
         raise AssertionError(f"{self.name} not ready after {timeout_s}s:\n{self.log()}")
 
     def log(self) -> str:
-        if not self._log.closed:
-            self._log.flush()
         return self.log_path.read_text(errors="replace")
 
     def terminate(self) -> None:
@@ -126,7 +123,6 @@ class Service:
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait()
-        self._log.close()
         return self.process.returncode
 
     def kill(self) -> None:
@@ -134,7 +130,6 @@ class Service:
         self.killed = True
         self.process.kill()
         self.process.wait()
-        self._log.close()
 
 
 def start(
