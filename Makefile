@@ -51,7 +51,7 @@ browser:
 # for everyone (an alarm, a restart: marked serial) run alone.
 TEST_WORKERS ?= 3
 test: test-services lint browser
-	$(BIN)/pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not serial"
+	$(BIN)/pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder -m "not serial"
 	$(BIN)/pytest -q -m serial
 
 # Every service killed, the broker restarted, connections cut and stalled, all under load (a few minutes):

@@ -34,7 +34,7 @@ from hookline.shared.contracts.models import (
 from hookline.shared.outbound.signing import generate_secret
 from hookline.shared.state import changefold, registry
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.long]
 NOW = datetime.now(UTC)
 
 

@@ -26,7 +26,7 @@ from hookline.shared.contracts.deadletters import read_item
 from hookline.shared.contracts.headers import Header
 from hookline.shared.contracts.models import DeadLetterReason, SigningSecret, StoredEndpoint
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.long]
 NOW = datetime.now(UTC)
 ENDPOINT = StoredEndpoint(
     id="ep_01TESTDELAYS00000000000000",

@@ -14,7 +14,7 @@ import pytest
 from support import services
 from support.inprocess import IngestSystem
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.long]
 
 SCHEMATHESIS = str(Path(sys.executable).with_name("schemathesis"))
 EXAMPLES_PER_OPERATION = int(os.environ.get("HOOKLINE_FUZZ_EXAMPLES", "30"))
