@@ -370,6 +370,10 @@ async def update_endpoint(
         new_patterns = written.event_types  # its lane bound for them all, then its queue unbound
     if new_patterns:
         await queues.activate(state, written, patterns=new_patterns)
+    elif moving:
+        # Its limits hold from the answer on: every live dispatcher hands its parts to the new queue by
+        # then (one still reading the change would deliver an event published after it from the lane).
+        await queues.applied_everywhere(state, [endpoint_id])
     if before.straight:
         await queues.unbind_straight(state, before, written)
     if written.lane_fence is not None and written.lane_fence != before.lane_fence:
