@@ -13,6 +13,7 @@ the test's, so its exit status comes back through the server.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import select
@@ -60,7 +61,9 @@ class ForkedProcess:
 
     def send_signal(self, signum: int) -> None:
         if self.returncode is None:
-            os.kill(self.pid, signum)
+            # Reaped by the server with its exit code still on the way: as Popen, a no-op.
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, signum)
 
     def terminate(self) -> None:
         self.send_signal(signal.SIGTERM)

@@ -228,7 +228,9 @@ def in_the_file_alone(path: Path) -> int:
     connection = sqlite3.connect(f"file:{path}?immutable=1", uri=True)
     try:
         return int(connection.execute("SELECT count(*) FROM endpoints").fetchone()[0])
-    except sqlite3.OperationalError:  # its tables, too, are still in the log alone
+    except sqlite3.DatabaseError:
+        # Its tables still in the log alone (OperationalError), or a page torn by a checkpoint copying
+        # while this reads without locks ("malformed"): either way, not copied yet.
         return 0
     finally:
         connection.close()
