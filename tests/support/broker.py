@@ -68,28 +68,40 @@ class Broker:
         memory or disk would raise it, and cleared afterwards whatever happened. It blocks the publishers
         of every vhost: keep the block short."""
         if resource == "memory":
-            setting = await self.ctl_async(["eval", "application:get_env(rabbit, vm_memory_high_watermark)."])
-            before = re.fullmatch(r"\{ok,([0-9.]+)\}", setting.strip())
-            assert before is not None, f"a watermark this helper cannot restore: {setting}"
-            raise_it, clear_it = (
-                ["set_vm_memory_high_watermark", "0.0001"],
-                ["set_vm_memory_high_watermark", before[1]],
-            )
+            raise_it = ["set_vm_memory_high_watermark", "0.0001"]
         else:
-            limit = (await self.ctl_async(["eval", "rabbit_disk_monitor:get_disk_free_limit()."])).strip()
-            assert limit.isdigit(), f"a disk limit this helper cannot restore: {limit}"
-            raise_it, clear_it = ["set_disk_free_limit", str(10**15)], ["set_disk_free_limit", limit]
+            raise_it = ["set_disk_free_limit", str(10**15)]
         try:
             await self.ctl_async(raise_it)
             await eventually(lambda: self._alarm_raised(resource, True), timeout_s=30)
             yield
         finally:
-            await self.ctl_async(clear_it)
+            await asyncio.to_thread(self.restore_resource_limits)
             await eventually(lambda: self._alarm_raised(resource, False), timeout_s=30)
 
+    def restore_resource_limits(self) -> None:
+        """The memory watermark and disk limit back to the broker's configured ones.
+
+        A limit set at run time stays until the node restarts: a test killed inside :meth:`alarm` (a
+        session ended under it) would leave every publish of the next run refused, and each of its tests
+        waiting out its timeout. The configured values are the application's environment, which a
+        run-time setting leaves alone."""
+        self._run_ctl(
+            [
+                "eval",
+                "{ok, Memory} = application:get_env(rabbit, vm_memory_high_watermark),"
+                " {ok, Disk} = application:get_env(rabbit, disk_free_limit),"
+                " vm_memory_monitor:set_vm_memory_high_watermark(Memory),"
+                " rabbit_disk_monitor:set_disk_free_limit(Disk).",
+            ]
+        )
+
+    def alarms(self) -> str:
+        """The broker's raised resource alarms, as it prints them ("[]" when none)."""
+        return self._run_ctl(["eval", "rabbit_alarm:get_alarms()."]).strip()
+
     async def _alarm_raised(self, resource: str, raised: bool) -> bool:
-        alarms = await self.ctl_async(["eval", "rabbit_alarm:get_alarms()."])  # "[]" when none
-        return (resource in alarms) is raised
+        return (resource in await asyncio.to_thread(self.alarms)) is raised
 
     async def connections(self, vhost: str) -> dict[str, str]:
         """The vhost's connections: connection name (``hookline-<service>:<pid>``) -> connection pid, as
@@ -235,6 +247,7 @@ def broker() -> Iterator[Broker]:
     url = os.environ.get("HOOKLINE_TEST_AMQP_URL")
     if url or not docker_available():
         running = Broker(url or LOCAL_DEFAULT_URL, _local_ctl)
+        _no_alarm_left(running)
         yield running
         running.close()
         return
@@ -253,3 +266,17 @@ def broker() -> Iterator[Broker]:
         running = Broker(f"amqp://guest:guest@{host}:{port}/", container_ctl)
         yield running
         running.close()
+
+
+def _no_alarm_left(running: Broker) -> None:
+    """A broker that refuses publishes fails the session at once, naming why, rather than each test
+    after its timeout: one left so by an earlier run is restored first."""
+    running.restore_resource_limits()
+    deadline = time.monotonic() + 15
+    while (alarms := running.alarms()) != "[]" and time.monotonic() < deadline:
+        time.sleep(0.5)  # the monitors clear an alarm on their next check
+    if alarms != "[]":
+        raise RuntimeError(
+            f"the broker at {running.base_url} has resource alarms raised ({alarms}): it refuses every"
+            " publish until memory or disk is freed"
+        )
