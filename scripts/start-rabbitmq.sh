@@ -10,7 +10,10 @@ answers() { timeout 10 rabbitmq-diagnostics -q check_port_connectivity >/dev/nul
 
 answers && exit 0
 echo "starting RabbitMQ" >&2
-if [ "$(id -u)" = 0 ] && command -v setpriv >/dev/null && [ -x /usr/lib/rabbitmq/bin/rabbitmq-server ]; then
+if timeout 10 rabbitmqctl -q ping >/dev/null 2>&1; then
+  # The node is up with its application stopped (a run killed inside a broker-restart test).
+  rabbitmqctl -q start_app
+elif [ "$(id -u)" = 0 ] && command -v setpriv >/dev/null && [ -x /usr/lib/rabbitmq/bin/rabbitmq-server ]; then
   (
     ulimit -n "$(ulimit -Hn)"
     cd /var/lib/rabbitmq
