@@ -203,6 +203,14 @@ def _unblocked_event(connection: AbstractConnection) -> asyncio.Event | None:
     return event
 
 
+def _dropped_by_aiormq() -> bool:
+    """Whether the CancelledError being handled is aiormq's rather than this task's own (a shutdown):
+    when aiormq drops a connection (missed heartbeats) it cancels whatever waits on it, a channel being
+    opened or a confirm, and the waiter sees a CancelledError although nobody cancelled its task."""
+    task = asyncio.current_task()
+    return task is None or not task.cancelling()
+
+
 def _with_heartbeat(url: str) -> str:
     if "heartbeat" in dict(parse_qsl(urlsplit(url).query)):
         return url
@@ -382,6 +390,10 @@ class Broker:
                             )
                     except BROKER_ERRORS:
                         channel = None  # the link is reopened by the next pulse
+                    except asyncio.CancelledError:
+                        if not _dropped_by_aiormq():
+                            raise
+                        channel = None  # as above: the pulse is what brings an idle link back
                     except Exception as exc:
                         # Whatever a lost connection raises, the pulse must outlive it: a process that
                         # seldom publishes (a standby monitor, an ingest fed over AMQP) has no other way back.
@@ -525,10 +537,8 @@ class Publisher:
                 await self._discard(channel)
             raise
         except asyncio.CancelledError:
-            task = asyncio.current_task()
-            if task is not None and task.cancelling():
-                raise  # our own cancellation (a shutdown): not the broker's doing
-            # aiormq cancels the confirm it waits for when it drops a connection (missed heartbeats).
+            if not _dropped_by_aiormq():
+                raise
             raise ChannelLostError("the connection was lost before the broker confirmed") from None
 
     async def open(self, exchange: str) -> None:

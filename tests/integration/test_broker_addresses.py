@@ -1,15 +1,19 @@
 """Several broker addresses (a cluster's nodes): the session connects to one that answers and, when its
-node goes, moves to another (two proxies in front of the real RabbitMQ stand for two nodes); and a
-nacked publish does not leave its channel in use."""
+node goes, moves to another (two proxies in front of the real RabbitMQ stand for two nodes); a nacked
+publish does not leave its channel in use; and an idle session's publishing connection comes back."""
 
 from __future__ import annotations
 
+import asyncio
+import os
 import socket
-from urllib.parse import urlsplit
+from typing import Any
+from urllib.parse import unquote, urlsplit
 
 import aio_pika
 import aiormq
 import pytest
+from support.broker import Broker as BrokerUnderTest
 from support.proxy import TcpProxy
 from support.waiting import eventually
 
@@ -94,3 +98,39 @@ async def test_a_nacked_publish_gets_the_next_publish_a_fresh_channel(amqp_url: 
         await publisher.close()
         async with broker.channel() as admin:
             assert (await admin.declare_queue("fine", passive=True)).declaration_result.message_count == 2
+
+
+async def test_an_idle_publishing_connection_comes_back_after_aiormq_cancelled_the_pulse(
+    rabbitmq: BrokerUnderTest, amqp_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Only the pulse reopens the publishing connection of a session that publishes seldom (an ingest
+    fed over HTTP). aiormq, dropping a connection that missed its heartbeats, cancels whatever waits on
+    it: the pulse opening its channel then sees a CancelledError although nobody cancelled it (the
+    fault suite, once: the ingest's publishing connection never came back). That moment cannot be
+    timed from outside, so here the pulse's first open raises it; the pulse must live on."""
+    real_open_channel = Broker.open_channel
+    cancelled: list[bool] = []
+
+    async def open_channel(self: Broker, **options: Any) -> aio_pika.abc.AbstractChannel:
+        if options.get("publishing") and not cancelled:
+            cancelled.append(True)
+            raise asyncio.CancelledError  # as aiormq's Channel.Open on a connection it dropped
+        return await real_open_channel(self, **options)
+
+    monkeypatch.setattr(Broker, "open_channel", open_channel)
+    name = "hookline-test-idle"
+    async with Broker(amqp_url, name=name, connect_timeout_s=10) as broker:
+
+        async def pulse_cancelled() -> bool:
+            return bool(cancelled)
+
+        await eventually(pulse_cancelled)
+        vhost = unquote(urlsplit(amqp_url).path[1:])
+        connections = await rabbitmq.connections(vhost)
+        await rabbitmq.ctl_async(["close_connection", connections[f"{name}:{os.getpid()}:publish"], "test"])
+
+        async def publishing(connected: bool) -> bool:
+            return broker.publishing_connected is connected
+
+        await eventually(lambda: publishing(False))
+        await eventually(lambda: publishing(True), explain=lambda: "the publishing connection stayed closed")
