@@ -71,8 +71,8 @@ async def test_many_isolations_at_once_declare_their_queues_a_few_at_a_time(
 
 async def test_the_bound_holds_across_processes_and_every_replica_agrees(amqp_url: str) -> None:
     """Two processes isolating the same twelve endpoints at once, each under the bound by its own count:
-    the change log decides, so exactly the bound's worth have a queue of their own (the others held, on
-    both replicas alike) and no queue is left declared for a held one."""
+    the change log decides, so no more than the bound's worth have a queue of their own (the others
+    held, on both replicas alike) and no queue is left declared for a held one."""
     async with (
         following(amqp_url, name="isolation-a") as (broker_a, log_a),
         following(amqp_url, name="isolation-b") as (broker_b, log_b),
@@ -88,8 +88,11 @@ async def test_the_bound_holds_across_processes_and_every_replica_agrees(amqp_ur
         assert all(isolated)
         await log_a.sync(timeout_s=10)
         await log_b.sync(timeout_s=10)
-        for registry in (log_a.registry, log_b.registry):
-            assert registry.placements.queued_count == BOUND
+        # At most the bound; fewer when timing has it so: each process counts its own isolations under
+        # way, so it may write "held" for an endpoint the other is giving a queue, and whichever record
+        # comes first stands (the leading monitor promotes a held endpoint once the bound has room).
+        queued = [registry.placements.queued_count for registry in (log_a.registry, log_b.registry)]
+        assert queued[0] == queued[1] <= BOUND, queued
         own_a = [log_a.registry.placements.has_queue(e.id) for e in endpoints]
         assert own_a == [log_b.registry.placements.has_queue(e.id) for e in endpoints], (
             "the replicas disagree"
