@@ -104,10 +104,11 @@ class Broker:
         self._run_ctl(
             [
                 "eval",
-                "{ok, Memory} = application:get_env(rabbit, vm_memory_high_watermark),"
-                " {ok, Disk} = application:get_env(rabbit, disk_free_limit),"
-                " vm_memory_monitor:set_vm_memory_high_watermark(Memory),"
-                " rabbit_disk_monitor:set_disk_free_limit(Disk).",
+                # Each only where configured (a broker's defaults may live elsewhere in other versions).
+                "case application:get_env(rabbit, vm_memory_high_watermark) of"
+                " {ok, Memory} -> vm_memory_monitor:set_vm_memory_high_watermark(Memory); undefined -> ok end,"
+                " case application:get_env(rabbit, disk_free_limit) of"
+                " {ok, Disk} -> rabbit_disk_monitor:set_disk_free_limit(Disk); undefined -> ok end.",
             ]
         )
 
