@@ -4,6 +4,8 @@ is stopped at its limit while other transforms go on, and its worker is replaced
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 
 import orjson
 import pytest
@@ -50,3 +52,19 @@ async def test_a_runaway_is_stopped_at_its_limit_while_others_go_on() -> None:
             asyncio.gather(transformer.apply(".id", EVENT), transformer.apply(".type", EVENT)), timeout=30
         )
         assert [orjson.loads(b) for b in both] == ["evt_1", "order.created"]
+
+
+async def test_a_program_kept_off_the_cpu_is_not_cut_off_by_the_clock() -> None:
+    """The limit is the worker's CPU time: a machine short of CPU delays a program without failing it
+    (measured by the clock, a few-millisecond program was dead-lettered on a loaded machine). Here the
+    worker is stopped for six times the limit while it has the program."""
+    async with Transformer(workers=1, limit_s=0.05, max_bytes=1024) as transformer:
+        assert await transformer.apply(".type", EVENT) == b'"order.created"'  # the worker is up
+        [worker] = transformer._all
+        os.kill(worker.process.pid, signal.SIGSTOP)
+        try:
+            pending = asyncio.create_task(transformer.apply(".id", EVENT))
+            await asyncio.sleep(0.3)  # the length of the fault, not a wait for its outcome
+        finally:
+            os.kill(worker.process.pid, signal.SIGCONT)
+        assert await pending == b'"evt_1"'
