@@ -8,12 +8,13 @@ import asyncio
 import os
 import socket
 from typing import Any
-from urllib.parse import unquote, urlsplit
+from urllib.parse import urlsplit
 
 import aio_pika
 import aiormq
 import pytest
 from support.broker import Broker as BrokerUnderTest
+from support.broker import vhost_of
 from support.proxy import TcpProxy
 from support.waiting import eventually
 
@@ -125,7 +126,7 @@ async def test_an_idle_publishing_connection_comes_back_after_aiormq_cancelled_t
             return bool(cancelled)
 
         await eventually(pulse_cancelled)
-        vhost = unquote(urlsplit(amqp_url).path[1:])
+        vhost = vhost_of(amqp_url)
         connections = await rabbitmq.connections(vhost)
         await rabbitmq.ctl_async(["close_connection", connections[f"{name}:{os.getpid()}:publish"], "test"])
 

@@ -9,7 +9,6 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from datetime import UTC, datetime
 from pathlib import Path
-from urllib.parse import unquote, urlsplit
 
 import aio_pika
 import pytest
@@ -191,7 +190,7 @@ async def test_a_registry_file_built_past_a_newer_record_is_built_again_once_upg
 ) -> None:
     """A dispatcher not yet upgraded skips what a newer ingest wrote; its file then says so, and the
     upgraded dispatcher reads the whole log again instead of resuming past that record for good."""
-    vhost = unquote(urlsplit(amqp_url).path.lstrip("/"))
+    vhost = test_broker.vhost_of(amqp_url)
     path = tmp_path / "dispatcher.registry.sqlite"
     newer = _upsert(_endpoint(2)).model_dump(mode="json")
     newer["endpoint"]["a_field_of_a_newer_version"] = True
@@ -224,7 +223,7 @@ async def test_a_registry_file_built_past_a_newer_record_is_built_again_once_upg
 async def test_a_follower_resumes_after_a_lost_connection_without_replaying(
     amqp_url: str, rabbitmq: test_broker.Broker
 ) -> None:
-    vhost = unquote(urlsplit(amqp_url).path.lstrip("/"))
+    vhost = test_broker.vhost_of(amqp_url)
     seen: list[str] = []
     follower = registry.EndpointRegistry()
     follower.subscribe(lambda _, after: seen.append(after.url if after else "deleted"))
@@ -254,7 +253,7 @@ async def test_a_registry_kept_on_disk_resumes_where_it_was_and_keeps_following(
 ) -> None:
     """A service restarted with its registry file reads no record twice and misses none written while
     it was down; the event types and tokens it kept come back with it."""
-    vhost = unquote(urlsplit(amqp_url).path.lstrip("/"))
+    vhost = test_broker.vhost_of(amqp_url)
     path = tmp_path / "ingest.registry.sqlite"
     token = StoredToken(
         id="tok_" + "1" * 26, tenant="acme", digest="d" * 64, created_at=NOW, prefix="hlt_abcd"

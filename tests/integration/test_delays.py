@@ -10,13 +10,13 @@ import time
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime
 from typing import Any
-from urllib.parse import unquote, urlsplit
 
 import aio_pika
 import pytest
 from aio_pika.abc import AbstractConnection, AbstractIncomingMessage, AbstractQueue
 from support.amqp import read_stream
 from support.broker import Broker as BrokerUnderTest
+from support.broker import vhost_of
 
 from hookline.dispatcher.delays import Delays
 from hookline.shared.broker import topology
@@ -81,7 +81,7 @@ async def test_mixed_delays_arrive_in_delay_order_through_the_levels_of_their_bi
     broker's x-death says, and each level holds a message for its power of two seconds: that, not a
     stopwatch, is the delay hookline set up. None comes early, and they come in delay order however
     they were published."""
-    vhost = unquote(urlsplit(amqp_url).path.lstrip("/"))
+    vhost = vhost_of(amqp_url)
     listed = rabbitmq.ctl(["list_queues", "-p", vhost, "name", "arguments", "--formatter", "json"])
     ttl_ms = {
         queue["name"]: value

@@ -10,7 +10,6 @@ broker found nothing wrong, and handed messages its channel never passed on
 from __future__ import annotations
 
 import asyncio
-from urllib.parse import unquote, urlsplit
 
 import aio_pika
 import pytest
@@ -27,7 +26,7 @@ ARGUMENTS = {"x-queue-type": "quorum", "x-single-active-consumer": True}
 async def test_a_deleted_queue_declared_again_after_the_wait_has_told_its_consumer(
     amqp_url: str, rabbitmq: test_broker.Broker
 ) -> None:
-    vhost = unquote(urlsplit(amqp_url).path.lstrip("/"))
+    vhost = test_broker.vhost_of(amqp_url)
     cancelled: list[str] = []
     delivered: list[str] = []
     async with (

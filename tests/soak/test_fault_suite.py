@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
-from urllib.parse import unquote, urlsplit
+from urllib.parse import urlsplit
 
 import aio_pika
 import httpx
@@ -50,7 +50,7 @@ import pytest
 from aio_pika.abc import AbstractChannel, AbstractConnection, AbstractExchange
 from aiohttp import web
 from support import services
-from support.broker import Broker
+from support.broker import Broker, vhost_of
 from support.logs import logged
 from support.proxy import TcpProxy
 from support.waiting import eventually
@@ -383,10 +383,6 @@ async def cluster(amqp_url: str, proxy: TcpProxy, log_dir: Path) -> AsyncIterato
 
 
 # --- faults ------------------------------------------------------------------------------------------
-
-
-def vhost_of(amqp_url: str) -> str:
-    return unquote(urlsplit(amqp_url).path.lstrip("/"))
 
 
 async def broker_connections(rabbitmq: Broker, vhost: str) -> dict[str, str]:

@@ -31,6 +31,11 @@ _CONNECTION = re.compile(r'^(<[^>]+>)\t.*\{"connection_name","([^"]+)"\}', re.MU
 Run = Callable[[list[str]], str]
 
 
+def vhost_of(amqp_url: str) -> str:
+    """The vhost a test's URL names (as ``rabbitmqctl -p`` takes it)."""
+    return unquote(urlsplit(amqp_url).path.lstrip("/"))
+
+
 class Broker:
     def __init__(self, base_url: str, run_ctl: Run) -> None:
         self.base_url = base_url
@@ -158,7 +163,7 @@ class Broker:
     def recreate_vhost(self, url: str) -> None:
         """Delete the vhost of ``url`` with everything in it, and create it again, empty (a broker that
         lost its data)."""
-        name = unquote(urlsplit(url).path[1:])
+        name = vhost_of(url)
         self._run_ctl(["delete_vhost", name])
         self._vhosts.add_one(name)
 
