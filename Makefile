@@ -47,15 +47,12 @@ unit: $(STAMP)
 browser:
 	@scripts/install-browser.sh
 
-# Test modules run three at a time (each module's system, broker vhost and receivers are its own; most
-# of a test is waiting, so three keep two cores about half busy), then the few that change the broker
-# for everyone (an alarm, a restart: marked serial) run alone.
-# The serial part collects only the modules that mark tests serial (collecting all takes 9 s).
-TEST_WORKERS ?= 3
-SERIAL_MODULES = $(shell grep -rl --include='test_*.py' 'mark.serial' tests)
+# Test modules run three at a time, and the few that change the broker for everyone (an alarm, a
+# restart: marked serial) beside them on a RabbitMQ node of their own, or after them, alone, where no
+# such node can be started (scripts/run-tests.sh).
+export TEST_WORKERS ?= 3
 test: test-services lint browser
-	$(BIN)/pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder -m "not serial"
-	$(BIN)/pytest -q -m serial $(SERIAL_MODULES)
+	@scripts/run-tests.sh
 
 # Every service killed, the broker restarted, connections cut and stalled, all under load (a few minutes):
 # published = delivered + dead-lettered, nothing lost.

@@ -9,7 +9,8 @@
 #   scripts/start-rabbitmq-cluster.sh reset    stop them and delete their data
 #   scripts/start-rabbitmq-cluster.sh ctl NODE ARGS...   rabbitmqctl against node a, b or c
 #
-# Environment: HOOKLINE_CLUSTER_DIR (default /var/lib/rabbitmq/hookline-cluster), HOOKLINE_CLUSTER_PORT
+# Environment: HOOKLINE_CLUSTER_NAME (default hookline: the nodes' names before -a, -b, -c),
+# HOOKLINE_CLUSTER_DIR (default /var/lib/rabbitmq/hookline-cluster), HOOKLINE_CLUSTER_PORT
 # (default 5681: the first node's AMQP port; the others follow), HOOKLINE_CLUSTER_NODES (default 3; 1
 # gives a single node started the same way, with a directory and port of its own, for measurements),
 # HOOKLINE_CLUSTER_FILE_HANDLES (default: the open-file limit): the file handles each node accounts for.
@@ -26,7 +27,8 @@ ALL_NODES=(a b c)
 NODES=("${ALL_NODES[@]:0:${HOOKLINE_CLUSTER_NODES:-3}}")
 SBIN=/usr/lib/rabbitmq/bin
 
-node_name() { echo "hookline-$1@localhost"; }
+NAME="${HOOKLINE_CLUSTER_NAME:-hookline}"
+node_name() { echo "$NAME-$1@localhost"; }
 node_port() { echo $((FIRST_PORT + $2)); }
 
 # Run a RabbitMQ command as the broker's own user (its HOME holds the shared cookie), for one node.
