@@ -72,13 +72,14 @@ def _broker_setup(args: argparse.Namespace) -> int:
     )
     try:
         upstreams = [brokersetup.Upstream.parse(text) for text in args.upstream]
-        users = brokersetup.setup(
-            broker, vhost=vhost, amqp_url=amqp_url, upstreams=upstreams, rotate=args.rotate
-        )
     except ValueError as exc:  # a ValidationError too
         why = exc.errors()[0]["msg"] if isinstance(exc, ValidationError) else str(exc)
         print(f"hookline: --upstream takes NAME or NAME:TENANT: {why}", file=sys.stderr)
         return 2
+    try:
+        users = brokersetup.setup(
+            broker, vhost=vhost, amqp_url=amqp_url, upstreams=upstreams, rotate=args.rotate
+        )
     # 2, like a bad argument: what was given is wrong, and a retry (a Kubernetes Job's) cannot help.
     except brokersetup.PasswordError as exc:
         print(f"hookline: {exc}", file=sys.stderr)

@@ -6,12 +6,14 @@ from __future__ import annotations
 import base64
 import hashlib
 import re
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 from hookline.cli.brokersetup import (
     MIN_PASSWORD_LENGTH,
+    CtlAdmin,
     PasswordError,
     SetupError,
     Upstream,
@@ -208,3 +210,40 @@ def test_a_kept_password_keeps_its_hashing_algorithm() -> None:
     }
     [kept] = [u for u in _plan({"users": [existing]}).definitions["users"] if u["name"] == "orders"]
     assert kept["hashing_algorithm"] == "rabbit_password_hashing_sha512"
+
+
+def _rabbitmqctl_printing(tmp_path: Path, *outputs: str) -> Path:
+    """A stand-in for rabbitmqctl (real output cannot be made bad on demand): its n-th call prints
+    ``outputs[n]`` (the last one from then on), and each call is counted in ``calls``."""
+    for n, output in enumerate(outputs):
+        (tmp_path / f"output-{n}").write_text(output)
+    script = tmp_path / "rabbitmqctl"
+    script.write_text(
+        "#!/bin/sh\n"
+        f'cd "{tmp_path}"\n'
+        "echo call >> calls\n"
+        f'n=$(wc -l < calls); n=$((n - 1)); [ "$n" -lt {len(outputs)} ] || n={len(outputs) - 1}\n'
+        'cat "output-$n"\n'
+    )
+    script.chmod(0o755)
+    return script
+
+
+def test_an_export_printed_cut_short_is_asked_for_again(tmp_path: Path) -> None:
+    script = _rabbitmqctl_printing(tmp_path, "{", '{"users": [], "vhosts": []}\n')
+    assert CtlAdmin(str(script)).export() == {"users": [], "vhosts": []}
+    assert (tmp_path / "calls").read_text().count("call") == 2
+
+
+def test_an_export_never_printed_whole_fails_the_setup_for_a_retry_not_as_a_bad_argument(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    script = _rabbitmqctl_printing(tmp_path, '{"users": [{"name": "orders", "password_hash": "SECRET')
+    monkeypatch.setenv("HOOKLINE_AMQP_URL", "amqp://broker:5672/")
+    args = build_parser().parse_args(["broker-setup", "--rabbitmqctl", str(script), "--upstream", "orders"])
+    assert args.run(args) == 1  # a Kubernetes Job's retry may help
+    error = capsys.readouterr().err
+    assert "rabbitmqctl export_definitions printed no JSON 3 times" in error
+    assert "--upstream" not in error
+    assert "SECRET" not in error  # the definitions hold password hashes
+    assert (tmp_path / "calls").read_text().count("call") == 3
