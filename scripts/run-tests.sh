@@ -52,7 +52,7 @@ serial_on_own_node() {
   # rabbitmq-diagnostics (the tests' and the services') address the node through RABBITMQ_NODENAME.
   HOOKLINE_TEST_AMQP_URL="amqp://guest:guest@127.0.0.1:$NODE_PORT/" \
     RABBITMQ_NODENAME="$NODE_NAME-a@localhost" \
-    HOOKLINE_TEST_PORT_BLOCKS_FROM="$WORKERS" serial
+    HOOKLINE_TEST_PORT_BLOCKS_FROM=$((${HOOKLINE_TEST_PORT_BLOCKS_FROM:-0} + WORKERS)) serial
 }
 
 serial_on_own_node > "$SERIAL_LOG" 2>&1 &

@@ -26,7 +26,8 @@ TOKEN = "test-token-0123456789abcdef"
 # sockets get theirs), in a block of their own per pytest-xdist worker, taken in turn. A port picked by
 # one worker (or a moment ago by this one, for a service still starting) is then never picked by another
 # before it is bound. Two pytest sessions on one machine (two developers' checkouts) keep apart by giving
-# one of them HOOKLINE_TEST_PORT_BLOCKS_FROM (a block number, 0-10; each xdist worker takes the next).
+# one of them HOOKLINE_TEST_PORT_BLOCKS_FROM (a block number, 0-10; each xdist worker takes the next,
+# and make test's serial run, beside them, the one after the workers': scripts/run-tests.sh).
 _PORT_BLOCK = 1000
 _FIRST_PORT = 20000
 _next_port = itertools.count()
