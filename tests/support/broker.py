@@ -275,7 +275,7 @@ class _LocalCtl:
     ``eval`` sent through ``erl_call`` where the node's Erlang has it.
 
     Every rabbitmqctl call boots an Erlang VM: half a second of CPU. A run of the suite made about two
-    hundred (the vhosts' batches, most of them), a sixth of all the CPU its tests took on two cores.
+    hundred (the vhosts' batches, most of them), about a fifth of all the CPU its tests took.
     erl_call, a small C program shipped with Erlang, asks the running node (5 ms). The node's name,
     cookie and Erlang directory come from one rabbitmqctl call, at the first ``eval``."""
 
@@ -329,9 +329,14 @@ def _erl_call_eval(erl_call: list[str], expression: str, *, home: str) -> str:
     # A client name of its own: erl_call's own (even its "random" one) repeats across calls made at once,
     # and the node then refuses the second.
     done = subprocess.run(
-        [*erl_call, "-h", f"hookline-tests-{uuid.uuid4().hex}"], input=expression + "\n", env={**os.environ, "HOME": home}, capture_output=True, text=True,
-        timeout=60, check=False,
-    )  # fmt: skip
+        [*erl_call, "-h", f"hookline-tests-{uuid.uuid4().hex}"],
+        input=expression + "\n",
+        env={**os.environ, "HOME": home},
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
     answer = done.stdout.strip()
     if done.returncode != 0 or not (answer.startswith("{ok, ") and answer.endswith("}")):
         raise RuntimeError(f"erl_call: {answer or done.stderr.strip()}")
