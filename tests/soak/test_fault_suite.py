@@ -385,25 +385,13 @@ async def cluster(amqp_url: str, proxy: TcpProxy, log_dir: Path) -> AsyncIterato
 # --- faults ------------------------------------------------------------------------------------------
 
 
-async def broker_connections(rabbitmq: Broker, vhost: str) -> dict[str, str]:
-    """Connection name (``hookline-<service>:<os pid>``) -> the broker's connection pid, in the vhost."""
-    listing = await rabbitmq.ctl_async(["list_connections", "-p", vhost, "pid", "client_properties"])
-    found: dict[str, str] = {}
-    for line in listing.splitlines():
-        pid, _, properties = line.partition("\t")
-        marker = '{"connection_name","'
-        if pid.startswith("<") and marker in properties:
-            found[properties.split(marker, 1)[1].split('"', 1)[0]] = pid
-    return found
-
-
 def connection_name(service: services.Service) -> str:
     return f"hookline-{service.command}:{service.process.pid}"
 
 
 async def service_connections(rabbitmq: Broker, vhost: str, running: Cluster) -> dict[str, str]:
     """Every running service's broker connections: name -> the broker's connection pid."""
-    listed = await broker_connections(rabbitmq, vhost)
+    listed = await rabbitmq.connections(vhost)
     # Each service has two: one to consume and administer, one to publish.
     names = [
         name for s in running.running() for name in (connection_name(s), connection_name(s) + ":publish")
@@ -415,7 +403,7 @@ async def service_connections(rabbitmq: Broker, vhost: str, running: Cluster) ->
 
 async def not_reconnected(rabbitmq: Broker, vhost: str, lost: dict[str, str]) -> list[str]:
     """The connections lost that have no new one yet (same name, another broker pid)."""
-    now = await broker_connections(rabbitmq, vhost)
+    now = await rabbitmq.connections(vhost)
     return [name for name, pid in lost.items() if now.get(name, pid) == pid]
 
 
@@ -582,11 +570,10 @@ async def restart_broker(run: Run, fault: Fault) -> None:
     )
     fault.started_s = time.time()
     try:
-        await run.rabbitmq.ctl_async(["stop_app"])
+        await run.rabbitmq.stop_app()
         fault.extra["stopped_s"] = round(time.time() - fault.started_s, 2)
     finally:  # whatever happened, the broker every other test uses is started again
-        await run.rabbitmq.ctl_async(["start_app"])
-        await run.rabbitmq.ctl_async(["await_startup"])
+        await run.rabbitmq.start_app()
     fault.extra["broker_down_s"] = round(time.time() - fault.started_s, 2)
 
 

@@ -57,18 +57,24 @@ class Broker:
         return await asyncio.to_thread(self._run_ctl, arguments)
 
     async def restart_app(self, *, down_s: float = 0.0) -> None:
-        """Stop and start the RabbitMQ application (the node stays), as an operator's restart would.
+        """Stop and start the RabbitMQ application (the node stays), as an operator's restart would."""
+        await self.stop_app()
+        if down_s:
+            await asyncio.sleep(down_s)  # the operator's pause while the broker is away
+        await self.start_app()
+
+    async def stop_app(self) -> None:
+        await asyncio.to_thread(self._vhosts.wait_deleted)  # not deleting queues while the node stops
+        await self.ctl_async(["stop_app"])
+
+    async def start_app(self) -> None:
+        """Start the application again and wait for it, with what a start undoes put back.
 
         RabbitMQ 3.10 can lose its at-least-once dead-letter supervisor when quorum queues are deleted
         while their dead-letter workers start after a restart (every later declare of such a queue is
         then an INTERNAL_ERROR); tests delete whole vhosts, so the supervisor is checked and restarted.
-
         Its dead-letter workers start with their queues, with the shorter resend timer of
         :meth:`shorten_dead_letter_resend`."""
-        await asyncio.to_thread(self._vhosts.wait_deleted)  # not deleting queues while the node stops
-        await self.ctl_async(["stop_app"])
-        if down_s:
-            await asyncio.sleep(down_s)  # the operator's pause while the broker is away
         await self.ctl_async(["start_app"])
         await self.ctl_async(["await_startup"])
         await self.ensure_dead_letter_supervisor()
