@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 export HOOKLINE_AMQP_URL ?= amqp://guest:guest@localhost:5672/
 
-.PHONY: install browser run test test-services test-soak test-cluster lint unit bench clean
+.PHONY: install browser run test test-services test-soak test-cluster test-fuzz lint unit bench clean
 
 install: $(STAMP)
 
@@ -66,6 +66,13 @@ test-soak: $(STAMP)
 # Three RabbitMQ nodes on this machine (scripts/start-rabbitmq-cluster.sh), one of them killed under load.
 test-cluster: $(STAMP)
 	$(BIN)/pytest tests/cluster -q -s
+
+# The ingest's API fuzzed deeper than make test does: 100 examples per operation, a new seed each run
+# (its report, and a failure's message, name the seed; HOOKLINE_FUZZ_SEED=N runs that one again).
+test-fuzz: $(STAMP)
+	@$(LOCAL_SERVICES) HOOKLINE_TEST_AMQP_URL
+	HOOKLINE_FUZZ_EXAMPLES=100 HOOKLINE_FUZZ_SEED=$${HOOKLINE_FUZZ_SEED:-random} \
+		$(BIN)/pytest tests/integration/test_fuzz.py -q
 
 bench: $(STAMP)
 	$(BIN)/python -m bench.run

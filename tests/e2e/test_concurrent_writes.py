@@ -20,6 +20,7 @@ import itertools
 import json
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
@@ -82,11 +83,18 @@ class Edits:
 
 
 def edit_until_disabled(
-    system: System, endpoint_id: str, label: str, *, writers: int = 4, timeout_s: float = 30
+    system: System,
+    endpoint_id: str,
+    label: str,
+    *,
+    writers: int = 4,
+    timeout_s: float = 30,
+    after_three_edits: Callable[[], None] = lambda: None,
 ) -> Edits:
     """Edit the description from several clients at once, as fast as the API answers, until three
     accepted edits show the endpoint disabled: edits run before, across and after the moment another
-    writer disables it. Concurrent edits are conditional too: each is accepted or answered 409."""
+    writer disables it (``after_three_edits`` may let that writer go). Concurrent edits are conditional
+    too: each is accepted or answered 409."""
     edits = Edits()
     lock = threading.Lock()
     deadline = time.monotonic() + timeout_s
@@ -108,6 +116,8 @@ def edit_until_disabled(
                     written = response.json()
                     assert written["description"] == description
                     edits.applied += 1
+                    if edits.applied == 3:
+                        after_three_edits()
                     if written["version"] > edits.last_version:
                         edits.last_version, edits.last_applied = written["version"], description
                     if written["status"] == "disabled":
@@ -139,8 +149,9 @@ async def test_a_rotation_during_a_verification_handshake_survives_it(
     assert created["verified"] is False, "the first handshake got a 503"
     endpoint_id, first_secret = created["id"], created["secret"]
 
-    # The receiver is fixed, but takes its time to answer the next handshake.
-    verification_answer = Reply(status=204, delay_s=2.5)
+    # The receiver is fixed, but answers the next handshake only once the rotation is done.
+    rotation_done = asyncio.Event()
+    verification_answer = Reply(status=204, until=rotation_done)
 
     def verify() -> httpx.Response:
         with system.api() as api:
@@ -151,6 +162,7 @@ async def test_a_rotation_during_a_verification_handshake_survives_it(
     rotated = await asyncio.to_thread(rotate, system, endpoint_id)
     assert receiver.in_flight == 1, "the rotation was answered while the handshake was still in flight"
     assert not handshake.done()
+    rotation_done.set()
 
     answer = await handshake
     assert answer.status_code == 200, answer.text
@@ -176,7 +188,9 @@ async def test_a_410_disable_keeps_a_rotation_and_edits_made_during_the_attempt(
     rotated and edits made while the receiver was answering survive, and the endpoint is disabled."""
     acme = tenant()
     gone = True
-    receiver.responder = lambda _: Reply(status=410, delay_s=1.5) if gone else Reply(status=204)
+    # The 410 comes back once the test has rotated the secret and edited the endpoint.
+    written = asyncio.Event()
+    receiver.responder = lambda _: Reply(status=410, until=written) if gone else Reply(status=204)
     endpoint = system.add_endpoint(acme, receiver.url("/gone-later"), ["#"])
     endpoint_id, first_secret = endpoint["id"], endpoint["secret"]
     await publish_event(system.amqp_url, event(acme, "a.b", "evt_race_410"), f"{acme}.a.b")
@@ -190,8 +204,13 @@ async def test_a_410_disable_keeps_a_rotation_and_edits_made_during_the_attempt(
     assert edit.status_code == 200, edit.text
     assert receiver.in_flight == 1, "rotated and edited while the attempt was still waiting for its 410"
     # Then edits from several clients, as fast as the API answers, across the moment the dispatcher
-    # disables the endpoint: each is either kept or refused with a 409, never accepted then reverted.
-    edits = await asyncio.to_thread(edit_until_disabled, system, endpoint_id, "410")
+    # disables the endpoint (its 410 let go after three of them): each is either kept or refused with a
+    # 409, never accepted then reverted.
+    loop = asyncio.get_running_loop()
+    edits = await asyncio.to_thread(
+        edit_until_disabled, system, endpoint_id, "410",
+        after_three_edits=lambda: loop.call_soon_threadsafe(written.set),
+    )  # fmt: skip
 
     stored = await asyncio.to_thread(get_endpoint, system, endpoint_id)
     assert stored["status"] == "disabled"

@@ -14,10 +14,16 @@ import pytest
 from support import services
 from support.inprocess import IngestSystem
 
-pytestmark = [pytest.mark.integration, pytest.mark.long]
+# Its own bound, the subprocess's, not the suite's 120 s per test: the run takes about a minute here on a
+# good day and twice that when the machine is slow (seen: 115 s, then cut short by the suite's bound).
+pytestmark = [pytest.mark.integration, pytest.mark.long, pytest.mark.timeout(600)]
 
 SCHEMATHESIS = str(Path(sys.executable).with_name("schemathesis"))
-EXAMPLES_PER_OPERATION = int(os.environ.get("HOOKLINE_FUZZ_EXAMPLES", "30"))
+# make test: the coverage phase's boundary values in full (most of the cases) and ten random examples
+# per operation, the same ones every run (seed 7): half a minute of the CPU of a run, a third of what 30
+# took. `make test-fuzz` goes deeper: 100 per operation and a new seed each run (the report names it).
+EXAMPLES_PER_OPERATION = int(os.environ.get("HOOKLINE_FUZZ_EXAMPLES", "10"))
+SEED = os.environ.get("HOOKLINE_FUZZ_SEED", "7")
 
 
 def test_the_api_survives_fuzzing_and_names_every_problem(system: IngestSystem, tmp_path: Path) -> None:
@@ -36,8 +42,7 @@ def test_the_api_survives_fuzzing_and_names_every_problem(system: IngestSystem, 
             str(EXAMPLES_PER_OPERATION),
             "--mode",
             "all",
-            "--seed",
-            "7",
+            *([] if SEED == "random" else ["--seed", SEED]),
             "--no-color",
         ],
         env=env,

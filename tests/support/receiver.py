@@ -12,6 +12,8 @@ from aiohttp import web
 
 #: The longest a request waits for others to be open with it (Reply.hold_until_open).
 HOLD_LONGEST_S = 10.0
+#: The longest a request waits for its test to release it (Reply.until).
+HELD_LONGEST_S = 60.0
 #: How long requests still open when the receiver closes are given to finish.
 SHUTDOWN_TIMEOUT_S = 0.5
 
@@ -35,6 +37,9 @@ class Reply:
     # concurrency cap is then reached however slowly requests come (they overlap by construction), and
     # one more request let through shows as one more open meanwhile.
     hold_until_open: int = 0
+    # Held until the test sets it (at most HELD_LONGEST_S): a write made "while the request is still
+    # open" is then made so however slow the machine, where a fixed delay_s only hopes it is.
+    until: asyncio.Event | None = None
 
 
 Responder = Callable[[Received], Reply]
@@ -90,6 +95,9 @@ class Receiver:
         try:
             if reply.hold_until_open:
                 await self._hold(reply.hold_until_open)
+            if reply.until is not None:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(reply.until.wait(), HELD_LONGEST_S)
             if reply.delay_s:
                 await asyncio.sleep(reply.delay_s)
         finally:
