@@ -20,8 +20,8 @@ pytestmark = [pytest.mark.integration, pytest.mark.long, pytest.mark.timeout(600
 
 SCHEMATHESIS = str(Path(sys.executable).with_name("schemathesis"))
 # make test: the coverage phase's boundary values in full (most of the cases) and ten random examples
-# per operation, the same ones every run (seed 7): half a minute of the CPU of a run, a third of what 30
-# took. `make test-fuzz` goes deeper: 100 per operation and a new seed each run (the report names it).
+# per operation, the same ones every run (seed 7): 31 s alone here, about half of what 30 took.
+# `make test-fuzz` goes deeper: 100 per operation and a new seed each run (the report names it).
 EXAMPLES_PER_OPERATION = int(os.environ.get("HOOKLINE_FUZZ_EXAMPLES", "10"))
 SEED = os.environ.get("HOOKLINE_FUZZ_SEED", "7")
 
